@@ -1,0 +1,43 @@
+"""jmirror: synchronous data parallelism on the devices of one machine, the JAX way."""
+
+from jmirror._context import ReplicaContext as ReplicaContext
+from jmirror._context import all_gather as all_gather
+from jmirror._context import all_reduce as all_reduce
+from jmirror._context import in_replica_context as in_replica_context
+from jmirror._context import merge_call as merge_call
+from jmirror._context import num_replicas as num_replicas
+from jmirror._context import replica_context as replica_context
+from jmirror._context import replica_id as replica_id
+from jmirror._context import sync as sync
+from jmirror._replicate import replicate as replicate
+from jmirror._strategy import MirroredStrategy as MirroredStrategy
+from jmirror._strategy import get_strategy as get_strategy
+from jmirror._values import Aggregation as Aggregation
+from jmirror._values import PerReplica as PerReplica
+from jmirror._values import ReduceOp as ReduceOp
+from jmirror._values import Synchronization as Synchronization
+from jmirror._values import SyncOnRead as SyncOnRead
+from jmirror._values import ValueContext as ValueContext
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Aggregation",
+    "MirroredStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReplicaContext",
+    "SyncOnRead",
+    "Synchronization",
+    "ValueContext",
+    "all_gather",
+    "all_reduce",
+    "get_strategy",
+    "in_replica_context",
+    "merge_call",
+    "num_replicas",
+    "replica_context",
+    "replica_id",
+    "replicate",
+    "sync",
+]

@@ -1,0 +1,459 @@
+"""The replica context: collectives, `sync` and `merge_call` inside a replicated function.
+
+A replicated function is traced once per round of the static proof (see `_proof.py`). Calls
+that need to know at trace time whether a value is identical on every replica (`sync`,
+`merge_call`) tag their inputs with a *marker*: a named identity `jax.jit` call that the proof
+finds in the traced jaxpr. The proof reports for each marker which inputs it proved identical,
+and the next round of tracing uses that answer (the *oracle*). Until a marker has an answer
+its inputs are taken to differ across replicas, which is always safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jmirror._values import Aggregation, PerReplica, PyTree, ReduceOp, SyncOnRead
+
+MARKER_PREFIX = "jmirror_marker_"
+
+_NOT_IN_REPLICA = (
+    "{call} needs a replica context, but it was called in cross-replica context{where}. Call it "
+    "inside a function run by jm.replicate(fn) or strategy.run(fn); there "
+    "jm.replica_context() returns the context."
+)
+
+
+@dataclasses.dataclass
+class MarkerRecord:
+    """What one marker asked of the proof in the current round of tracing."""
+
+    call: str
+    paths: tuple[str, ...]
+    assumed_varying: tuple[bool, ...]
+    require_identical: bool = False
+
+
+@dataclasses.dataclass
+class TraceRound:
+    """State shared by all replica contexts of one trace of a replicated function."""
+
+    oracle: dict[int, tuple[bool, ...]]
+    records: dict[int, MarkerRecord] = dataclasses.field(default_factory=dict)
+    counter: int = 0
+
+    def mark(
+        self, call: str, leaves: Sequence[Any], paths: Sequence[str], require_identical=False
+    ) -> tuple[list[Any], tuple[bool, ...], bool]:
+        """Tags `leaves` with a new marker.
+
+        Returns the tagged leaves, whether each may vary across replicas, and whether that
+        answer comes from the proof (False: not proven yet, every leaf is taken to vary).
+        """
+        marker_id = self.counter
+        self.counter += 1
+        known = self.oracle.get(marker_id)
+        answered = known is not None and len(known) == len(leaves)
+        if not answered:
+            known = (True,) * len(leaves)
+        self.records[marker_id] = MarkerRecord(call, tuple(paths), known, require_identical)
+        if not leaves:
+            return list(leaves), known, answered
+
+        def marker(*xs):
+            return xs
+
+        marker.__name__ = marker.__qualname__ = f"{MARKER_PREFIX}{marker_id}"
+        return list(jax.jit(marker)(*leaves)), known, answered
+
+
+class ReplicaContext:
+    """The context of one replica, inside a function run by `jm.replicate` / `strategy.run`.
+
+    Get it with `jm.replica_context()`; the module functions `jm.all_reduce`, `jm.sync`, ...
+    are shortcuts to the current context's methods.
+
+    Example:
+        >>> import jax.numpy as jnp, jmirror as jm
+        >>> strategy = jm.MirroredStrategy()
+        >>> def step():
+        ...     ctx = jm.replica_context()
+        ...     return ctx.all_reduce("sum", jnp.ones(()))
+        >>> float(strategy.read(strategy.run(step))) == strategy.num_replicas
+        True
+    """
+
+    def __init__(self, strategy: Any, trace: TraceRound):
+        self._strategy = strategy
+        self._trace = trace
+
+    @property
+    def strategy(self) -> Any:
+        """The `MirroredStrategy` running this replica."""
+        return self._strategy
+
+    @property
+    def axis_name(self) -> str:
+        """The collective axis name of the replicas (`strategy.axis_name`)."""
+        return self._strategy.axis_name
+
+    @property
+    def num_replicas(self) -> int:
+        """The number of replicas in sync."""
+        return self._strategy.num_replicas
+
+    @property
+    def replica_id(self) -> jax.Array:
+        """This replica's index as a traced int32 scalar, 0..N-1 in `strategy.devices` order."""
+        return lax.axis_index(self.axis_name)
+
+    def all_reduce(self, op: ReduceOp | str, tree: PyTree) -> PyTree:
+        """Reduces every leaf of `tree` across replicas; the result is mirrored.
+
+        Args:
+          op: `SUM`, `MEAN`, `MAX` or `MIN`.
+          tree: a pytree of arrays, one per replica.
+
+        Returns:
+          The reduced tree, identical on every replica. Differentiable: the gradient of
+          `all_reduce(SUM, x) * c` with respect to `x` is the all-reduce of `c`.
+        """
+        return jax.tree.map(lambda x: _all_reduce_leaf(ReduceOp(op), x, self.axis_name), tree)
+
+    def all_gather(self, tree: PyTree, axis: int = 0, tiled: bool = False) -> PyTree:
+        """Gives every replica all components of every leaf, stacked on a new `axis`.
+
+        With `tiled=True` the components are concatenated along `axis` instead. The result
+        is mirrored.
+        """
+        return jax.tree.map(
+            lambda x: lax.all_gather(x, self.axis_name, axis=axis, tiled=tiled), tree
+        )
+
+    def sync(self, tree: PyTree, aggregation: Aggregation | str) -> PyTree:
+        """Makes `tree` mirrored: the functional form of writing a mirrored variable.
+
+        Args:
+          tree: a pytree of per-replica values.
+          aggregation: `MEAN` (mean of the replicas' values), `SUM` (their sum),
+            `ONLY_FIRST_REPLICA` (replica 0's value) or `NONE` (the value itself, which must
+            be provably identical on every replica already).
+
+        Returns:
+          The synchronized tree, identical on every replica. A value already proven
+          identical costs no collective for `MEAN`, `ONLY_FIRST_REPLICA` and `NONE`.
+
+        Raises:
+          ValueError: for `NONE` when a leaf is not provably identical on every replica.
+        """
+        aggregation = Aggregation(aggregation)
+        path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        paths = [jax.tree_util.keystr(p) for p, _ in path_leaves]
+        leaves = [leaf for _, leaf in path_leaves]
+        call = f"jm.sync(tree, {aggregation.name})"
+        require = aggregation is Aggregation.NONE
+        leaves, varying, answered = self._trace.mark(call, leaves, paths, require)
+        if require and answered:
+            check_identical(call, paths, varying)
+        out = [self._sync_leaf(aggregation, x, v) for x, v in zip(leaves, varying)]
+        return jax.tree.unflatten(treedef, out)
+
+    def _sync_leaf(self, aggregation: Aggregation, x: Any, varying: bool) -> Any:
+        if aggregation is Aggregation.NONE:
+            return x
+        if aggregation is Aggregation.SUM:
+            return _all_reduce_leaf(ReduceOp.SUM, x, self.axis_name) if varying else (
+                x * jnp.asarray(self.num_replicas, jnp.result_type(x))
+            )
+        if not varying:
+            return x
+        if aggregation is Aggregation.MEAN:
+            return _all_reduce_leaf(ReduceOp.MEAN, x, self.axis_name)
+        # ONLY_FIRST_REPLICA: every other replica contributes an exact zero.
+        x = jnp.asarray(x)
+        wide = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
+        first = jnp.where(self.replica_id == 0, wide, jnp.zeros_like(wide))
+        return lax.psum(first, self.axis_name).astype(x.dtype)
+
+    def merge_call(
+        self, merge_fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None
+    ) -> Any:
+        """Runs `merge_fn(strategy, *args, **kwargs)` once, in cross-replica context.
+
+        Inside `merge_fn`, every argument leaf that may differ across replicas is a
+        `jm.PerReplica`; `strategy.reduce`, `gather`, `local_results`, `read` and `update`
+        work on it (they lower to collectives). Each replica receives the result with every
+        `PerReplica` replaced by its own component. Works inside `lax.scan`, `fori_loop` and
+        `cond` bodies.
+
+        Args:
+          merge_fn: called as `merge_fn(strategy, *args, **kwargs)`.
+          args: positional arguments, pytrees of per-replica values.
+          kwargs: keyword arguments, pytrees of per-replica values.
+
+        Returns:
+          `merge_fn`'s result, with this replica's component of each `PerReplica`.
+        """
+        kwargs = {} if kwargs is None else dict(kwargs)
+        tree = (tuple(args), kwargs)
+        path_leaves, treedef = jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=lambda x: isinstance(x, SyncOnRead)
+        )
+        paths = [jax.tree_util.keystr(p) for p, _ in path_leaves]
+        leaves = [leaf for _, leaf in path_leaves]
+        plain = [i for i, x in enumerate(leaves) if not isinstance(x, SyncOnRead)]
+        marked, varying, _ = self._trace.mark(
+            "jm.merge_call", [leaves[i] for i in plain], [paths[i] for i in plain]
+        )
+        for i, x, v in zip(plain, marked, varying):
+            leaves[i] = PerReplica._from_local(x) if v else x
+        args, kwargs = jax.tree.unflatten(treedef, leaves)
+        _STACK.frames.append(_MergeFrame(self))
+        try:
+            result = merge_fn(self._strategy, *args, **kwargs)
+        finally:
+            _STACK.frames.pop()
+        return jax.tree.map(
+            self._own_component, result, is_leaf=lambda x: isinstance(x, PerReplica)
+        )
+
+    def _own_component(self, x: Any) -> Any:
+        if not isinstance(x, PerReplica):
+            return x
+        if x._local:
+            return x._values
+        return jax.tree.map(lambda v: jnp.asarray(v)[self.replica_id], x._values)
+
+    def __repr__(self) -> str:
+        return f"ReplicaContext(num_replicas={self.num_replicas}, axis_name={self.axis_name!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _MergeFrame:
+    context: ReplicaContext
+
+
+class _Stack(threading.local):
+    def __init__(self):
+        self.frames: list[ReplicaContext | _MergeFrame] = []
+        self.strategies: list[Any] = []
+
+
+_STACK = _Stack()
+_DEFAULT: list[Any] = []
+
+
+def check_identical(call: str, paths: Sequence[str], varying: Sequence[bool]) -> None:
+    """Raises the `ValueError` of `sync(..., NONE)` for the first leaf that may vary."""
+    for path, v in zip(paths, varying):
+        if v:
+            raise ValueError(
+                f"{call} needs every leaf to be identical on all replicas already, but the leaf "
+                f"at path {path or '<root>'!r} may differ between replicas (it depends on "
+                "per-replica data or replica_id without a cross-replica reduction). Use "
+                "aggregation MEAN, SUM or ONLY_FIRST_REPLICA to combine the replicas' values."
+            )
+
+
+def _all_reduce_leaf(op: ReduceOp, x: Any, axis_name: str) -> Any:
+    if op is ReduceOp.SUM:
+        return lax.psum(x, axis_name)
+    if op is ReduceOp.MAX:
+        return lax.pmax(x, axis_name)
+    if op is ReduceOp.MIN:
+        return lax.pmin(x, axis_name)
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return lax.psum(x, axis_name) / lax.axis_size(axis_name)
+    return lax.pmean(x, axis_name)
+
+
+# --- context stack ------------------------------------------------------------------------
+
+
+def enter_replica(context: ReplicaContext) -> None:
+    _STACK.frames.append(context)
+
+
+def exit_replica() -> None:
+    _STACK.frames.pop()
+
+
+def merge_context() -> ReplicaContext | None:
+    """The replica context whose `merge_call` is running, when inside a `merge_fn`."""
+    if _STACK.frames and isinstance(_STACK.frames[-1], _MergeFrame):
+        return _STACK.frames[-1].context
+    return None
+
+
+def in_replica_context() -> bool:
+    """Returns whether the caller runs in a replica context.
+
+    Example:
+        >>> import jmirror as jm
+        >>> jm.in_replica_context()
+        False
+    """
+    return bool(_STACK.frames) and isinstance(_STACK.frames[-1], ReplicaContext)
+
+
+def replica_context(call: str = "jm.replica_context()") -> ReplicaContext:
+    """Returns the current `ReplicaContext`.
+
+    Raises:
+      RuntimeError: in cross-replica context (outside a replicated function, or inside a
+        `merge_call`'s `merge_fn`).
+
+    Example:
+        >>> import jmirror as jm
+        >>> strategy = jm.MirroredStrategy()
+        >>> ids = strategy.run(lambda: jm.replica_context().replica_id)
+        >>> [int(i) for i in strategy.local_results(ids)] == list(range(strategy.num_replicas))
+        True
+    """
+    if in_replica_context():
+        return _STACK.frames[-1]  # type: ignore[return-value]
+    where = " (inside a merge_call's merge_fn)" if merge_context() is not None else ""
+    raise RuntimeError(_NOT_IN_REPLICA.format(call=call, where=where))
+
+
+def push_strategy(strategy: Any) -> None:
+    _STACK.strategies.append(strategy)
+
+
+def pop_strategy() -> None:
+    _STACK.strategies.pop()
+
+
+def current_strategy(default_factory: Callable[[], Any]) -> Any:
+    """The innermost strategy in scope, else the default one (created once)."""
+    if _STACK.strategies:
+        return _STACK.strategies[-1]
+    if not _DEFAULT:
+        _DEFAULT.append(default_factory())
+    return _DEFAULT[0]
+
+
+# --- module shortcuts ----------------------------------------------------------------------
+
+
+def replica_id() -> jax.Array:
+    """Returns the current replica's id (a traced int32 scalar).
+
+    Example:
+        >>> import jmirror as jm
+        >>> strategy = jm.MirroredStrategy()
+        >>> ids = strategy.run(jm.replica_id)
+        >>> int(strategy.reduce("max", ids)) == strategy.num_replicas - 1
+        True
+    """
+    return replica_context("jm.replica_id()").replica_id
+
+
+def num_replicas() -> int:
+    """Returns the number of replicas in sync (a Python int).
+
+    Example:
+        >>> import jax.numpy as jnp, jmirror as jm
+        >>> strategy = jm.MirroredStrategy()
+        >>> n = strategy.run(lambda: jnp.asarray(jm.num_replicas()))
+        >>> int(strategy.read(n)) == strategy.num_replicas
+        True
+    """
+    return replica_context("jm.num_replicas()").num_replicas
+
+
+def all_reduce(op: ReduceOp | str, tree: PyTree) -> PyTree:
+    """Shortcut for `jm.replica_context().all_reduce(op, tree)`.
+
+    Example:
+        >>> import jmirror as jm
+        >>> strategy = jm.MirroredStrategy()
+        >>> total = strategy.run(lambda: jm.all_reduce("sum", jm.replica_id()))
+        >>> n = strategy.num_replicas
+        >>> int(strategy.read(total)) == n * (n - 1) // 2
+        True
+    """
+    return replica_context("jm.all_reduce").all_reduce(op, tree)
+
+
+def all_gather(tree: PyTree, axis: int = 0, tiled: bool = False) -> PyTree:
+    """Shortcut for `jm.replica_context().all_gather(tree, axis, tiled)`.
+
+    Example:
+        >>> import jmirror as jm
+        >>> strategy = jm.MirroredStrategy()
+        >>> ids = strategy.run(lambda: jm.all_gather(jm.replica_id()))
+        >>> strategy.read(ids).tolist() == list(range(strategy.num_replicas))
+        True
+    """
+    return replica_context("jm.all_gather").all_gather(tree, axis=axis, tiled=tiled)
+
+
+def sync(tree: PyTree, aggregation: Aggregation | str) -> PyTree:
+    """Shortcut for `jm.replica_context().sync(tree, aggregation)`.
+
+    Example:
+        >>> import jmirror as jm
+        >>> strategy = jm.MirroredStrategy()
+        >>> first = strategy.run(lambda: jm.sync(7 * (jm.replica_id() + 1), "only_first_replica"))
+        >>> int(strategy.read(first))
+        7
+    """
+    return replica_context("jm.sync").sync(tree, aggregation)
+
+
+def merge_call(
+    merge_fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None
+) -> Any:
+    """Shortcut for `jm.replica_context().merge_call(merge_fn, args, kwargs)`.
+
+    Example:
+        >>> import jax.numpy as jnp, jmirror as jm
+        >>> strategy = jm.MirroredStrategy()
+        >>> def step():
+        ...     x = jnp.ones(()) * (jm.replica_id() + 1)
+        ...     return jm.merge_call(lambda s, v: s.reduce("sum", v), args=(x,))
+        >>> n = strategy.num_replicas
+        >>> float(strategy.read(strategy.run(step))) == n * (n + 1) / 2
+        True
+    """
+    return replica_context("jm.merge_call").merge_call(merge_fn, args, kwargs)
+
+
+# --- cross-replica operations inside merge_fn ------------------------------------------------
+
+
+def gather_local_components(tree: PyTree) -> PyTree:
+    """All components of a `PerReplica` seen inside `merge_fn`, stacked on axis 0."""
+    context = merge_context()
+    if context is None:
+        raise RuntimeError(
+            "This PerReplica belongs to a merge_call's merge_fn and cannot be read after "
+            "merge_fn returns; return it from merge_fn (each replica receives its component)."
+        )
+    return jax.tree.map(lambda x: lax.all_gather(x, context.axis_name), tree)
+
+
+def merge_reduce(context: ReplicaContext, op: ReduceOp, tree: PyTree, axis: int | None):
+    def one(x):
+        if axis is not None:
+            x = _reduce_local(op, jnp.asarray(x), axis)
+        return _all_reduce_leaf(op, x, context.axis_name)
+
+    return jax.tree.map(one, tree)
+
+
+def _reduce_local(op: ReduceOp, x: jax.Array, axis: int) -> jax.Array:
+    return {
+        ReduceOp.SUM: jnp.sum,
+        ReduceOp.MEAN: jnp.mean,
+        ReduceOp.MAX: jnp.max,
+        ReduceOp.MIN: jnp.min,
+    }[op](x, axis=axis)

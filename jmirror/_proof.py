@@ -1,0 +1,199 @@
+"""The static proof of which values are identical on every replica.
+
+A replicated function is traced once into a jaxpr under `jax.pmap` semantics
+(`jax.make_jaxpr(..., axis_env=[(axis_name, N)])`). This module walks that jaxpr forward and
+marks every variable *varying* (may differ between replicas) or *identical*:
+
+- per-replica inputs vary; mirrored and broadcast inputs, constants and literals are identical;
+- `axis_index`, host callbacks, stateful RNG and every collective over the replica axis other
+  than the full reductions below vary;
+- `psum`, `pmax`, `pmin` and `all_gather` over the replica axis (without index groups) are
+  identical, whatever their inputs;
+- any other equation varies when one of its inputs varies;
+- control flow is followed exactly: loop carries are iterated to a fixpoint, and a `cond` or
+  `while_loop` whose predicate varies makes its outputs vary. A collective inside such a
+  `cond` or `while_loop` is a `ValueError`: replicas would wait on each other forever.
+
+The analysis is sound (an identical value never differs) and conservative where it cannot
+see through an equation. It also reports, for each marker left by `sync` / `merge_call`
+(see `_context.py`), which of its inputs vary.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax.extend.core as jex
+
+from jmirror._context import MARKER_PREFIX
+
+_MARKER_RE = re.compile(re.escape(MARKER_PREFIX) + r"(\d+)$")
+_REDUCTIONS = frozenset({"psum", "pmax", "pmin", "all_gather", "psum_invariant"})
+_ALWAYS_VARYING = frozenset(
+    {"axis_index", "rng_uniform", "pure_callback", "io_callback", "ppermute", "pbroadcast"}
+)
+_AXIS_PARAMS = ("axes", "axis_name")
+
+_DIVERGENT = (
+    "{prim} whose {what} differs across replicas contains a cross-replica collective "
+    "({collective}): replicas would wait on each other forever. Make the {what} identical on "
+    "every replica (for example reduce it with jm.all_reduce first), or move the collective "
+    "out of the {prim}."
+)
+
+
+class Proof:
+    """Result of analysing one replica jaxpr."""
+
+    def __init__(self, axis_name: str):
+        self.axis_name = axis_name
+        self.markers: dict[int, list[bool]] = {}
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def _axes(self, eqn: Any) -> tuple:
+        for key in _AXIS_PARAMS:
+            if key in eqn.params:
+                value = eqn.params[key]
+                return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+        return ()
+
+    def _communicates(self, eqn: Any) -> bool:
+        return eqn.primitive.name != "axis_index" and self.axis_name in self._axes(eqn)
+
+    def find_collective(self, jaxpr: Any) -> str | None:
+        """The name of the first collective over the replica axis inside `jaxpr`, if any."""
+        for eqn in jaxpr.eqns:
+            if self._communicates(eqn):
+                return eqn.primitive.name
+            for sub in jex.jaxprs_in_params(eqn.params):
+                found = self.find_collective(sub)
+                if found is not None:
+                    return found
+        return None
+
+    def _introduces_variation(self, jaxpr: Any) -> bool:
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            if name in _ALWAYS_VARYING or (self._communicates(eqn) and name not in _REDUCTIONS):
+                return True
+            if any(self._introduces_variation(s) for s in jex.jaxprs_in_params(eqn.params)):
+                return True
+        return False
+
+    # --- analysis ------------------------------------------------------------------------------
+
+    def run(self, closed: Any, in_varying: Sequence[bool]) -> list[bool]:
+        """Returns, for each output of the closed jaxpr, whether it may vary."""
+        jaxpr = closed.jaxpr if hasattr(closed, "jaxpr") else closed
+        env: dict[Any, bool] = {v: False for v in jaxpr.constvars}
+        env.update(zip(jaxpr.invars, in_varying))
+
+        def read(atom: Any) -> bool:
+            return False if isinstance(atom, jex.Literal) else env.get(atom, False)
+
+        for eqn in jaxpr.eqns:
+            ins = [read(a) for a in eqn.invars]
+            outs = self._equation(eqn, ins)
+            env.update(zip(eqn.outvars, outs))
+        return [read(v) for v in jaxpr.outvars]
+
+    def _equation(self, eqn: Any, ins: list[bool]) -> list[bool]:
+        name = eqn.primitive.name
+        n_out = len(eqn.outvars)
+        if name in _REDUCTIONS and self.axis_name in self._axes(eqn):
+            grouped = eqn.params.get("axis_index_groups") is not None
+            return [grouped] * n_out
+        if name in _ALWAYS_VARYING or self._communicates(eqn):
+            return [True] * n_out
+        if name == "scan":
+            return self._scan(eqn, ins)
+        if name == "while":
+            return self._while(eqn, ins)
+        if name == "cond":
+            return self._cond(eqn, ins)
+        subs = list(jex.jaxprs_in_params(eqn.params))
+        if not subs:
+            return [any(ins)] * n_out
+        if name == "jit":
+            self._record_marker(eqn, ins)
+        if len(subs) == 1 and _arity(subs[0]) == (len(ins), n_out):
+            return self.run(subs[0], ins)
+        # An equation we cannot see through: conservative.
+        varies = any(ins) or any(self._introduces_variation(s) for s in subs)
+        return [varies] * n_out
+
+    def _record_marker(self, eqn: Any, ins: list[bool]) -> None:
+        match = _MARKER_RE.match(str(eqn.params.get("name", "")))
+        if match is None:
+            return
+        marker_id = int(match.group(1))
+        previous = self.markers.get(marker_id)
+        if previous is None or len(previous) != len(ins):
+            self.markers[marker_id] = list(ins)
+        else:
+            self.markers[marker_id] = [a or b for a, b in zip(previous, ins)]
+
+    def _scan(self, eqn: Any, ins: list[bool]) -> list[bool]:
+        body = eqn.params["jaxpr"]
+        n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+        consts, carry, xs = ins[:n_consts], ins[n_consts : n_consts + n_carry], ins[n_consts + n_carry :]
+        while True:
+            outs = self.run(body, consts + carry + xs)
+            new_carry = [a or b for a, b in zip(carry, outs[:n_carry])]
+            if new_carry == carry:
+                return carry + outs[n_carry:]
+            carry = new_carry
+
+    def _while(self, eqn: Any, ins: list[bool]) -> list[bool]:
+        cond_jaxpr, body_jaxpr = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
+        n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        cond_consts, body_consts = ins[:n_cond], ins[n_cond : n_cond + n_body]
+        carry = ins[n_cond + n_body :]
+        while True:
+            predicate_varies = self.run(cond_jaxpr, cond_consts + carry)[0]
+            if predicate_varies:
+                collective = self.find_collective(body_jaxpr.jaxpr) or self.find_collective(
+                    cond_jaxpr.jaxpr
+                )
+                if collective is not None:
+                    raise ValueError(
+                        _DIVERGENT.format(
+                            prim="A while_loop", what="predicate", collective=collective
+                        )
+                    )
+                # The trip count differs between replicas, so every carry may differ.
+                carry = [True] * len(carry)
+            outs = self.run(body_jaxpr, body_consts + carry)
+            new_carry = [a or b for a, b in zip(carry, outs)]
+            if new_carry == carry:
+                return carry
+            carry = new_carry
+
+    def _cond(self, eqn: Any, ins: list[bool]) -> list[bool]:
+        index_varies, operands = ins[0], ins[1:]
+        branches = eqn.params["branches"]
+        if index_varies:
+            for branch in branches:
+                collective = self.find_collective(branch.jaxpr)
+                if collective is not None:
+                    raise ValueError(
+                        _DIVERGENT.format(prim="A cond", what="predicate", collective=collective)
+                    )
+        outs = [index_varies] * len(eqn.outvars)
+        for branch in branches:
+            outs = [a or b for a, b in zip(outs, self.run(branch, operands))]
+        return outs
+
+
+def _arity(jaxpr: Any) -> tuple[int, int]:
+    inner = jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr
+    return len(inner.invars), len(inner.outvars)
+
+
+def prove(closed: Any, in_varying: Sequence[bool], axis_name: str) -> tuple[list[bool], Proof]:
+    """Analyses a replica jaxpr; returns each output's "may vary" flag and the proof."""
+    proof = Proof(axis_name)
+    return proof.run(closed, in_varying), proof
