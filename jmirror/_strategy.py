@@ -657,6 +657,9 @@ class MirroredStrategy:
     def gather(self, value: PyTree, axis: int = 0) -> PyTree:
         """Concatenates the replicas' components along `axis`: the global batch back.
 
+        Scalar components are stacked into a vector. The result is a `jax.Array` on
+        `devices[0]`.
+
         Example:
             >>> import numpy as np, jmirror as jm
             >>> strategy = jm.MirroredStrategy()
@@ -670,7 +673,10 @@ class MirroredStrategy:
         def one(x: Any) -> Any:
             if isinstance(x, PerReplica):
                 if context is not None:
-                    return context.all_gather(x._values, axis=axis, tiled=True)
+                    return jax.tree.map(
+                        lambda v: context.all_gather(v, axis=axis, tiled=jnp.ndim(v) > 0),
+                        x._values,
+                    )
                 return jax.tree.map(lambda v: _gather_fn(axis)(self._gathered(v)), x.values)
             if isinstance(x, SyncOnRead):
                 raise TypeError(
@@ -738,6 +744,8 @@ def _gather_fn(axis: int) -> Callable[[jax.Array], jax.Array]:
     """Concatenates stacked components along `axis` of each component."""
 
     def gather(x: jax.Array) -> jax.Array:
+        if x.ndim == 1:  # scalar components: the global vector of them
+            return x
         return jnp.concatenate(list(x), axis=axis)
 
     return jax.jit(gather)

@@ -1,0 +1,33 @@
+"""Test configuration: the host device count is set here, once, before JAX starts.
+
+`JMIRROR_TEST_DEVICES` (default 8) picks how many XLA:CPU host devices the suite sees; `.ci/run`
+runs the suite with 8 and again with 1.
+"""
+
+import os
+
+import jax
+
+NUM_DEVICES = int(os.environ.get("JMIRROR_TEST_DEVICES", "8"))
+jax.config.update("jax_num_cpu_devices", NUM_DEVICES)
+
+import pytest  # noqa: E402
+
+import jmirror as jm  # noqa: E402
+
+BACKENDS = ("pmap", "shard_map")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def strategy(backend) -> jm.MirroredStrategy:
+    return jm.MirroredStrategy(backend=backend)
+
+
+@pytest.fixture
+def n() -> int:
+    return len(jax.devices())

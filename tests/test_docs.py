@@ -1,0 +1,79 @@
+"""Every public name is documented with a doctested example, and the examples pass."""
+
+import doctest
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+
+import jmirror as jm
+
+EXPECTED_ALL = {
+    "Aggregation",
+    "InputContext",
+    "MirroredStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReplicaContext",
+    "SyncOnRead",
+    "Synchronization",
+    "ValueContext",
+    "all_gather",
+    "all_reduce",
+    "get_strategy",
+    "in_replica_context",
+    "merge_call",
+    "num_replicas",
+    "replica_context",
+    "replica_id",
+    "replicate",
+    "sync",
+}
+
+
+def test_all_lists_the_public_api():
+    assert set(jm.__all__) == EXPECTED_ALL
+    for name in jm.__all__:
+        assert hasattr(jm, name), name
+
+
+def _public_members(obj):
+    for name, member in vars(obj).items():
+        if name.startswith("_"):
+            continue
+        if inspect.isfunction(member) or isinstance(member, property):
+            yield name, member
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_ALL))
+def test_public_name_has_docstring_with_example(name):
+    obj = getattr(jm, name)
+    doc = inspect.getdoc(obj) or ""
+    assert doc.strip(), f"jm.{name} has no docstring"
+    assert "Example:" in doc and ">>>" in doc, f"jm.{name} has no doctested example"
+
+
+def test_public_methods_of_strategy_have_docstrings():
+    for name, member in _public_members(jm.MirroredStrategy):
+        assert inspect.getdoc(member), f"MirroredStrategy.{name} has no docstring"
+        if inspect.isfunction(member) and name not in {"distribute_dataset"}:
+            assert ">>>" in inspect.getdoc(member), f"MirroredStrategy.{name} has no example"
+
+
+def _modules():
+    for info in pkgutil.walk_packages(jm.__path__, "jmirror."):
+        if info.name.endswith(".demo") or info.name.endswith("__main__"):
+            continue
+        yield info.name
+
+
+@pytest.mark.parametrize("module_name", sorted(_modules()))
+def test_doctests(module_name):
+    module = importlib.import_module(module_name)
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    for test in finder.find(module, module_name):
+        runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.failed == 0, f"{result.failed} doctest(s) failed in {module_name}"

@@ -1,0 +1,243 @@
+"""jm.replicate / strategy.run: splitting, typing of outputs, gradients, compilation."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jmirror as jm
+
+
+N = jax.device_count()
+ROTATE = [(i, (i + 1) % N) for i in range(N)]
+
+
+def vmap_oracle(fn, n, in_axes, axis_name="replica"):
+    """The independent oracle: N replicas as a vmap with the replica axis name."""
+    return jax.vmap(fn, in_axes=in_axes, axis_name=axis_name, axis_size=n)
+
+
+def is_mirrored(strategy, x):
+    return isinstance(x, jax.Array) and strategy._is_mirrored(x)
+
+
+def test_replica_ids_are_seen_once_each(strategy, n):
+    ids = strategy.run(jm.replica_id)
+    assert isinstance(ids, jm.PerReplica)
+    assert sorted(int(i) for i in strategy.local_results(ids)) == list(range(n))
+    assert [int(i) for i in strategy.local_results(ids)] == list(range(n))
+
+
+def test_per_replica_inputs_are_split_and_others_broadcast(strategy, n):
+    x = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
+
+    def fn(per, mirrored, host, scalar, *, kw):
+        return per * mirrored + host + scalar + kw
+
+    w = strategy.mirror(np.full(3, 2.0, np.float32))
+    out = strategy.run(
+        fn, args=(jm.PerReplica(x), w, np.ones(3, np.float32), 1.5), kwargs={"kw": 0.5}
+    )
+    assert isinstance(out, jm.PerReplica)
+    np.testing.assert_allclose(out.values, x * 2.0 + 1.0 + 1.5 + 0.5)
+
+
+def test_function_of_no_arguments(strategy, n):
+    out = strategy.run(lambda: jnp.arange(3.0))
+    assert is_mirrored(strategy, out)
+    np.testing.assert_array_equal(strategy.read(out), np.arange(3.0))
+    assert strategy.run(lambda: None) is None
+
+
+@pytest.mark.parametrize(
+    "body, mirrored",
+    [
+        (lambda x, w, k: w * 2, True),  # only mirrored inputs
+        (lambda x, w, k: w, True),  # a mirrored input returned as it is
+        (lambda x, w, k: jnp.ones(3), True),  # a constant
+        (lambda x, w, k: x, False),  # a per-replica input
+        (lambda x, w, k: x * w, False),
+        (lambda x, w, k: lax.psum(x, "replica"), True),
+        (lambda x, w, k: lax.pmean(x * w, "replica") + w, True),
+        (lambda x, w, k: lax.pmax(x, "replica"), True),
+        (lambda x, w, k: lax.all_gather(x, "replica"), True),
+        (lambda x, w, k: lax.psum(x, "replica") + x, False),
+        (lambda x, w, k: w * lax.axis_index("replica"), False),
+        (lambda x, w, k: lax.psum(w * lax.axis_index("replica"), "replica"), True),
+        (lambda x, w, k: jax.random.normal(k, (3,)), True),  # mirrored key
+        # Conservative: a permutation is taken to vary even when its input is identical.
+        (lambda x, w, k: lax.ppermute(w, "replica", ROTATE), False),
+        (lambda x, w, k: lax.cond(w[0] > 0, lambda: w, lambda: -w), True),
+        (lambda x, w, k: lax.cond(x[0] > 0, lambda: w, lambda: -w), False),
+        (lambda x, w, k: lax.fori_loop(0, 3, lambda i, c: c + w, w), True),
+        (lambda x, w, k: lax.fori_loop(0, 3, lambda i, c: c + x, w), False),
+        # The carry starts identical and becomes per-replica on a later iteration.
+        (lambda x, w, k: lax.scan(lambda c, _: (x * 0 + c[::-1], None), w, None, 3)[0], False),
+        # A loop whose trip count differs per replica, although its body adds identical values.
+        (lambda x, w, k: lax.while_loop(lambda c: c[0] < x[0], lambda c: c + 1.0, w), False),
+        (lambda x, w, k: jax.jit(lambda a: a * 2)(w), True),
+        (lambda x, w, k: jax.checkpoint(lambda a: jnp.sin(a))(w), True),
+    ],
+)
+def test_outputs_typed_by_the_static_proof(strategy, n, body, mirrored):
+    x = np.random.default_rng(0).normal(size=(n, 3)).astype(np.float32)
+    w = strategy.mirror(np.arange(1.0, 4.0, dtype=np.float32))
+    key = strategy.mirror(jax.random.key(1))
+    out = strategy.run(body, args=(jm.PerReplica(x), w, key))
+    oracle = vmap_oracle(body, n, (0, None, None))(x, np.arange(1.0, 4.0, dtype=np.float32), key)
+    if mirrored:
+        assert is_mirrored(strategy, out), "a provably identical value must come back mirrored"
+        np.testing.assert_allclose(strategy.read(out), oracle[0], rtol=1e-6)
+        np.testing.assert_allclose(oracle, np.broadcast_to(oracle[0], oracle.shape), rtol=1e-6)
+    else:
+        assert isinstance(out, jm.PerReplica)
+        np.testing.assert_allclose(out.values, oracle, rtol=1e-6)
+
+
+def test_mixed_output_tree(strategy, n):
+    def fn(x):
+        return {"loss": jm.all_reduce("mean", x.sum()), "per": x, "n": 3, "none": None}
+
+    out = strategy.run(fn, args=(jm.PerReplica(np.ones((n, 2), np.float32)),))
+    assert is_mirrored(strategy, out["loss"]) and float(strategy.read(out["loss"])) == 2.0
+    assert isinstance(out["per"], jm.PerReplica) and out["per"].values.shape == (n, 2)
+    assert is_mirrored(strategy, out["n"]) and out["none"] is None
+
+
+def test_gradient_wrt_mirrored_input_is_the_replica_own(strategy, n):
+    x = np.random.default_rng(1).normal(size=(n, 4, 3)).astype(np.float32)
+    w0 = np.random.default_rng(2).normal(size=(3,)).astype(np.float32)
+
+    def local_grad(w, x):
+        return jax.grad(lambda w: jnp.mean((x @ w - 1.0) ** 2))(w)
+
+    out = strategy.run(local_grad, args=(strategy.mirror(w0), jm.PerReplica(x)))
+    # Forgetting the all-reduce gives per-replica gradients, never replica 0's value.
+    assert isinstance(out, jm.PerReplica)
+    oracle = vmap_oracle(local_grad, n, (None, 0))(w0, x)
+    np.testing.assert_allclose(out.values, oracle, rtol=1e-5)
+    single = [jax.grad(lambda w: jnp.mean((x[i] @ w - 1.0) ** 2))(w0) for i in range(n)]
+    np.testing.assert_allclose(out.values, np.stack(single), rtol=1e-5)
+
+
+def test_gradient_of_all_reduce_sum_is_the_all_reduced_cotangent(strategy, n):
+    c = np.arange(1.0, n + 1.0, dtype=np.float32)
+
+    def fn(x, c):
+        return jax.grad(lambda x: jm.all_reduce("sum", x) * c)(x)
+
+    out = strategy.run(fn, args=(jm.PerReplica(np.ones(n, np.float32)), jm.PerReplica(c)))
+    assert is_mirrored(strategy, out)
+    assert float(strategy.read(out)) == pytest.approx(c.sum())
+
+
+def test_compiles_once_per_signature(strategy, n):
+    traces = []
+
+    @jm.replicate(strategy=strategy)
+    def step(w, x):
+        traces.append(1)
+        return w + jm.all_reduce("mean", x)
+
+    w = strategy.mirror(np.zeros(2, np.float32))
+    for _ in range(3):
+        w = step(w, jm.PerReplica(np.ones((n, 2), np.float32)))
+    assert len(traces) == 1 and step.num_compilations == 1
+    step(w, jm.PerReplica(np.ones((n, 2), np.float64).astype(np.int32)))
+    assert step.num_compilations == 2
+    np.testing.assert_array_equal(strategy.read(w), [3.0, 3.0])
+
+
+def test_static_argnums_and_decorator_forms(strategy, n):
+    @functools.partial(jm.replicate, static_argnums=(1,), strategy=strategy)
+    def scale(x, k):
+        return x * k
+
+    x = jm.PerReplica(np.ones((n, 2), np.float32))
+    np.testing.assert_array_equal(scale(x, 3).values, np.full((n, 2), 3.0))
+    np.testing.assert_array_equal(scale(x, 4).values, np.full((n, 2), 4.0))
+    assert scale.num_compilations == 2
+
+    @jm.replicate
+    def double(x):
+        return x * 2
+
+    with strategy.scope():
+        np.testing.assert_array_equal(double(x).values, np.full((n, 2), 2.0))
+
+
+def test_donate_argnums(strategy, n):
+    step = jm.replicate(lambda w, x: w + jm.all_reduce("sum", x), strategy=strategy,
+                        donate_argnums=0)
+    w = strategy.mirror(np.zeros(4, np.float32))
+    w = step(w, jm.PerReplica(np.ones((n, 4), np.float32)))
+    np.testing.assert_array_equal(strategy.read(w), np.full(4, float(n)))
+
+
+def test_lower_gives_the_step_hlo(strategy, n):
+    step = jm.replicate(lambda w, x: w + jm.all_reduce("mean", x), strategy=strategy)
+    w = strategy.mirror(np.zeros(4, np.float32))
+    lowered = step.lower(w, jm.PerReplica(np.ones((n, 4), np.float32)))
+    assert isinstance(lowered, jax.stages.Lowered)
+    text = lowered.compile().as_text()
+    if n > 1:
+        assert "all-reduce" in text
+
+
+def test_exceptions_in_fn_keep_their_type(strategy):
+    class Custom(Exception):
+        pass
+
+    def fn():
+        raise Custom("boom")
+
+    with pytest.raises(Custom, match="boom"):
+        strategy.run(fn)
+    with pytest.raises(KeyError):
+        strategy.run(lambda: {}["missing"])
+    assert not jm.in_replica_context()
+
+
+def test_leading_axis_mismatch_is_a_value_error_naming_the_path(strategy, n):
+    bad = jm.PerReplica({"x": np.zeros((n + 1, 2))})
+    with pytest.raises(ValueError) as info:
+        strategy.run(lambda b: b, args=(bad,))
+    message = str(info.value)
+    assert "['x']" in message and f"({n + 1}, 2)" in message and str(n) in message
+
+
+def test_replicated_functions_do_not_nest(strategy):
+    inner = jm.replicate(lambda: 1.0, strategy=strategy)
+    with pytest.raises(RuntimeError, match="do not nest"):
+        strategy.run(lambda: inner())
+
+
+def test_bad_argnums(strategy):
+    with pytest.raises(TypeError):
+        jm.replicate(lambda x: x, static_argnums="0")
+    with pytest.raises(ValueError):
+        jm.replicate(lambda x: x, static_argnums=0, donate_argnums=0)
+    with pytest.raises(TypeError):
+        jm.replicate(3)
+
+
+def test_both_backends_give_identical_results(n):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(n, 5)).astype(np.float32)
+    w = rng.normal(size=(5,)).astype(np.float32)
+
+    def fn(w, x):
+        g = jax.grad(lambda w: jnp.sum(jnp.tanh(x * w)))(w)
+        return jm.all_reduce("mean", g), g, jm.all_gather(x)
+
+    outs = []
+    for backend in ["pmap", "shard_map"]:
+        s = jm.MirroredStrategy(backend=backend)
+        outs.append(s.run(fn, args=(s.mirror(w), jm.PerReplica(x))))
+    a, b = outs
+    np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
+    np.testing.assert_array_equal(a[1].values, b[1].values)
+    np.testing.assert_array_equal(np.asarray(a[2]), np.asarray(b[2]))

@@ -1,0 +1,270 @@
+"""MirroredStrategy: devices, scope, create_state and the cross-replica methods."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmirror as jm
+
+
+# --- devices --------------------------------------------------------------------------------
+
+
+def test_default_devices_are_all_local_devices_in_order(n):
+    s = jm.MirroredStrategy()
+    assert s.devices == tuple(jax.local_devices())
+    assert s.num_replicas == n
+    assert s.axis_name == "replica"
+    assert s.backend == "pmap"
+    assert s.mesh.axis_names == ("replica",)
+    assert list(s.mesh.devices) == list(s.devices)
+    assert "MirroredStrategy(" in repr(s) and f"num_replicas={n}" in repr(s)
+
+
+def test_num_devices_takes_the_first_k(n):
+    s = jm.MirroredStrategy(num_devices=1)
+    assert s.devices == (jax.local_devices()[0],)
+
+
+@pytest.mark.parametrize(
+    "spec_of", [lambda i: f"cpu:{i}", lambda i: f"/device:CPU:{i}", lambda i: f"/cpu:{i}",
+                lambda i: f"CPU:{i}", lambda i: jax.local_devices()[i]]
+)
+def test_device_specs_resolve_in_caller_order(spec_of, n):
+    order = list(reversed(range(n)))
+    s = jm.MirroredStrategy([spec_of(i) for i in order])
+    assert s.devices == tuple(jax.local_devices()[i] for i in order)
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(devices=[]), ["empty"]),
+        (dict(devices=["cpu:0", "/cpu:0"]), ["more than once"]),
+        (dict(devices=["cpu:99"]), ["'cpu:99'", "cpu:0"]),
+        (dict(devices=["tpu:0"]), ["'tpu:0'"]),
+        (dict(devices=["gpu-0"]), ["'gpu-0'", "form"]),
+        (dict(devices=[3]), ["3", "jax.Device"]),
+        (dict(num_devices=0), ["num_devices=0"]),
+        (dict(num_devices=10_000), ["10000"]),
+        (dict(devices=["cpu:0"], num_devices=1), ["both"]),
+        (dict(backend="vmap"), ["'vmap'", "pmap", "shard_map"]),
+        (dict(max_in_flight=0), ["max_in_flight=0"]),
+    ],
+)
+def test_bad_strategy_arguments_raise_value_error(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        jm.MirroredStrategy(**kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [True, 2.0, "2"])
+def test_max_in_flight_must_be_an_int(bad):
+    with pytest.raises(TypeError):
+        jm.MirroredStrategy(max_in_flight=bad)
+
+
+# --- scope ------------------------------------------------------------------------------------
+
+
+def test_scope_is_reentrant_and_get_strategy_defaults_once():
+    default = jm.get_strategy()
+    assert jm.get_strategy() is default
+    a, b = jm.MirroredStrategy(), jm.MirroredStrategy(num_devices=1)
+    with a.scope():
+        assert jm.get_strategy() is a
+        with b.scope():
+            assert jm.get_strategy() is b
+            with b.scope():
+                assert jm.get_strategy() is b
+            assert jm.get_strategy() is b
+        assert jm.get_strategy() is a
+    assert jm.get_strategy() is default
+
+
+# --- create_state / mirror / sync_on_read ----------------------------------------------------
+
+
+def test_create_state(strategy, n):
+    tree = {"w": np.arange(3.0), "b": 1.0}
+    for sync in ["auto", "on_write", jm.Synchronization.ON_WRITE]:
+        state = strategy.create_state(tree, synchronization=sync)
+        assert strategy._is_mirrored(state["w"])
+        np.testing.assert_array_equal(strategy.read(state)["w"], tree["w"])
+    sor = strategy.create_state(tree, synchronization="on_read", aggregation="mean")
+    assert isinstance(sor, jm.SyncOnRead) and sor.aggregation is jm.Aggregation.MEAN
+    assert sor.value["w"].shape == (n, 3)
+    with pytest.raises(ValueError, match="`NONE` synchronization is not supported"):
+        strategy.create_state(tree, synchronization="none")
+    with pytest.raises(ValueError):
+        strategy.create_state(tree, synchronization="sometimes")
+    with pytest.raises(ValueError):
+        strategy.create_state(tree, synchronization="on_read", aggregation="avg")
+
+
+def test_mirror_places_one_copy_per_device_and_keeps_mirrored_leaves(strategy, n):
+    params = strategy.mirror({"w": np.ones((4, 2), np.float32), "s": 3})
+    w = params["w"]
+    assert w.shape == (4, 2)
+    assert w.sharding.device_set == set(strategy.devices)
+    assert w.sharding.is_fully_replicated
+    assert [s.data.shape for s in w.addressable_shards] == [(4, 2)] * n
+    again = strategy.mirror(params)
+    assert again["w"] is w and again["s"] is params["s"]
+    with pytest.raises(TypeError, match="PerReplica"):
+        strategy.mirror(jm.PerReplica(np.zeros((n, 2))))
+
+
+def test_read_mirrored_returns_the_copy_on_the_first_device(strategy):
+    w = strategy.mirror(np.arange(6.0).reshape(2, 3))
+    value = strategy.read(w)
+    assert value.devices() == {strategy.devices[0]}
+    np.testing.assert_array_equal(value, np.arange(6.0).reshape(2, 3))
+    assert strategy.read({"x": 3, "y": "text"}) == {"x": 3, "y": "text"}
+
+
+def test_read_per_replica_is_a_type_error_pointing_to_the_fix(strategy, n):
+    with pytest.raises(TypeError) as info:
+        strategy.read({"a": jm.PerReplica(np.zeros((n,)))})
+    for word in ["reduce", "gather", "local_results"]:
+        assert word in str(info.value)
+
+
+# --- sync-on-read (TensorFlow's tower-local variable tests) -----------------------------------
+
+
+def test_sync_on_read_sum_reads_n_then_n_plus_sum_of_updates(strategy, n):
+    v = strategy.sync_on_read(1.0, "sum")
+    assert float(strategy.read(v)) == n
+    step = jm.replicate(lambda v: v.replace(v.value + 2.0 + jm.replica_id()), strategy=strategy)
+    v = step(v)
+    assert isinstance(v, jm.SyncOnRead) and v.aggregation is jm.Aggregation.SUM
+    assert float(strategy.read(v)) == n + sum(2 + i for i in range(n))
+    # Components are what each replica wrote, on its own device.
+    parts = strategy.local_results(v)
+    assert [float(p.value) for p in parts] == [1.0 + 2 + i for i in range(n)]
+    assert [next(iter(p.value.devices())) for p in parts] == list(strategy.devices)
+
+
+@pytest.mark.parametrize("agg, expected", [("sum", 6.0), ("mean", 6.0), ("only_first_replica", 6.0)])
+def test_assign_reads_back_the_value(strategy, n, agg, expected):
+    v = strategy.assign(strategy.sync_on_read(0.0, agg), 6.0)
+    assert float(strategy.read(v)) == pytest.approx(expected)
+    per = 6.0 / n if agg == "sum" else 6.0
+    assert [float(p.value) for p in strategy.local_results(v)] == pytest.approx([per] * n)
+
+
+def test_assign_integer_sum_truncates(strategy, n):
+    v = strategy.assign(strategy.sync_on_read(np.int32(0), "sum"), 7)
+    assert v.value.dtype == np.int32
+    assert [int(p.value) for p in strategy.local_results(v)] == [int(7 / n)] * n
+
+
+def test_read_sync_on_read_aggregations(strategy, n):
+    components = np.arange(n, dtype=np.float32) + 1
+    ids = strategy.distribute_values_from_function(lambda ctx: components[ctx.replica_id])
+    for agg, expected in [("sum", components.sum()), ("mean", components.mean()),
+                          ("only_first_replica", components[0])]:
+        v = jm.SyncOnRead(ids.values, agg)
+        assert float(strategy.read(v)) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="aggregation NONE"):
+        strategy.read(jm.SyncOnRead(ids.values, "none"))
+
+
+# --- reduce / gather / local_results ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min"])
+def test_reduce_per_replica_matches_numpy(strategy, n, op):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 3, 4)).astype(np.float32)
+    value = jm.PerReplica({"x": x, "y": [x[:, 0]]})
+    out = strategy.reduce(op, value)
+    np_op = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}[op]
+    np.testing.assert_allclose(out["x"], np_op(x, axis=0), rtol=1e-6)
+    np.testing.assert_allclose(out["y"][0], np_op(x[:, 0], axis=0), rtol=1e-6)
+    assert out["x"].devices() == {strategy.devices[0]}
+    with_axis = strategy.reduce(op, value, axis=0)
+    np.testing.assert_allclose(with_axis["x"], np_op(x, axis=(0, 1)), rtol=1e-5)
+
+
+def test_reduce_mean_with_axis_is_the_global_batch_mean(strategy, n):
+    batch = np.arange(n * 5, dtype=np.float32).reshape(n, 5)
+    assert float(strategy.reduce("mean", jm.PerReplica(batch), axis=0)) == pytest.approx(
+        batch.mean()
+    )
+
+
+def test_reduce_mean_of_integers_follows_jnp_mean(strategy, n):
+    x = np.arange(n, dtype=np.int32)
+    out = strategy.reduce("mean", jm.PerReplica(x))
+    assert out.dtype == jnp.mean(jnp.asarray(x)).dtype
+    assert float(out) == pytest.approx(x.mean())
+
+
+def test_reduce_of_plain_values(strategy, n):
+    value = jnp.ones(3)
+    assert strategy.reduce("mean", value) is value
+    mirrored = strategy.mirror(2.0)
+    assert strategy.reduce("mean", mirrored) is mirrored
+    assert strategy.reduce("sum", 0) == 0
+    if n == 1:
+        assert strategy.reduce("sum", value) is value
+    else:
+        with pytest.raises(ValueError, match="not a PerReplica"):
+            strategy.reduce("sum", value)
+
+
+def test_gather_concatenates_components(strategy, n):
+    x = np.arange(n * 2 * 3).reshape(n, 2, 3)
+    np.testing.assert_array_equal(strategy.gather(jm.PerReplica(x)), x.reshape(n * 2, 3))
+    np.testing.assert_array_equal(
+        strategy.gather(jm.PerReplica(x), axis=1), np.concatenate(list(x), axis=1)
+    )
+    g = strategy.gather(jm.PerReplica(jax.device_put(x, strategy._stacked)))
+    assert g.devices() == {strategy.devices[0]}
+
+
+def test_local_results(strategy, n):
+    x = np.arange(n * 2.0).reshape(n, 2)
+    parts = strategy.local_results({"a": jm.PerReplica(x), "b": 5})
+    assert len(parts) == n
+    for i, part in enumerate(parts):
+        np.testing.assert_array_equal(part["a"], x[i])
+        assert part["b"] == 5
+    copies = strategy.local_results(strategy.mirror(np.ones(2)))
+    assert len(copies) == n
+    assert {next(iter(c.devices())) for c in copies} == set(strategy.devices)
+    assert strategy.local_results(7) == (7,)
+
+
+def test_distribute_values_from_function_places_component_i_on_device_i(strategy, n):
+    value = strategy.distribute_values_from_function(
+        lambda ctx: {"id": np.full((2,), ctx.replica_id, np.int32), "n": ctx.num_replicas}
+    )
+    parts = strategy.local_results(value)
+    for i, (part, device) in enumerate(zip(parts, strategy.devices)):
+        np.testing.assert_array_equal(part["id"], [i, i])
+        assert int(part["n"]) == n
+        assert part["id"].devices() == {device}
+
+
+def test_split_key_gives_independent_keys(strategy, n):
+    keys = strategy.split_key(jax.random.key(0))
+    draws = strategy.run(lambda k: jax.random.normal(k, (4,)), args=(keys,))
+    assert isinstance(draws, jm.PerReplica)
+    values = np.asarray(strategy.gather(draws)).reshape(n, 4)
+    assert len({tuple(row) for row in values.round(6)}) == n
+
+
+def test_update_applies_fn_to_each_copy(strategy, n):
+    w = strategy.mirror(np.ones(3, np.float32))
+    new = strategy.update(w, lambda w, d: w + d, 2.0)
+    assert strategy._is_mirrored(new)
+    np.testing.assert_array_equal(strategy.read(new), np.full(3, 3.0))
+    ids = jm.PerReplica(np.arange(n, dtype=np.float32))
+    per = strategy.update(w, lambda w, d: w * d, ids)
+    assert isinstance(per, jm.PerReplica)
+    np.testing.assert_array_equal(strategy.gather(per).reshape(n, 3)[:, 0], np.arange(n))
