@@ -9,6 +9,7 @@ from jmirror._context import num_replicas as num_replicas
 from jmirror._context import replica_context as replica_context
 from jmirror._context import replica_id as replica_id
 from jmirror._context import sync as sync
+from jmirror._input import InputContext as InputContext
 from jmirror._replicate import replicate as replicate
 from jmirror._strategy import MirroredStrategy as MirroredStrategy
 from jmirror._strategy import get_strategy as get_strategy
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Aggregation",
+    "InputContext",
     "MirroredStrategy",
     "PerReplica",
     "ReduceOp",

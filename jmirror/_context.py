@@ -47,6 +47,24 @@ class TraceRound:
     oracle: dict[int, tuple[bool, ...]]
     records: dict[int, MarkerRecord] = dataclasses.field(default_factory=dict)
     counter: int = 0
+    # Facts known while tracing, before the proof runs: whether a traced value (by id) may
+    # vary. Inputs of the replica function and results of collectives are known at once,
+    # so `merge_call` and `sync` see them right in the first round. The values are kept
+    # alive here so that their ids stay unique.
+    facts: dict[int, tuple[Any, bool]] = dataclasses.field(default_factory=dict)
+
+    def learn(self, leaves: Sequence[Any], varying: bool | Sequence[bool]) -> None:
+        """Records whether each traced leaf may vary across replicas."""
+        flags = [varying] * len(leaves) if isinstance(varying, bool) else varying
+        for leaf, flag in zip(leaves, flags):
+            if isinstance(leaf, jax.core.Tracer):
+                self.facts[id(leaf)] = (leaf, flag)
+
+    def _fact(self, leaf: Any) -> bool | None:
+        if not isinstance(leaf, jax.core.Tracer):
+            return False  # a constant is identical on every replica
+        fact = self.facts.get(id(leaf))
+        return None if fact is None else fact[1]
 
     def mark(
         self, call: str, leaves: Sequence[Any], paths: Sequence[str], require_identical=False
@@ -61,7 +79,9 @@ class TraceRound:
         known = self.oracle.get(marker_id)
         answered = known is not None and len(known) == len(leaves)
         if not answered:
-            known = (True,) * len(leaves)
+            facts = [self._fact(leaf) for leaf in leaves]
+            answered = all(f is not None for f in facts)
+            known = tuple(True if f is None else f for f in facts)
         self.records[marker_id] = MarkerRecord(call, tuple(paths), known, require_identical)
         if not leaves:
             return list(leaves), known, answered
@@ -70,7 +90,9 @@ class TraceRound:
             return xs
 
         marker.__name__ = marker.__qualname__ = f"{MARKER_PREFIX}{marker_id}"
-        return list(jax.jit(marker)(*leaves)), known, answered
+        marked = list(jax.jit(marker)(*leaves))
+        self.learn(marked, known)
+        return marked, known, answered
 
 
 class ReplicaContext:
@@ -124,7 +146,13 @@ class ReplicaContext:
           The reduced tree, identical on every replica. Differentiable: the gradient of
           `all_reduce(SUM, x) * c` with respect to `x` is the all-reduce of `c`.
         """
-        return jax.tree.map(lambda x: _all_reduce_leaf(ReduceOp(op), x, self.axis_name), tree)
+        op = ReduceOp(op)
+        return self._identical(jax.tree.map(lambda x: _all_reduce_leaf(op, x, self.axis_name), tree))
+
+    def _identical(self, tree: PyTree) -> PyTree:
+        """Notes that every leaf of `tree` is identical on every replica; returns `tree`."""
+        self._trace.learn(jax.tree.leaves(tree), False)
+        return tree
 
     def all_gather(self, tree: PyTree, axis: int = 0, tiled: bool = False) -> PyTree:
         """Gives every replica all components of every leaf, stacked on a new `axis`.
@@ -132,8 +160,8 @@ class ReplicaContext:
         With `tiled=True` the components are concatenated along `axis` instead. The result
         is mirrored.
         """
-        return jax.tree.map(
-            lambda x: lax.all_gather(x, self.axis_name, axis=axis, tiled=tiled), tree
+        return self._identical(
+            jax.tree.map(lambda x: lax.all_gather(x, self.axis_name, axis=axis, tiled=tiled), tree)
         )
 
     def sync(self, tree: PyTree, aggregation: Aggregation | str) -> PyTree:
@@ -162,7 +190,7 @@ class ReplicaContext:
         if require and answered:
             check_identical(call, paths, varying)
         out = [self._sync_leaf(aggregation, x, v) for x, v in zip(leaves, varying)]
-        return jax.tree.unflatten(treedef, out)
+        return self._identical(jax.tree.unflatten(treedef, out))
 
     def _sync_leaf(self, aggregation: Aggregation, x: Any, varying: bool) -> Any:
         if aggregation is Aggregation.NONE:

@@ -249,12 +249,15 @@ class Replicated:
         split = [sig[0] == _SPLIT for sig in signature]
         avals = [_aval(sig) for sig in signature]
         box: dict[str, Any] = {}
-        flat_fn = functools.partial(self._flat_fn, strategy, treedef, slots, statics, n_args, box)
         axis_env = [(strategy.axis_name, strategy.num_replicas)]
 
         def trace(oracle):
             round_ = _context.TraceRound(oracle)
             box["round"] = round_
+            # A new function object each round: make_jaxpr caches traces by function.
+            flat_fn = functools.partial(
+                self._flat_fn, strategy, treedef, slots, statics, n_args, box
+            )
             closed = jax.make_jaxpr(flat_fn, axis_env=axis_env)(*avals)
             out_split, proof = prove(closed, split, strategy.axis_name)
             return closed, out_split, proof, round_
@@ -335,6 +338,7 @@ class Replicated:
                 top.append(slot.treedef.unflatten(leaves))
             else:
                 top.append(leaves[0])
+        box["round"].learn(flat, [slot.kind == _SPLIT for slot in slots for _ in range(slot.size)])
         dynamic, kwargs = jax.tree_util.tree_unflatten(treedef, top)
         dynamic = iter(dynamic)
         static = iter(statics)

@@ -703,6 +703,12 @@ class MirroredStrategy:
             3.0
         """
         if self._merge("update(tree, fn)") is not None:
+            # Inside merge_fn every replica runs fn on its own components.
+            tree, args, kwargs = jax.tree.map(
+                lambda x: x._values if isinstance(x, PerReplica) else x,
+                (tree, args, kwargs),
+                is_leaf=lambda x: isinstance(x, PerReplica),
+            )
             return fn(tree, *args, **kwargs)
         return self.run(_Updater(fn), args=(tree,) + args, kwargs=kwargs)
 
