@@ -409,7 +409,31 @@ def _shard_map_executable(strategy, closed, split, out_split, donate, needs_toke
     return jax.jit(mapped, donate_argnums=donate)
 
 
-_EXECUTABLES = {"pmap": _pmap_executable, "shard_map": _shard_map_executable}
+def _vmap_executable(strategy, closed, split, out_split, donate, needs_token):
+    """Every replica on one device, as `jax.vmap` with the replica axis name."""
+    del needs_token
+    body = jex.jaxpr_as_fun(closed)
+    in_axes = tuple(0 if s else None for s in split)
+    replicas = jax.vmap(
+        lambda *flat: tuple(body(*flat)),
+        in_axes=in_axes or 0,
+        axis_name=strategy.axis_name,
+        axis_size=strategy.num_replicas,
+    )
+
+    def run(*flat):
+        outs = replicas(*flat)
+        outs = [o if s else o[0] for o, s in zip(outs, out_split)]
+        return tuple(outs) if outs else (jnp.zeros((), jnp.int32),)
+
+    return jax.jit(run, donate_argnums=donate)
+
+
+_EXECUTABLES = {
+    "pmap": _pmap_executable,
+    "shard_map": _shard_map_executable,
+    "vmap": _vmap_executable,
+}
 
 
 def _default_strategy() -> Any:

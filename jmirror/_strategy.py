@@ -86,15 +86,25 @@ class MirroredStrategy:
         backend: str = "pmap",
         max_in_flight: int | None = None,
     ):
-        self._devices = resolve_devices(devices, num_devices)
-        if not isinstance(axis_name, str) or not axis_name:
-            raise TypeError(
-                f"MirroredStrategy(axis_name=...) expects a non-empty str, got {axis_name!r}."
-            )
+        resolved = resolve_devices(devices, num_devices)
         if backend not in _BACKENDS:
             raise ValueError(
                 f"MirroredStrategy(backend={backend!r}) is not a backend; expected one of "
                 f"{_BACKENDS}."
+            )
+        self._setup(resolved, axis_name, backend, max_in_flight)
+
+    def _setup(
+        self,
+        devices: tuple[jax.Device, ...],
+        axis_name: str,
+        backend: str,
+        max_in_flight: int | None,
+    ) -> None:
+        self._devices = devices
+        if not isinstance(axis_name, str) or not axis_name:
+            raise TypeError(
+                f"MirroredStrategy(axis_name=...) expects a non-empty str, got {axis_name!r}."
             )
         if max_in_flight is not None:
             if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int):
@@ -109,15 +119,19 @@ class MirroredStrategy:
                 )
         else:
             max_in_flight = _DEFAULT_IN_FLIGHT.get(
-                self._devices[0].platform, _DEFAULT_IN_FLIGHT_ACCELERATOR
+                devices[0].platform, _DEFAULT_IN_FLIGHT_ACCELERATOR
             )
         self._axis_name = axis_name
         self._backend = backend
         self._max_in_flight = max_in_flight
-        self._mesh = Mesh(np.array(self._devices), (axis_name,))
-        self._replicated = NamedSharding(self._mesh, P())
-        self._stacked = NamedSharding(self._mesh, P(axis_name))
-        self._device_set = frozenset(self._devices)
+        if len(set(devices)) == len(devices):
+            self._mesh = Mesh(np.array(devices), (axis_name,))
+            self._replicated = NamedSharding(self._mesh, P())
+            self._stacked = NamedSharding(self._mesh, P(axis_name))
+        else:  # every replica on one device (jmirror.testing.EmulatedStrategy)
+            self._mesh = Mesh(np.array(devices[:1]), (axis_name,))
+            self._replicated = self._stacked = jax.sharding.SingleDeviceSharding(devices[0])
+        self._device_set = frozenset(devices)
         self._in_flight: collections.deque = collections.deque()
         self._lock = threading.Lock()
         self._token: jax.Array | None = None
@@ -387,6 +401,8 @@ class MirroredStrategy:
                 f"shapes across replicas ({[np.shape(p) for p in parts]}); components of a "
                 "PerReplica must share one shape."
             )
+        if isinstance(self._stacked, jax.sharding.SingleDeviceSharding):
+            return jax.device_put(jnp.stack([jnp.asarray(p) for p in parts]), self._stacked)
         arrays = [jax.device_put(jnp.asarray(p)[None], d) for p, d in zip(parts, self._devices)]
         shape = (self.num_replicas,) + tuple(arrays[0].shape[1:])
         return jax.make_array_from_single_device_arrays(shape, self._stacked, arrays)

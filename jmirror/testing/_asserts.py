@@ -1,0 +1,89 @@
+"""Assertions about distributed values (chex style: actual vs expected in every message)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jmirror._strategy import MirroredStrategy, get_strategy
+from jmirror._values import PerReplica, PyTree, is_distributed
+
+
+def _strategy(strategy: MirroredStrategy | None) -> MirroredStrategy:
+    return get_strategy() if strategy is None else strategy
+
+
+def _paths(tree: PyTree) -> list[tuple[str, Any]]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_distributed)
+    return [(jax.tree_util.keystr(p) or "<root>", leaf) for p, leaf in flat]
+
+
+def assert_mirrored(tree: PyTree, strategy: MirroredStrategy | None = None) -> None:
+    """Asserts that every leaf is mirrored over the strategy's devices, with equal copies.
+
+    Example:
+        >>> import numpy as np, jmirror as jm, jmirror.testing as jmt
+        >>> strategy = jm.MirroredStrategy()
+        >>> jmt.assert_mirrored({"w": strategy.mirror(np.ones(3))}, strategy)
+    """
+    strategy = _strategy(strategy)
+    for path, leaf in _paths(tree):
+        if not isinstance(leaf, jax.Array) or not strategy._is_mirrored(leaf):
+            found = type(leaf).__name__
+            if isinstance(leaf, jax.Array):
+                found = f"jax.Array with sharding {leaf.sharding}"
+            raise AssertionError(
+                f"assert_mirrored: leaf {path} is not mirrored over the {strategy.num_replicas} "
+                f"device(s) of the strategy; found {found}."
+            )
+        copies = [np.asarray(c) for c in strategy.local_results(leaf)]
+        for i, copy in enumerate(copies[1:], start=1):
+            if not np.array_equal(copy, copies[0], equal_nan=True):
+                raise AssertionError(
+                    f"assert_mirrored: leaf {path} differs between replica 0 and replica {i}: "
+                    f"{copies[0]!r} vs {copy!r}."
+                )
+
+
+def assert_per_replica(tree: PyTree) -> None:
+    """Asserts that every leaf of `tree` is inside a `jm.PerReplica`.
+
+    Example:
+        >>> import numpy as np, jmirror as jm, jmirror.testing as jmt
+        >>> jmt.assert_per_replica({"x": jm.PerReplica(np.zeros((2, 3)))})
+    """
+    for path, leaf in _paths(tree):
+        if not isinstance(leaf, PerReplica):
+            raise AssertionError(
+                f"assert_per_replica: leaf {path} is a {type(leaf).__name__}, expected a "
+                "jm.PerReplica."
+            )
+
+
+def assert_replicas_equal(
+    value: PyTree, strategy: MirroredStrategy | None = None, *, rtol: float = 0.0, atol: float = 0.0
+) -> None:
+    """Asserts that every replica holds the same value (within `rtol` / `atol`).
+
+    Works for `PerReplica`, `SyncOnRead` and mirrored values.
+
+    Example:
+        >>> import numpy as np, jmirror as jm, jmirror.testing as jmt
+        >>> strategy = jm.MirroredStrategy()
+        >>> same = jm.PerReplica(np.ones((strategy.num_replicas, 2)))
+        >>> jmt.assert_replicas_equal(same, strategy)
+    """
+    strategy = _strategy(strategy)
+    parts = strategy.local_results(value)
+    first = jax.tree.leaves(parts[0])
+    for i, part in enumerate(parts[1:], start=1):
+        for (path, a), b in zip(_paths(parts[0]), jax.tree.leaves(part)):
+            a, b = np.asarray(a), np.asarray(b)
+            if not np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True):
+                raise AssertionError(
+                    f"assert_replicas_equal: leaf {path} differs between replica 0 and replica "
+                    f"{i} (rtol={rtol}, atol={atol}): {a!r} vs {b!r}."
+                )
+    del first
