@@ -1,32 +1,25 @@
 """Input: global batches split into per-replica shards on the devices (SPEC section 7).
 
 `MirroredStrategy.distribute_dataset` and `.distribute_datasets_from_function` delegate here.
-Both return a `DistributedDataset`: an iterable that, on each `iter()`, opens one pass over
-the source and yields `jm.PerReplica` batches already placed on the strategy's devices.
+Both return a `DistributedDataset`, whose every `iter()` opens one pass over the source.
 
-How a global batch is placed: every leaf of the host array `(G, ...)` is reshaped (a view, no
-copy) to `(N, G/N, ...)` and all leaves go to the devices in ONE `jax.device_put` call with
-the stacked sharding `NamedSharding(mesh, P(axis_name))`, so device i receives only its own
-slice `[i * G/N, (i + 1) * G/N)` of the examples: one transfer per leaf, no per-device Python
-loop and never N slices stacked on one device.
+Placement: each leaf `(G, ...)` is reshaped (a view) to `(N, G/N, ...)` and all leaves go out
+in ONE `jax.device_put` with the stacked sharding `NamedSharding(mesh, P(axis_name))`: device
+i receives only examples `[i * G/N, (i + 1) * G/N)`, with no per-device Python loop and never
+N slices stacked on one device.
 
-Choices the spec leaves open, written down here:
+Choices the spec leaves open:
 
-- Padding (`remainder="pad"`) appends zeros (of each leaf's dtype) after the real examples,
-  so the padding lands on the last replicas; the mask marks it.
-- With `remainder="drop"`, when the FIRST batch's size is not a multiple of N, G is rounded up
-  and every batch of that size is incomplete and dropped; a `UserWarning` says so once per
-  pass instead of silently yielding nothing.
-- Prefetching: with `prefetch=k > 0` a daemon thread keeps at most k batches transferred
-  (`block_until_ready`) ahead of the consumer. Batches it prefetched but the consumer never
-  took are discarded on `close()`; for a one-shot iterator source they are lost to the next
-  pass.
-- Iterators the dataset opened itself (from calling a callable source, or `iter()` of a
-  re-iterable) are closed with the pass; a one-shot iterator passed in by the caller is never
-  closed by jmirror, and concurrent passes over it take turns through a lock.
-- `close()` on a dataset stops its running passes; the dataset itself stays re-iterable.
-- Warnings (such as the dropped final group of `distribute_datasets_from_function`) are
-  emitted in the consuming thread, when the consumer reaches that point of the stream.
+- `remainder="pad"` appends zeros (of each leaf's dtype) after the real examples, so the
+  padding lands on the last replicas. With `remainder="drop"`, a first batch whose size is not
+  a multiple of N makes every batch of that size incomplete: a `UserWarning` says so.
+- `prefetch=k > 0`: a daemon thread keeps at most k batches transferred (`block_until_ready`)
+  ahead of the consumer; those never taken are discarded on `close()` (lost to the next pass
+  of a one-shot iterator source). Warnings are emitted in the consuming thread.
+- Iterators jmirror opened (by calling a callable source, or `iter()` of a re-iterable one)
+  are closed with their pass; a one-shot iterator passed in is never closed, and concurrent
+  passes over it take turns through a lock. `close()` on a dataset stops its running passes;
+  the dataset stays re-iterable.
 """
 
 from __future__ import annotations
@@ -458,12 +451,11 @@ class DistributedIterator:
         return self
 
     def __next__(self) -> Any:
-        while True:
+        value = self._next_value()
+        while isinstance(value, _Warning):
+            warnings.warn(value.message, UserWarning, stacklevel=2)
             value = self._next_value()
-            if isinstance(value, _Warning):
-                warnings.warn(value.message, UserWarning, stacklevel=2)
-                continue
-            return value
+        return value
 
     def _next_value(self) -> Any:
         if self._done:
@@ -475,12 +467,12 @@ class DistributedIterator:
                 self.close()
                 raise
         kind, value = self._prefetcher.get()
-        if kind == "item":
-            return value
-        self.close()
-        if kind == "error":
-            raise value
-        raise StopIteration
+        if kind != "item":
+            self.close()
+            if kind == "error":
+                raise value
+            raise StopIteration
+        return value
 
     def close(self) -> None:
         """Stops the pass: joins the prefetch thread and closes the source it opened.

@@ -134,7 +134,6 @@ class MirroredStrategy:
         self._device_set = frozenset(devices)
         self._in_flight: collections.deque = collections.deque()
         self._lock = threading.Lock()
-        self._token: jax.Array | None = None
         self._run_cache: collections.OrderedDict = collections.OrderedDict()
 
     # --- properties ----------------------------------------------------------------------------
@@ -204,22 +203,31 @@ class MirroredStrategy:
             return True
         return sharding.is_fully_replicated and sharding.device_set == self._device_set
 
-    def _replica_token(self) -> jax.Array:
-        if self._token is None:
-            self._token = jax.device_put(
-                np.zeros((self.num_replicas,), np.int8), self._stacked
-            )
-        return self._token
-
     def _wait_for_room(self) -> None:
-        with self._lock:
-            while len(self._in_flight) >= self._max_in_flight:
+        """Blocks until fewer than `max_in_flight` replicated steps are queued."""
+        must_block = False  # set when a step's outputs were all donated to a later step
+        while True:
+            with self._lock:
+                if not self._in_flight or (
+                    len(self._in_flight) < self._max_in_flight and not must_block
+                ):
+                    return
                 oldest = self._in_flight.popleft()
-                oldest.block_until_ready()
+            alive = next(
+                (x for x in jax.tree.leaves(oldest) if not x.is_deleted()), None
+            )
+            if alive is None:
+                # Every output was donated to a later (already queued) step: waiting for that
+                # step covers this one.
+                must_block = True
+                continue
+            alive.block_until_ready()
+            must_block = False
 
-    def _track(self, output: jax.Array) -> None:
+    def _track(self, outputs: Any) -> None:
+        """Records a dispatched step by its outputs (all become ready when it is done)."""
         with self._lock:
-            self._in_flight.append(output)
+            self._in_flight.append(outputs)
 
     def _merge(self, call: str) -> _context.ReplicaContext | None:
         """The replica context when called inside a merge_fn; raises inside a replica."""

@@ -1,0 +1,1 @@
+"""jmirror's benchmark suite: every claim a ratio measured side by side in one run."""

@@ -1,0 +1,157 @@
+"""Micro-benchmarks: dispatch, reading and placing values, and the in-flight bound's cost."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import flax.jax_utils
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jmirror as jm
+from benchmarks.models import make_problem
+from benchmarks.run import table
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rate(fn, calls: int, rounds: int, block=jax.block_until_ready) -> float:
+    values = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn()
+        block(out)
+        values.append(calls / (time.perf_counter() - start))
+    return statistics.median(values)
+
+
+def _interleaved(fns: dict, calls: int, rounds: int) -> dict[str, float]:
+    rates: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            rates[name].append(_rate(fn, calls, 1))
+    return {k: statistics.median(v) for k, v in rates.items()}
+
+
+def _bounded(call):
+    """At most 2 steps in flight, exactly as jm.replicate's default bound on CPU."""
+    queue = []
+
+    def step():
+        while len(queue) >= 2:
+            jax.block_until_ready(queue.pop(0))
+        out = call()
+        queue.append(out)
+        return out
+
+    return step
+
+
+def dispatch(rounds: int) -> list[list[str]]:
+    n = jax.device_count()
+    x = np.ones((n, 16), np.float32)
+    fns = {}
+    for backend in ("pmap", "shard_map"):
+        strategy = jm.MirroredStrategy(backend=backend)
+        step = jm.replicate(lambda x: x + 1, strategy=strategy)
+        px = jm.PerReplica(jax.device_put(x, strategy._stacked))
+        fns[f"jm.replicate[{backend}]"] = lambda step=step, px=px: step(px)
+    raw = jax.pmap(lambda x: x + 1)
+    rx = jax.device_put(x, jm.MirroredStrategy()._stacked)
+    fns["raw jax.pmap"] = _bounded(lambda: raw(rx))
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    rates = _interleaved(fns, 200, rounds)
+    base = rates["raw jax.pmap"]
+    return [[f"dispatch {k}", f"{v:.0f} calls/s", f"{v / base:.2f}× raw jax.pmap"]
+            for k, v in rates.items()]
+
+
+def reads(rounds: int) -> list[list[str]]:
+    params = make_problem(512)[0]
+    strategy = jm.MirroredStrategy()
+    mirrored = strategy.mirror(params)
+    stacked = flax.jax_utils.replicate(params)
+    metrics = {k: strategy.sync_on_read(np.float32(1), "sum") for k in ("loss", "acc", "n")}
+    rates = _interleaved(
+        {
+            "strategy.read(mirrored params)": lambda: strategy.read(mirrored),
+            "flax.jax_utils.unreplicate(params)": lambda: flax.jax_utils.unreplicate(stacked),
+            "strategy.read(3 SyncOnRead metrics)": lambda: strategy.read(metrics),
+        },
+        100,
+        rounds,
+    )
+    ratio = rates["flax.jax_utils.unreplicate(params)"] / rates["strategy.read(mirrored params)"]
+    rows = [[k, f"{1e6 / v:.0f} µs", ""] for k, v in rates.items()]
+    rows[0][2] = f"time {ratio:.2f}× unreplicate's"
+    return rows
+
+
+_MEMORY = """
+import resource, sys, time
+from benchmarks.run import _setup_devices; _setup_devices()
+import jax, jax.numpy as jnp, numpy as np
+jnp.ones(1).block_until_ready()
+import flax.jax_utils, jmirror as jm
+tree = {"w%d" % i: np.ones((1024, 1024), np.float32) for i in range(8)}  # 32 MiB
+strategy = jm.MirroredStrategy()
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+start = time.perf_counter()
+if sys.argv[1] == "mirror":
+    out = strategy.mirror(tree)
+else:
+    out = flax.jax_utils.replicate(tree)
+jax.block_until_ready(out)
+took = time.perf_counter() - start
+peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
+print(took, peak / (32 * 2**20 * jax.device_count()))
+"""
+
+
+def placement() -> list[list[str]]:
+    rows = []
+    for how in ("mirror", "flax.jax_utils.replicate"):
+        out = subprocess.run([sys.executable, "-c", _MEMORY, how.split(".")[0]],
+                             capture_output=True, text=True, cwd=ROOT)
+        if out.returncode != 0:
+            rows.append([how, "failed", out.stderr.strip().splitlines()[-1]])
+            continue
+        took, peak = map(float, out.stdout.split())
+        rows.append([f"{how}(32 MiB tree)", f"{took * 1e3:.0f} ms",
+                     f"peak {peak:.2f} × N × tree bytes"])
+    return rows
+
+
+def in_flight_cost(rounds: int) -> list[list[str]]:
+    """jmirror's bounded loop against an unbounded raw loop short enough not to deadlock."""
+    n = jax.device_count()
+    strategy = jm.MirroredStrategy()
+    step = jm.replicate(lambda w, x: w + jm.all_reduce("mean", x), strategy=strategy)
+    w = strategy.mirror(np.zeros(1024, np.float32))
+    x = jm.PerReplica(jax.device_put(np.ones((n, 1024), np.float32), strategy._stacked))
+    raw = jax.pmap(lambda w, x: w + jax.lax.pmean(x, "i"), "i", in_axes=(None, 0), out_axes=None)
+    rx = x.values
+    jax.block_until_ready((step(w, x), raw(w, rx)))
+    short = 32  # well under the ~200 queued steps at which XLA:CPU deadlocks
+    rates = _interleaved(
+        {"jm.replicate (max_in_flight=2)": lambda: step(w, x), "raw jax.pmap, unbounded": lambda: raw(w, rx)},
+        short,
+        rounds,
+    )
+    a, b = rates.values()
+    return [[k, f"{v:.0f} steps/s", ""] for k, v in rates.items()][:1] + [
+        ["raw jax.pmap, unbounded (32 steps)", f"{b:.0f} steps/s", f"bounded/unbounded {a / b:.3f}"]
+    ]
+
+
+def report(rounds: int) -> str:
+    rows = dispatch(rounds) + reads(rounds) + placement() + in_flight_cost(rounds)
+    return table("Micro-benchmarks", rows, ["what", "median", "ratio"])

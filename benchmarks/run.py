@@ -1,0 +1,139 @@
+"""Runs the benchmark suite: `python -m benchmarks` (see benchmarks/RESULTS.md).
+
+Every figure is a median over interleaved, repeated measurements of the variants in one
+process, and every claim is a ratio to a baseline measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import jmirror.testing as jmt
+
+NUM_DEVICES = int(os.environ.get("JMIRROR_BENCH_DEVICES", "8"))
+
+
+def _setup_devices() -> None:
+    jmt.set_host_device_count(NUM_DEVICES)
+
+
+SIZES = {"small": 512, "large": 2048}
+BASELINE = "raw jax.pmap"
+
+
+def measure_steps(variants, steps: int, rounds: int) -> dict[str, float]:
+    """Median steps/s of each variant over `rounds` interleaved runs of `steps` steps."""
+    rates: dict[str, list[float]] = {v.name: [] for v in variants}
+    for r in range(rounds):
+        order = variants[r % len(variants):] + variants[: r % len(variants)]
+        for variant in order:
+            start = time.perf_counter()
+            out = None
+            for _ in range(steps):
+                out = variant.step()
+            variant.block(out)
+            rates[variant.name].append(steps / (time.perf_counter() - start))
+    return {name: statistics.median(values) for name, values in rates.items()}
+
+
+def build(names, hidden: int):
+    """Builds each variant and times its first call (trace + compile + one step)."""
+    from benchmarks.models import VARIANTS
+
+    variants, first_call = [], {}
+    for name in names:
+        start = time.perf_counter()
+        variant = VARIANTS[name](hidden)
+        variant.block(variant.step())
+        first_call[name] = time.perf_counter() - start
+        for _ in range(3):
+            variant.step()
+        variant.block(variant.step())
+        variants.append(variant)
+    return variants, first_call
+
+
+def peak_memory_mb(name: str, hidden: int) -> float:
+    """Peak RSS growth (MB) of building and running a variant, in a fresh process."""
+    code = (
+        "import resource, sys; from benchmarks.run import _setup_devices; _setup_devices();"
+        "import jax, jax.numpy as jnp; jnp.ones(1).block_until_ready();"
+        "from benchmarks.models import VARIANTS, make_problem; make_problem(%d);"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
+        "v = VARIANTS[%r](%d); [v.step() for _ in range(5)]; v.block(v.step());"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)"
+    ) % (hidden, name, hidden)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if out.returncode != 0:
+        return float("nan")
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def table(title: str, rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    lines = [f"\n### {title}\n", "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |")
+    return "\n".join(lines)
+
+
+def steps_section(size: str, steps: int, rounds: int, memory: bool) -> str:
+    from benchmarks.models import VARIANTS
+
+    hidden = SIZES[size]
+    names = list(VARIANTS)
+    variants, first_call = build(names, hidden)
+    rates = measure_steps(variants, steps, rounds)
+    base_rate, base_first = rates[BASELINE], first_call[BASELINE]
+    rows = []
+    for name in names:
+        row = [name, f"{rates[name]:.1f}", f"{rates[name] / base_rate:.3f}",
+               f"{first_call[name]:.2f}", f"{first_call[name] / base_first:.2f}"]
+        if memory:
+            row.append(f"{peak_memory_mb(name, hidden):.0f}")
+        rows.append(row)
+    header = ["variant", "steps/s", "× raw pmap", "first call s", "× raw pmap"]
+    if memory:
+        header.append("peak RSS MB")
+    return table(
+        f"Training step, MLP 64→{hidden}→{hidden}→10, global batch 256, {NUM_DEVICES} devices "
+        f"(median of {rounds} × {steps} steps)", rows, header)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", default="small,large")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--memory", action="store_true", help="peak RSS of each variant")
+    parser.add_argument("--skip", default="", help="comma list of: steps,hlo,micro")
+    args = parser.parse_args(argv)
+    _setup_devices()
+    import jax
+
+    from benchmarks import hlo, micro
+
+    print(f"# jmirror benchmarks\n\n`python -m benchmarks {' '.join(argv or sys.argv[1:])}`  ")
+    print(f"jax {jax.__version__}, python {platform.python_version()}, {platform.machine()}, "
+          f"{os.cpu_count()} cores, {jax.device_count()} {jax.devices()[0].platform} devices, "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    skip = set(filter(None, args.skip.split(",")))
+    if "hlo" not in skip:
+        print(hlo.report())
+    if "steps" not in skip:
+        for size in args.sizes.split(","):
+            print(steps_section(size, args.steps, args.rounds, args.memory), flush=True)
+    if "micro" not in skip:
+        print(micro.report(args.rounds), flush=True)
+
+
+if __name__ == "__main__":
+    main()
