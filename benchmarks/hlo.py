@@ -30,8 +30,10 @@ def report(hidden: int = 512) -> str:
     state = strategy.mirror((params, tx.init(params)))
     bx = jm.PerReplica(x.reshape(n, -1, FEATURES))
     by = jm.PerReplica(y.reshape(n, -1))
-    metrics = (strategy.sync_on_read(np.float32(0), "sum"),
-               strategy.sync_on_read(np.int32(0), "sum"))
+    metrics = (
+        strategy.sync_on_read(np.float32(0), "sum"),
+        strategy.sync_on_read(np.int32(0), "sum"),
+    )
     step = jm.replicate(train_step, strategy=strategy)
     plain = jmt.collectives(step.lower(*state, bx, by))
     with_metrics = jmt.collectives(step.lower(*state, bx, by, *metrics))
@@ -46,4 +48,9 @@ def report(hidden: int = 512) -> str:
         f"({'no collective added' if with_metrics == plain else 'CHANGED'})",
         f"- jm.sync(mirrored params, MEAN): {len(synced)} collective(s)",
     ]
-    return "\n### Compiled step structure (MLP hidden %d, %d devices)\n\n" % (hidden, n) + "\n".join(rows)
+    title = f"
+### Compiled step structure (MLP hidden {hidden}, {n} devices)
+
+"
+    return title + "
+".join(rows)

@@ -77,8 +77,10 @@ def make_host_batches(steps: int, seed: int = 1):
 def main() -> None:
     strategy = jm.MirroredStrategy()
     n = strategy.num_replicas
-    print(f"{n} devices ({jax.devices()[0].platform}), global batch {GLOBAL_BATCH}, "
-          f"{ROUNDS} rounds x {STEPS} steps, jax {jax.__version__}")
+    print(
+        f"{n} devices ({jax.devices()[0].platform}), global batch {GLOBAL_BATCH}, "
+        f"{ROUNDS} rounds x {STEPS} steps, jax {jax.__version__}"
+    )
 
     @jm.replicate(strategy=strategy)
     def jm_step(params, batch):

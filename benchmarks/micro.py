@@ -10,7 +10,6 @@ import time
 
 import flax.jax_utils
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import jmirror as jm
@@ -70,8 +69,10 @@ def dispatch(rounds: int) -> list[list[str]]:
         jax.block_until_ready(fn())
     rates = _interleaved(fns, 200, rounds)
     base = rates["raw jax.pmap"]
-    return [[f"dispatch {k}", f"{v:.0f} calls/s", f"{v / base:.2f}× raw jax.pmap"]
-            for k, v in rates.items()]
+    return [
+        [f"dispatch {k}", f"{v:.0f} calls/s", f"{v / base:.2f}× raw jax.pmap"]
+        for k, v in rates.items()
+    ]
 
 
 def reads(rounds: int) -> list[list[str]]:
@@ -119,14 +120,19 @@ print(took, peak / (32 * 2**20 * jax.device_count()))
 def placement() -> list[list[str]]:
     rows = []
     for how in ("mirror", "flax.jax_utils.replicate"):
-        out = subprocess.run([sys.executable, "-c", _MEMORY, how.split(".")[0]],
-                             capture_output=True, text=True, cwd=ROOT)
+        out = subprocess.run(
+            [sys.executable, "-c", _MEMORY, how.split(".")[0]],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
         if out.returncode != 0:
             rows.append([how, "failed", out.stderr.strip().splitlines()[-1]])
             continue
         took, peak = map(float, out.stdout.split())
-        rows.append([f"{how}(32 MiB tree)", f"{took * 1e3:.0f} ms",
-                     f"peak {peak:.2f} × N × tree bytes"])
+        rows.append(
+            [f"{how}(32 MiB tree)", f"{took * 1e3:.0f} ms", f"peak {peak:.2f} × N × tree bytes"]
+        )
     return rows
 
 
@@ -142,7 +148,10 @@ def in_flight_cost(rounds: int) -> list[list[str]]:
     jax.block_until_ready((step(w, x), raw(w, rx)))
     short = 32  # well under the ~200 queued steps at which XLA:CPU deadlocks
     rates = _interleaved(
-        {"jm.replicate (max_in_flight=2)": lambda: step(w, x), "raw jax.pmap, unbounded": lambda: raw(w, rx)},
+        {
+            "jm.replicate (max_in_flight=2)": lambda: step(w, x),
+            "raw jax.pmap, unbounded": lambda: raw(w, rx),
+        },
         short,
         rounds,
     )

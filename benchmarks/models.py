@@ -105,12 +105,19 @@ def raw_pmap_variant(hidden: int) -> Variant:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "batch")
 
-    pstep = jax.pmap(train_step, axis_name="batch", in_axes=(None, None, 0, 0),
-                     out_axes=(None, None, None), devices=devices, donate_argnums=(0, 1))
+    pstep = jax.pmap(
+        train_step,
+        axis_name="batch",
+        in_axes=(None, None, 0, 0),
+        out_axes=(None, None, None),
+        devices=devices,
+        donate_argnums=(0, 1),
+    )
     mesh = jax.sharding.Mesh(np.array(devices), ("batch",))
     state = list(jax.device_put((params, tx.init(params)), NamedSharding(mesh, P())))
-    batch = jax.device_put((x.reshape(n, -1, FEATURES), y.reshape(n, -1)),
-                           NamedSharding(mesh, P("batch")))
+    batch = jax.device_put(
+        (x.reshape(n, -1, FEATURES), y.reshape(n, -1)), NamedSharding(mesh, P("batch"))
+    )
 
     def run():
         state[0], state[1], loss = pstep(state[0], state[1], *batch)
@@ -130,8 +137,9 @@ def jit_sharding_variant(hidden: int) -> Variant:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    train_step = jax.jit(train_step, donate_argnums=(0, 1),
-                         out_shardings=(replicated, replicated, replicated))
+    train_step = jax.jit(
+        train_step, donate_argnums=(0, 1), out_shardings=(replicated, replicated, replicated)
+    )
     state = list(jax.device_put((params, tx.init(params)), replicated))
     batch = jax.device_put((x, y), sharded)
 
@@ -155,8 +163,12 @@ def flax_variant(hidden: int) -> Variant:
     state = list(flax.jax_utils.replicate((params, tx.init(params))))
     n = jax.local_device_count()
     batch = jax.tree.map(lambda a: a.reshape(n, -1, *a.shape[1:]), (x, y))
-    batch = jax.device_put(batch, jax.sharding.NamedSharding(
-        jax.sharding.Mesh(np.array(jax.local_devices()), ("b",)), P("b")))
+    batch = jax.device_put(
+        batch,
+        jax.sharding.NamedSharding(
+            jax.sharding.Mesh(np.array(jax.local_devices()), ("b",)), P("b")
+        ),
+    )
 
     def run():
         state[0], state[1], loss = pstep(state[0], state[1], *batch)

@@ -31,7 +31,7 @@ def measure_steps(variants, steps: int, rounds: int) -> dict[str, float]:
     """Median steps/s of each variant over `rounds` interleaved runs of `steps` steps."""
     rates: dict[str, list[float]] = {v.name: [] for v in variants}
     for r in range(rounds):
-        order = variants[r % len(variants):] + variants[: r % len(variants)]
+        order = variants[r % len(variants) :] + variants[: r % len(variants)]
         for variant in order:
             start = time.perf_counter()
             out = None
@@ -44,8 +44,17 @@ def measure_steps(variants, steps: int, rounds: int) -> dict[str, float]:
 
 def build(names, hidden: int):
     """Builds each variant and times its first call (trace + compile + one step)."""
-    from benchmarks.models import VARIANTS
+    import jax
+    import jax.numpy as jnp
 
+    from benchmarks.models import VARIANTS, make_problem
+
+    # Start the backends, compile something and trace the model once first, so that no
+    # variant pays the process's one-time costs (JAX's start-up, flax's first trace).
+    params, _, loss_fn, x, y = make_problem(hidden)
+    jax.make_jaxpr(jax.value_and_grad(loss_fn))(params, x, y)
+    jax.jit(lambda x: x + 1)(jnp.ones(3)).block_until_ready()
+    jax.pmap(lambda x: jax.lax.psum(x, "i"), "i")(jnp.ones(jax.device_count())).block_until_ready()
     variants, first_call = [], {}
     for name in names:
         start = time.perf_counter()
@@ -64,13 +73,17 @@ def peak_memory_mb(name: str, hidden: int) -> float:
     code = (
         "import resource, sys; from benchmarks.run import _setup_devices; _setup_devices();"
         "import jax, jax.numpy as jnp; jnp.ones(1).block_until_ready();"
-        "from benchmarks.models import VARIANTS, make_problem; make_problem(%d);"
+        f"from benchmarks.models import VARIANTS, make_problem; make_problem({hidden});"
         "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
-        "v = VARIANTS[%r](%d); [v.step() for _ in range(5)]; v.block(v.step());"
+        f"v = VARIANTS[{name!r}]({hidden}); [v.step() for _ in range(5)]; v.block(v.step());"
         "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)"
-    ) % (hidden, name, hidden)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     if out.returncode != 0:
         return float("nan")
     return float(out.stdout.strip().splitlines()[-1])
@@ -78,8 +91,11 @@ def peak_memory_mb(name: str, hidden: int) -> float:
 
 def table(title: str, rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
-    lines = [f"\n### {title}\n", "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
-             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines = [
+        f"\n### {title}\n",
+        "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
     for row in rows:
         lines.append("| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |")
     return "\n".join(lines)
@@ -95,8 +111,13 @@ def steps_section(size: str, steps: int, rounds: int, memory: bool) -> str:
     base_rate, base_first = rates[BASELINE], first_call[BASELINE]
     rows = []
     for name in names:
-        row = [name, f"{rates[name]:.1f}", f"{rates[name] / base_rate:.3f}",
-               f"{first_call[name]:.2f}", f"{first_call[name] / base_first:.2f}"]
+        row = [
+            name,
+            f"{rates[name]:.1f}",
+            f"{rates[name] / base_rate:.3f}",
+            f"{first_call[name]:.2f}",
+            f"{first_call[name] / base_first:.2f}",
+        ]
         if memory:
             row.append(f"{peak_memory_mb(name, hidden):.0f}")
         rows.append(row)
@@ -105,7 +126,10 @@ def steps_section(size: str, steps: int, rounds: int, memory: bool) -> str:
         header.append("peak RSS MB")
     return table(
         f"Training step, MLP 64→{hidden}→{hidden}→10, global batch 256, {NUM_DEVICES} devices "
-        f"(median of {rounds} × {steps} steps)", rows, header)
+        f"(median of {rounds} × {steps} steps)",
+        rows,
+        header,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -122,9 +146,11 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks import hlo, micro
 
     print(f"# jmirror benchmarks\n\n`python -m benchmarks {' '.join(argv or sys.argv[1:])}`  ")
-    print(f"jax {jax.__version__}, python {platform.python_version()}, {platform.machine()}, "
-          f"{os.cpu_count()} cores, {jax.device_count()} {jax.devices()[0].platform} devices, "
-          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    print(
+        f"jax {jax.__version__}, python {platform.python_version()}, {platform.machine()}, "
+        f"{os.cpu_count()} cores, {jax.device_count()} {jax.devices()[0].platform} devices, "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
+    )
     skip = set(filter(None, args.skip.split(",")))
     if "hlo" not in skip:
         print(hlo.report())

@@ -147,7 +147,9 @@ class ReplicaContext:
           `all_reduce(SUM, x) * c` with respect to `x` is the all-reduce of `c`.
         """
         op = ReduceOp(op)
-        return self._identical(jax.tree.map(lambda x: _all_reduce_leaf(op, x, self.axis_name), tree))
+        return self._identical(
+            jax.tree.map(lambda x: _all_reduce_leaf(op, x, self.axis_name), tree)
+        )
 
     def _identical(self, tree: PyTree) -> PyTree:
         """Notes that every leaf of `tree` is identical on every replica; returns `tree`."""
@@ -196,8 +198,10 @@ class ReplicaContext:
         if aggregation is Aggregation.NONE:
             return x
         if aggregation is Aggregation.SUM:
-            return _all_reduce_leaf(ReduceOp.SUM, x, self.axis_name) if varying else (
-                x * jnp.asarray(self.num_replicas, jnp.result_type(x))
+            return (
+                _all_reduce_leaf(ReduceOp.SUM, x, self.axis_name)
+                if varying
+                else (x * jnp.asarray(self.num_replicas, jnp.result_type(x)))
             )
         if not varying:
             return x

@@ -58,7 +58,7 @@ def _resolve_one(spec: object) -> jax.Device:
 def resolve_devices(
     devices: Sequence[DeviceSpec] | None, num_devices: int | None
 ) -> tuple[jax.Device, ...]:
-    """Resolves `MirroredStrategy`'s device arguments to a tuple of devices in the caller's order."""
+    """Resolves `MirroredStrategy`'s device arguments to devices, in the caller's order."""
     if devices is not None and num_devices is not None:
         raise ValueError(
             f"MirroredStrategy got both devices={devices!r} and num_devices={num_devices!r}; "

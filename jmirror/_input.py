@@ -13,9 +13,9 @@ Choices the spec leaves open:
 - `remainder="pad"` appends zeros (of each leaf's dtype) after the real examples, so the
   padding lands on the last replicas. With `remainder="drop"`, a first batch whose size is not
   a multiple of N makes every batch of that size incomplete: a `UserWarning` says so.
-- `prefetch=k > 0`: a daemon thread keeps at most k batches transferred (`block_until_ready`)
-  ahead of the consumer; those never taken are discarded on `close()` (lost to the next pass
-  of a one-shot iterator source). Warnings are emitted in the consuming thread.
+- `prefetch=k > 0`: a daemon thread keeps at most k batches transferred ahead of the consumer
+  (see `jmirror._prefetch`, which iterates one pass). Warnings are emitted in the consuming
+  thread.
 - Iterators jmirror opened (by calling a callable source, or `iter()` of a re-iterable one)
   are closed with their pass; a one-shot iterator passed in is never closed, and concurrent
   passes over it take turns through a lock. `close()` on a dataset stops its running passes;
@@ -25,9 +25,7 @@ Choices the spec leaves open:
 from __future__ import annotations
 
 import dataclasses
-import queue
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -36,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmirror._prefetch import DistributedIterator, _Warning
 from jmirror._values import PerReplica, PyTree
 
 if TYPE_CHECKING:
@@ -169,13 +168,6 @@ def _check_prefetch(call: str, prefetch: Any) -> int:
             "the consumer by a background thread (0 for no thread)."
         )
     return prefetch
-
-
-@dataclasses.dataclass(frozen=True)
-class _Warning:
-    """A warning for the consumer, emitted when it reaches this point of the stream."""
-
-    message: str
 
 
 # --- placing batches -----------------------------------------------------------------------------
@@ -340,7 +332,7 @@ def _stack_group(strategy: MirroredStrategy, group: list[Any], step: int) -> Per
             )
         flats.append([np.asarray(x) for x in flat])
     stacked = []
-    for i, parts in enumerate(zip(*flats)):
+    for i, parts in enumerate(zip(*flats, strict=False)):
         for replica, part in enumerate(parts):
             if part.shape != parts[0].shape or part.dtype != parts[0].dtype:
                 path = _leaf_path(group[0], i)
@@ -354,146 +346,7 @@ def _stack_group(strategy: MirroredStrategy, group: list[Any], step: int) -> Per
     return PerReplica(treedef.unflatten(_place(strategy, stacked)))
 
 
-# --- iterating with a background thread ---------------------------------------------------------
-
-
-def _produce(
-    elements: Iterator[Any], results: queue.SimpleQueue, slots: threading.Semaphore,
-    stop: threading.Event,
-) -> None:
-    """The prefetch thread: one slot per element, each element on the devices before queued."""
-    try:
-        while True:
-            slots.acquire()
-            if stop.is_set():
-                return
-            try:
-                value = next(elements)
-                if not isinstance(value, _Warning):
-                    jax.block_until_ready(value)
-            except StopIteration:
-                results.put(("end", None))
-                return
-            except BaseException as e:  # noqa: BLE001 - every error goes to the consumer
-                results.put(("error", e))
-                return
-            results.put(("item", value))
-    finally:
-        close = getattr(elements, "close", None)
-        if callable(close):
-            close()
-
-
-class _Prefetcher:
-    """The prefetch thread and its queue; holds no reference to the iterator using it."""
-
-    def __init__(self, elements: Iterator[Any], prefetch: int):
-        self._results: queue.SimpleQueue = queue.SimpleQueue()
-        self._slots = threading.Semaphore(prefetch)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=_produce,
-            args=(elements, self._results, self._slots, self._stop),
-            name="jmirror-prefetch",
-            daemon=True,
-        )
-        self._thread.start()
-
-    def get(self) -> tuple[str, Any]:
-        kind, value = self._results.get()
-        self._slots.release()
-        return kind, value
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._slots.release()  # wakes the thread if it waits for a slot
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
-            while not self._results.empty():  # drop prefetched batches now
-                self._results.get_nowait()
-        self._results.put(("closed", None))  # wakes a consumer waiting in another thread
-
-
-def _shutdown(elements: Iterator[Any], prefetcher: _Prefetcher | None) -> None:
-    if prefetcher is not None:
-        prefetcher.stop()  # the thread closes `elements` itself
-    else:
-        close = getattr(elements, "close", None)
-        if callable(close):
-            close()
-
-
-class DistributedIterator:
-    """One pass over a `DistributedDataset`, possibly prefetching in a background thread.
-
-    Supports `next()`, `close()` and `with`. The prefetch thread stops on `close()`, on
-    exhaustion, on an error, and when the iterator is garbage collected.
-
-    Example:
-        >>> import numpy as np, jmirror as jm
-        >>> strategy = jm.MirroredStrategy()
-        >>> n = strategy.num_replicas
-        >>> data = strategy.distribute_dataset([np.zeros((n, 2))], remainder="drop")
-        >>> with iter(data) as it:
-        ...     batch = next(it)
-        >>> batch.values.shape == (n, 1, 2)
-        True
-    """
-
-    def __init__(self, elements: Iterator[Any], prefetch: int):
-        self._elements = elements
-        self._prefetcher = _Prefetcher(elements, prefetch) if prefetch > 0 else None
-        self._done = False
-        # The finalizer holds the thread's state, never `self`: dropping the iterator stops it.
-        self._finalizer = weakref.finalize(self, _shutdown, elements, self._prefetcher)
-
-    def __iter__(self) -> DistributedIterator:
-        return self
-
-    def __next__(self) -> Any:
-        value = self._next_value()
-        while isinstance(value, _Warning):
-            warnings.warn(value.message, UserWarning, stacklevel=2)
-            value = self._next_value()
-        return value
-
-    def _next_value(self) -> Any:
-        if self._done:
-            raise StopIteration
-        if self._prefetcher is None:
-            try:
-                return next(self._elements)
-            except BaseException:
-                self.close()
-                raise
-        kind, value = self._prefetcher.get()
-        if kind != "item":
-            self.close()
-            if kind == "error":
-                raise value
-            raise StopIteration
-        return value
-
-    def close(self) -> None:
-        """Stops the pass: joins the prefetch thread and closes the source it opened.
-
-        Example:
-            >>> import numpy as np, jmirror as jm
-            >>> strategy = jm.MirroredStrategy()
-            >>> n = strategy.num_replicas
-            >>> it = iter(strategy.distribute_dataset([np.zeros((n, 2))] * 3))
-            >>> it.close()
-            >>> list(it)
-            []
-        """
-        self._done = True
-        self._finalizer()
-
-    def __enter__(self) -> DistributedIterator:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
+# --- the dataset ---------------------------------------------------------------------------------
 
 
 class DistributedDataset:

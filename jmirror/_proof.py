@@ -139,7 +139,11 @@ class Proof:
     def _scan(self, eqn: Any, ins: list[bool]) -> list[bool]:
         body = eqn.params["jaxpr"]
         n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
-        consts, carry, xs = ins[:n_consts], ins[n_consts : n_consts + n_carry], ins[n_consts + n_carry :]
+        consts, carry, xs = (
+            ins[:n_consts],
+            ins[n_consts : n_consts + n_carry],
+            ins[n_consts + n_carry :],
+        )
         while True:
             outs = self.run(body, consts + carry + xs)
             new_carry = [a or b for a, b in zip(carry, outs[:n_carry])]

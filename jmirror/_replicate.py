@@ -352,9 +352,7 @@ def _argnums(name: str, value: int | Sequence[int]) -> tuple[int, ...]:
     values = (value,) if isinstance(value, int) else tuple(value)
     for v in values:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise TypeError(
-                f"jm.replicate({name}=...) expects non-negative ints, got {value!r}."
-            )
+            raise TypeError(f"jm.replicate({name}=...) expects non-negative ints, got {value!r}.")
     return values
 
 

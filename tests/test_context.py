@@ -17,7 +17,10 @@ def per_replica_tree(n):
     rng = np.random.default_rng(0)
     return {
         "a": rng.normal(size=(n, 3)).astype(np.float32),
-        "b": [rng.normal(size=(n,)).astype(np.float32), rng.integers(0, 9, (n, 2)).astype(np.int32)],
+        "b": [
+            rng.normal(size=(n,)).astype(np.float32),
+            rng.integers(0, 9, (n, 2)).astype(np.int32),
+        ],
     }
 
 
@@ -95,8 +98,12 @@ def test_sync_of_a_proven_identical_value_adds_no_collective(strategy, n):
     def step(w, x):
         mean = jm.all_reduce("mean", x)  # one collective
         identical = w * 2 + mean
-        return (jm.sync(identical, "mean"), jm.sync(identical, "only_first_replica"),
-                jm.sync(identical, "none"), jm.sync(identical, "sum"))
+        return (
+            jm.sync(identical, "mean"),
+            jm.sync(identical, "only_first_replica"),
+            jm.sync(identical, "none"),
+            jm.sync(identical, "sum"),
+        )
 
     replicated = jm.replicate(step, strategy=strategy)
     outs = replicated(w, x)
@@ -166,8 +173,9 @@ def test_merge_call_inside_scan_fori_and_cond(strategy, n):
 
         scanned, _ = lax.scan(body, jnp.float32(0.0), x)
         fori = lax.fori_loop(0, 4, lambda i, c: c + mean_of(x[i]), jnp.float32(0.0))
-        conditioned = lax.cond(jm.all_reduce("sum", x[0]) >= 0, lambda: mean_of(x[1]),
-                               lambda: jnp.float32(-1.0))
+        conditioned = lax.cond(
+            jm.all_reduce("sum", x[0]) >= 0, lambda: mean_of(x[1]), lambda: jnp.float32(-1.0)
+        )
         return scanned, fori, conditioned
 
     scanned, fori, conditioned = strategy.run(fn, args=(jm.PerReplica(x),))

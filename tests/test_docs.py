@@ -38,12 +38,18 @@ def test_all_lists_the_public_api():
         assert hasattr(jm, name), name
 
 
-def _public_members(obj):
-    for name, member in vars(obj).items():
-        if name.startswith("_"):
+def _public_members(cls):
+    """Public methods and properties of `cls`, including those of its base classes."""
+    seen = set()
+    for klass in cls.__mro__:
+        if klass is object:
             continue
-        if inspect.isfunction(member) or isinstance(member, property):
-            yield name, member
+        for name, member in vars(klass).items():
+            if name.startswith("_") or name in seen:
+                continue
+            if inspect.isfunction(member) or isinstance(member, property):
+                seen.add(name)
+                yield name, member
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_ALL))
@@ -55,6 +61,8 @@ def test_public_name_has_docstring_with_example(name):
 
 
 def test_public_methods_of_strategy_have_docstrings():
+    names = {name for name, _ in _public_members(jm.MirroredStrategy)}
+    assert {"mirror", "read", "reduce", "gather", "local_results", "assign", "run"} <= names
     for name, member in _public_members(jm.MirroredStrategy):
         assert inspect.getdoc(member), f"MirroredStrategy.{name} has no docstring"
         if inspect.isfunction(member):

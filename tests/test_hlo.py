@@ -62,7 +62,10 @@ def test_sync_on_read_metrics_add_no_collective(strategy, n):
     tx, (params, opt_state), x, y, _ = setup(strategy, n)
     plain = jm.replicate(train_step_factory(tx, False), strategy=strategy)
     with_metrics = jm.replicate(train_step_factory(tx, True), strategy=strategy)
-    metrics = (strategy.sync_on_read(np.float32(0), "sum"), strategy.sync_on_read(np.int32(0), "sum"))
+    metrics = (
+        strategy.sync_on_read(np.float32(0), "sum"),
+        strategy.sync_on_read(np.int32(0), "sum"),
+    )
     before = jmt.collectives(plain.lower(params, opt_state, x, y))
     after = jmt.collectives(with_metrics.lower(params, opt_state, x, y, *metrics))
     assert after == before

@@ -10,8 +10,9 @@ import jmirror as jm
 def test_ten_thousand_back_to_back_steps_complete(strategy, n, donate):
     # With donation every output of a step is consumed by the next one: the bound must
     # still hold (it then waits on the later step).
-    step = jm.replicate(lambda w, x: w + jm.all_reduce("mean", x), strategy=strategy,
-                        donate_argnums=donate)
+    step = jm.replicate(
+        lambda w, x: w + jm.all_reduce("mean", x), strategy=strategy, donate_argnums=donate
+    )
     w = strategy.mirror(np.zeros(4, np.float32))
     x = jm.PerReplica(np.ones((n, 4), np.float32) * 1e-4)
     for _ in range(10_000):

@@ -10,7 +10,6 @@ from jax import lax
 
 import jmirror as jm
 
-
 N = jax.device_count()
 ROTATE = [(i, (i + 1) % N) for i in range(N)]
 
@@ -119,7 +118,7 @@ def test_gradient_wrt_mirrored_input_is_the_replica_own(strategy, n):
     assert isinstance(out, jm.PerReplica)
     oracle = vmap_oracle(local_grad, n, (None, 0))(w0, x)
     np.testing.assert_allclose(out.values, oracle, rtol=1e-5)
-    single = [jax.grad(lambda w: jnp.mean((x[i] @ w - 1.0) ** 2))(w0) for i in range(n)]
+    single = [jax.grad(lambda w, xi=xi: jnp.mean((xi @ w - 1.0) ** 2))(w0) for xi in x]
     np.testing.assert_allclose(out.values, np.stack(single), rtol=1e-5)
 
 
@@ -170,8 +169,9 @@ def test_static_argnums_and_decorator_forms(strategy, n):
 
 
 def test_donate_argnums(strategy, n):
-    step = jm.replicate(lambda w, x: w + jm.all_reduce("sum", x), strategy=strategy,
-                        donate_argnums=0)
+    step = jm.replicate(
+        lambda w, x: w + jm.all_reduce("sum", x), strategy=strategy, donate_argnums=0
+    )
     w = strategy.mirror(np.zeros(4, np.float32))
     w = step(w, jm.PerReplica(np.ones((n, 4), np.float32)))
     np.testing.assert_array_equal(strategy.read(w), np.full(4, float(n)))

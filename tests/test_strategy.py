@@ -7,7 +7,6 @@ import pytest
 
 import jmirror as jm
 
-
 # --- devices --------------------------------------------------------------------------------
 
 
@@ -28,8 +27,14 @@ def test_num_devices_takes_the_first_k(n):
 
 
 @pytest.mark.parametrize(
-    "spec_of", [lambda i: f"cpu:{i}", lambda i: f"/device:CPU:{i}", lambda i: f"/cpu:{i}",
-                lambda i: f"CPU:{i}", lambda i: jax.local_devices()[i]]
+    "spec_of",
+    [
+        lambda i: f"cpu:{i}",
+        lambda i: f"/device:CPU:{i}",
+        lambda i: f"/cpu:{i}",
+        lambda i: f"CPU:{i}",
+        lambda i: jax.local_devices()[i],
+    ],
 )
 def test_device_specs_resolve_in_caller_order(spec_of, n):
     order = list(reversed(range(n)))
@@ -148,7 +153,9 @@ def test_sync_on_read_sum_reads_n_then_n_plus_sum_of_updates(strategy, n):
     assert [next(iter(p.value.devices())) for p in parts] == list(strategy.devices)
 
 
-@pytest.mark.parametrize("agg, expected", [("sum", 6.0), ("mean", 6.0), ("only_first_replica", 6.0)])
+@pytest.mark.parametrize(
+    "agg, expected", [("sum", 6.0), ("mean", 6.0), ("only_first_replica", 6.0)]
+)
 def test_assign_reads_back_the_value(strategy, n, agg, expected):
     v = strategy.assign(strategy.sync_on_read(0.0, agg), 6.0)
     assert float(strategy.read(v)) == pytest.approx(expected)
@@ -165,8 +172,11 @@ def test_assign_integer_sum_truncates(strategy, n):
 def test_read_sync_on_read_aggregations(strategy, n):
     components = np.arange(n, dtype=np.float32) + 1
     ids = strategy.distribute_values_from_function(lambda ctx: components[ctx.replica_id])
-    for agg, expected in [("sum", components.sum()), ("mean", components.mean()),
-                          ("only_first_replica", components[0])]:
+    for agg, expected in [
+        ("sum", components.sum()),
+        ("mean", components.mean()),
+        ("only_first_replica", components[0]),
+    ]:
         v = jm.SyncOnRead(ids.values, agg)
         assert float(strategy.read(v)) == pytest.approx(expected)
     with pytest.raises(ValueError, match="aggregation NONE"):

@@ -19,7 +19,11 @@ def run_python(code: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JMIRROR_TEST_DEVICES")}
     return subprocess.run(
         [sys.executable, *args] if not code else [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, env=env, cwd=cwd, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=300,
     )
 
 
@@ -61,8 +65,9 @@ def test_pytest_plugin_runs_a_suite_on_n_fake_devices(tmp_path):
             """
         )
     )
-    result = run_python("", "-m", "pytest", "-q", "--jmirror-devices", "3", "-p", "no:cacheprovider",
-                        cwd=tmp_path)
+    result = run_python(
+        "", "-m", "pytest", "-q", "--jmirror-devices", "3", "-p", "no:cacheprovider", cwd=tmp_path
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 passed" in result.stdout
 
@@ -95,8 +100,12 @@ def _merge_scan(x, w):
 
 
 def _sync(x, w):
-    return (jm.sync(x.sum() * (jm.replica_id() + 1), "only_first_replica"),
-            jm.sync(x.sum(), "mean"), jm.all_gather(x[0]), jm.replica_id() * w[0])
+    return (
+        jm.sync(x.sum() * (jm.replica_id() + 1), "only_first_replica"),
+        jm.sync(x.sum(), "mean"),
+        jm.all_gather(x[0]),
+        jm.replica_id() * w[0],
+    )
 
 
 def _sync_on_read(x, w, metric):
@@ -115,8 +124,11 @@ def test_emulated_strategy_matches_the_real_one(fn, n):
             args += (strategy.sync_on_read(np.float32(1.0), "sum"),)
         out = strategy.run(fn, args=args)
         kinds = jax.tree.map(
-            lambda v: type(v).__name__ if isinstance(v, (jm.PerReplica, jm.SyncOnRead)) else "mirrored",
-            out, is_leaf=lambda v: isinstance(v, (jm.PerReplica, jm.SyncOnRead)),
+            lambda v: (
+                type(v).__name__ if isinstance(v, (jm.PerReplica, jm.SyncOnRead)) else "mirrored"
+            ),
+            out,
+            is_leaf=lambda v: isinstance(v, (jm.PerReplica, jm.SyncOnRead)),
         )
         values = [np.asarray(v) for v in jax.tree.leaves(strategy.local_results(out))]
         outs.append((kinds, values, strategy))
