@@ -48,9 +48,5 @@ def report(hidden: int = 512) -> str:
         f"({'no collective added' if with_metrics == plain else 'CHANGED'})",
         f"- jm.sync(mirrored params, MEAN): {len(synced)} collective(s)",
     ]
-    title = f"
-### Compiled step structure (MLP hidden {hidden}, {n} devices)
-
-"
-    return title + "
-".join(rows)
+    title = f"\n### Compiled step structure (MLP hidden {hidden}, {n} devices)\n\n"
+    return title + "\n".join(rows)
