@@ -108,9 +108,38 @@ class Replicated:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         strategy = self._check_call(args)
         strategy._wait_for_room()
-        result, token = self._jitted(strategy, *args, **kwargs)
+        try:
+            result, token = self._jitted(strategy, *args, **kwargs)
+        except ValueError:
+            # jax.jit refuses arrays committed to other devices; move them (rare) and retry.
+            placed = self._place(strategy, args, kwargs)
+            if placed is None:
+                raise
+            result, token = self._jitted(strategy, *placed[0], **placed[1])
         strategy._track(result if token is None else token)
         return result
+
+    def _place(self, strategy: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Arguments with arrays on other devices moved onto the strategy's; None if none are."""
+        moved = []
+
+        def place(x: Any, sharding: Any) -> Any:
+            if isinstance(x, jax.Array) and x.sharding.device_set != strategy._device_set:
+                moved.append(x)
+                return jax.device_put(x, sharding)
+            return x
+
+        def node(x: Any) -> Any:
+            if is_distributed(x):
+                return jax.tree.map(lambda v: place(v, strategy._stacked), x)
+            return place(x, strategy._replicated)
+
+        new_args = tuple(
+            a if i in self._static else jax.tree.map(node, a, is_leaf=is_distributed)
+            for i, a in enumerate(args)
+        )
+        new_kwargs = jax.tree.map(node, kwargs, is_leaf=is_distributed)
+        return (new_args, new_kwargs) if moved else None
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """Returns the `jax.stages.Lowered` of the step for these arguments.

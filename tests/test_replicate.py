@@ -44,6 +44,19 @@ def test_per_replica_inputs_are_split_and_others_broadcast(strategy, n):
     np.testing.assert_allclose(out.values, x * 2.0 + 1.0 + 1.5 + 0.5)
 
 
+def test_arrays_committed_to_other_devices_are_moved(n):
+    if n < 2:
+        pytest.skip("needs two devices")
+    small = jm.MirroredStrategy(num_devices=n // 2)
+    other = jax.local_devices()[-1]
+    host = jax.device_put(np.arange(3.0, dtype=np.float32), other)
+    per = jm.PerReplica(jax.device_put(np.ones((n // 2, 3), np.float32), other))
+    out = small.run(lambda a, b: a + b, args=(host, per))
+    assert isinstance(out, jm.PerReplica)
+    np.testing.assert_array_equal(out.values, np.arange(3.0) + np.ones((n // 2, 3)))
+    assert out.values.sharding.device_set == set(small.devices)
+
+
 def test_function_of_no_arguments(strategy, n):
     out = strategy.run(lambda: jnp.arange(3.0))
     assert is_mirrored(strategy, out)
