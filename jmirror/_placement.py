@@ -87,8 +87,9 @@ class _Placement:
     def mirror(self, tree: PyTree) -> PyTree:
         """Places every leaf of `tree` on every device: a mirrored value.
 
-        Leaves that are already mirrored are returned without a copy. One copy lives on each
-        device; there are never N stacked copies on one device.
+        Leaves that are already mirrored are returned without a copy, and `SyncOnRead` nodes
+        are passed through (so a train state holding sync-on-read statistics mirrors in one
+        call). One copy lives on each device; there are never N stacked copies on one device.
 
         Example:
             >>> import numpy as np, jmirror as jm
@@ -103,14 +104,17 @@ class _Placement:
         out: list[Any] = [None] * len(leaves)
         todo = []
         for i, (path, leaf) in enumerate(leaves):
-            if is_distributed(leaf):
+            if isinstance(leaf, PerReplica):
                 raise TypeError(
-                    f"strategy.mirror got a {type(leaf).__name__} at path "
-                    f"{jax.tree_util.keystr(path)!r}; per-replica values cannot be mirrored "
-                    "as they are. Reduce them first (strategy.reduce) or read them "
-                    "(strategy.read for SyncOnRead)."
+                    f"strategy.mirror got a PerReplica at path {jax.tree_util.keystr(path)!r}; "
+                    "per-replica values cannot be mirrored as they are. Reduce them first "
+                    "(strategy.reduce) or pick one (strategy.local_results)."
                 )
-            if isinstance(leaf, jax.Array) and self._is_mirrored(leaf):
+            # SyncOnRead state is already placed; exactly-mirrored arrays are kept (one
+            # sharding for mirrored state, so a step's outputs match its inputs' signature).
+            if isinstance(leaf, SyncOnRead) or (
+                isinstance(leaf, jax.Array) and leaf.sharding == self._replicated
+            ):
                 out[i] = leaf
             else:
                 todo.append(i)

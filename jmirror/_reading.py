@@ -81,7 +81,28 @@ class _Reading:
             (2.0, True)
         """
         context = self._merge("read(tree)")
-        return jax.tree.map(lambda x: self._read_node(x, context), tree, is_leaf=is_distributed)
+        if context is not None:
+            return jax.tree.map(lambda x: self._read_node(x, context), tree, is_leaf=is_distributed)
+        # Cross-replica: every SUM / MEAN component goes to devices[0] in one transfer and is
+        # reduced by one compiled function, however many sync-on-read leaves the tree holds.
+        nodes, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_distributed)
+        out: list[Any] = []
+        pending: list[tuple[int, ReduceOp, Any]] = []
+        for i, node in enumerate(nodes):
+            if isinstance(node, SyncOnRead) and node.aggregation in _REDUCED:
+                op = _REDUCED[node.aggregation]
+                leaves, inner = jax.tree_util.tree_flatten(node.value)
+                pending.append((i, inner, len(leaves)))
+                out.append([(op, leaf) for leaf in leaves])
+            else:
+                out.append(self._read_node(node, None))
+        if pending:
+            work = [item for i, _, _ in pending for item in out[i]]
+            stacked = jax.device_put([leaf for _, leaf in work], self._devices[0])
+            reduced = iter(_reduce_many(tuple(op for op, _ in work))(stacked))
+            for i, inner, size in pending:
+                out[i] = inner.unflatten([next(reduced) for _ in range(size)])
+        return treedef.unflatten(out)
 
     def _read_node(self, x: Any, context: _context.ReplicaContext | None) -> Any:
         if isinstance(x, PerReplica):
@@ -255,19 +276,30 @@ class _Reading:
 
 
 _squeeze = jax.jit(lambda x: x[0])
+_REDUCERS = {
+    ReduceOp.SUM: jnp.sum,
+    ReduceOp.MEAN: jnp.mean,
+    ReduceOp.MAX: jnp.max,
+    ReduceOp.MIN: jnp.min,
+}
 
 
 @functools.cache
 def _reduce_fn(op: ReduceOp, axis: int | None) -> Callable[[jax.Array], jax.Array]:
     """Reduces stacked components (leading replica axis), and axis `axis` of each component."""
     axes = 0 if axis is None else (0, axis + 1 if axis >= 0 else axis)
-    reducer = {
-        ReduceOp.SUM: jnp.sum,
-        ReduceOp.MEAN: jnp.mean,
-        ReduceOp.MAX: jnp.max,
-        ReduceOp.MIN: jnp.min,
-    }[op]
+    reducer = _REDUCERS[op]
     return jax.jit(lambda x: reducer(x, axis=axes))
+
+
+_REDUCED = {Aggregation.SUM: ReduceOp.SUM, Aggregation.MEAN: ReduceOp.MEAN}
+
+
+@functools.cache
+def _reduce_many(ops: tuple[ReduceOp, ...]) -> Callable[[list[jax.Array]], list[jax.Array]]:
+    """Reduces a list of stacked components over their replica axis, one op each."""
+    reducers = [_REDUCERS[op] for op in ops]
+    return jax.jit(lambda xs: [r(x, axis=0) for r, x in zip(reducers, xs)])
 
 
 @functools.cache

@@ -254,3 +254,12 @@ def test_both_backends_give_identical_results(n):
     np.testing.assert_array_equal(np.asarray(a[0]), np.asarray(b[0]))
     np.testing.assert_array_equal(a[1].values, b[1].values)
     np.testing.assert_array_equal(np.asarray(a[2]), np.asarray(b[2]))
+
+
+def test_a_training_loop_compiles_once_from_mirror_of_device_arrays(strategy, n):
+    step = jm.replicate(lambda w, x: w + jm.all_reduce("mean", x), strategy=strategy)
+    w = strategy.mirror(jnp.zeros(3))  # a device array, already on devices[0]
+    x = jm.PerReplica(np.ones((n, 3), np.float32))
+    for _ in range(3):
+        w = step(w, x)
+    assert step.num_compilations == 1

@@ -1,8 +1,9 @@
 """Metrics updated inside replicated steps without communication and read once.
 
 Example:
-    >>> import jax.numpy as jnp, jmirror as jm
-    >>> float(jm.metrics.Mean.empty().update(jnp.array([1.0, 3.0])).compute())
+    >>> import jax.numpy as jnp
+    >>> from jmirror import metrics
+    >>> float(metrics.Mean.empty().update(jnp.array([1.0, 3.0])).compute())
     2.0
 """
 

@@ -70,9 +70,10 @@ class Metric:
     counters of an empty metric), `update` and `_result` (the value from summed counters).
 
     Example:
-        >>> import jax.numpy as jnp, jmirror as jm
-        >>> metric = jm.metrics.Mean.empty().update(jnp.array([1.0, 2.0, 3.0]))
-        >>> isinstance(metric, jm.metrics.Metric), float(metric.compute())
+        >>> import jax.numpy as jnp
+        >>> from jmirror import metrics
+        >>> metric = metrics.Mean.empty().update(jnp.array([1.0, 2.0, 3.0]))
+        >>> isinstance(metric, metrics.Metric), float(metric.compute())
         (True, 2.0)
     """
 
@@ -88,8 +89,8 @@ class Metric:
         """Returns a local metric with every counter zero.
 
         Example:
-            >>> import jmirror as jm
-            >>> jm.metrics.Sum.empty()
+            >>> from jmirror import metrics
+            >>> metrics.Sum.empty()
             Sum(total=Array(0., dtype=float32))
         """
         return cls(**cls._zeros())
@@ -106,8 +107,9 @@ class Metric:
 
         Example:
             >>> import jmirror as jm
+            >>> from jmirror import metrics
             >>> strategy = jm.MirroredStrategy()
-            >>> metric = jm.metrics.Mean.create(strategy)
+            >>> metric = metrics.Mean.create(strategy)
             >>> metric.count.aggregation, metric.count.value.shape == (strategy.num_replicas,)
             (<Aggregation.SUM: 'sum'>, True)
         """
@@ -123,8 +125,8 @@ class Metric:
         """Whether the counters are `SyncOnRead` (made by `create`) rather than plain arrays.
 
         Example:
-            >>> import jmirror as jm
-            >>> jm.metrics.Mean.empty().is_distributed
+            >>> from jmirror import metrics
+            >>> metrics.Mean.empty().is_distributed
             False
         """
         return any(
@@ -145,9 +147,10 @@ class Metric:
           TypeError: for metrics of different classes or forms.
 
         Example:
-            >>> import jax.numpy as jnp, jmirror as jm
-            >>> a = jm.metrics.Mean.empty().update(jnp.array([1.0, 2.0]))
-            >>> b = jm.metrics.Mean.empty().update(jnp.array([6.0]))
+            >>> import jax.numpy as jnp
+            >>> from jmirror import metrics
+            >>> a = metrics.Mean.empty().update(jnp.array([1.0, 2.0]))
+            >>> b = metrics.Mean.empty().update(jnp.array([6.0]))
             >>> float(a.merge(b).compute())
             3.0
         """
@@ -164,8 +167,9 @@ class Metric:
         """Returns a metric of the same form with every counter zero.
 
         Example:
-            >>> import jax.numpy as jnp, jmirror as jm
-            >>> metric = jm.metrics.Sum.empty().update(jnp.ones(3))
+            >>> import jax.numpy as jnp
+            >>> from jmirror import metrics
+            >>> metric = metrics.Sum.empty().update(jnp.ones(3))
             >>> float(metric.reset().compute())
             0.0
         """
@@ -184,11 +188,12 @@ class Metric:
 
         Example:
             >>> import jax.numpy as jnp, jmirror as jm
+            >>> from jmirror import metrics
             >>> strategy = jm.MirroredStrategy()
             >>> step = jm.replicate(lambda m, x: m.update(x), strategy=strategy)
             >>> n = strategy.num_replicas
             >>> x = jm.PerReplica(jnp.arange(2.0 * n).reshape(n, 2))
-            >>> metric = step(jm.metrics.Mean.create(strategy), x)
+            >>> metric = step(metrics.Mean.create(strategy), x)
             >>> float(metric.compute(strategy)) == (2 * n - 1) / 2
             True
         """
@@ -216,8 +221,9 @@ class Sum(Metric):
       total: the running sum (float32).
 
     Example:
-        >>> import jax.numpy as jnp, jmirror as jm
-        >>> metric = jm.metrics.Sum.empty().update(jnp.array([1.0, 2.0, 9.0]),
+        >>> import jax.numpy as jnp
+        >>> from jmirror import metrics
+        >>> metric = metrics.Sum.empty().update(jnp.array([1.0, 2.0, 9.0]),
         ...                                        mask=jnp.array([True, True, False]))
         >>> float(metric.compute())
         3.0
@@ -237,13 +243,14 @@ class Sum(Metric):
           mask: `None`, or booleans over the leading axes of `values` (True: counted).
 
         Example:
-            >>> import jax.numpy as jnp, jmirror as jm
-            >>> float(jm.metrics.Sum.empty().update(jnp.ones((2, 3))).compute())
+            >>> import jax.numpy as jnp
+            >>> from jmirror import metrics
+            >>> float(metrics.Sum.empty().update(jnp.ones((2, 3))).compute())
             6.0
         """
         self._check_update()
         values = jnp.asarray(values)
-        mask = _expand_mask("jm.metrics.Sum.update", mask, values.shape)
+        mask = _expand_mask("metrics.Sum.update", mask, values.shape)
         return Sum(_add(self.total, jnp.sum(jnp.where(mask, values, 0))))
 
     def _result(self) -> jax.Array:
@@ -262,9 +269,10 @@ class Mean(Metric):
       count: how many values were counted (int32).
 
     Example:
-        >>> import jax.numpy as jnp, jmirror as jm
+        >>> import jax.numpy as jnp
+        >>> from jmirror import metrics
         >>> loss = jnp.array([1.0, 3.0, jnp.nan])
-        >>> metric = jm.metrics.Mean.empty().update(loss, mask=jnp.array([1, 1, 0]))
+        >>> metric = metrics.Mean.empty().update(loss, mask=jnp.array([1, 1, 0]))
         >>> float(metric.compute())
         2.0
     """
@@ -284,14 +292,15 @@ class Mean(Metric):
           mask: `None`, or booleans over the leading axes of `values` (True: counted).
 
         Example:
-            >>> import jax.numpy as jnp, jmirror as jm
-            >>> metric = jm.metrics.Mean.empty().update(jnp.array([[1.0, 2.0], [3.0, 4.0]]))
+            >>> import jax.numpy as jnp
+            >>> from jmirror import metrics
+            >>> metric = metrics.Mean.empty().update(jnp.array([[1.0, 2.0], [3.0, 4.0]]))
             >>> float(metric.compute()), int(metric.count)
             (2.5, 4)
         """
         self._check_update()
         values = jnp.asarray(values)
-        mask = _expand_mask("jm.metrics.Mean.update", mask, values.shape)
+        mask = _expand_mask("metrics.Mean.update", mask, values.shape)
         return Mean(
             _add(self.total, jnp.sum(jnp.where(mask, values, 0))),
             _add(self.count, jnp.sum(mask, dtype=jnp.int32)),
@@ -313,10 +322,11 @@ class Accuracy(Metric):
       count: how many examples were counted (int32).
 
     Example:
-        >>> import jax.numpy as jnp, jmirror as jm
+        >>> import jax.numpy as jnp
+        >>> from jmirror import metrics
         >>> logits = jnp.array([[2.0, 0.0], [0.0, 1.0], [5.0, 0.0]])
         >>> labels = jnp.array([0, 0, 1])
-        >>> metric = jm.metrics.Accuracy.empty().update(logits, labels, mask=[1, 1, 0])
+        >>> metric = metrics.Accuracy.empty().update(logits, labels, mask=[1, 1, 0])
         >>> float(metric.compute())
         0.5
     """
@@ -342,8 +352,9 @@ class Accuracy(Metric):
           ValueError: when the shapes of `logits`, `labels` and `mask` do not match.
 
         Example:
-            >>> import jax.numpy as jnp, jmirror as jm
-            >>> metric = jm.metrics.Accuracy.empty().update(jnp.eye(3), jnp.array([0, 1, 1]))
+            >>> import jax.numpy as jnp
+            >>> from jmirror import metrics
+            >>> metric = metrics.Accuracy.empty().update(jnp.eye(3), jnp.array([0, 1, 1]))
             >>> int(metric.correct), int(metric.count)
             (2, 3)
         """
@@ -352,11 +363,11 @@ class Accuracy(Metric):
         labels = jnp.asarray(labels)
         if logits.ndim < 1 or logits.shape[:-1] != labels.shape:
             raise ValueError(
-                f"jm.metrics.Accuracy.update: logits of shape {logits.shape} need labels of "
+                f"metrics.Accuracy.update: logits of shape {logits.shape} need labels of "
                 f"shape {logits.shape[:-1]} (the logits without the class axis), got labels of "
                 f"shape {labels.shape}. Pass integer class ids, not one-hot labels."
             )
-        mask = _expand_mask("jm.metrics.Accuracy.update", mask, labels.shape)
+        mask = _expand_mask("metrics.Accuracy.update", mask, labels.shape)
         hits = (jnp.argmax(logits, axis=-1) == labels) & mask
         return Accuracy(
             _add(self.correct, jnp.sum(hits, dtype=jnp.int32)),
