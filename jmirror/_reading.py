@@ -170,7 +170,7 @@ class _Reading:
             return [jax.tree.map(lambda v, i=i: self._component(v, i), x.values) for i in range(n)]
         if isinstance(x, SyncOnRead):
             return [
-                x.replace(jax.tree.map(lambda v, i=i: self._component(v, i), x.value))
+                jax.tree.map(lambda v, i=i: self._component(v, i), x.value)
                 for i in range(n)
             ]
         if isinstance(x, jax.Array) and n > 1 and self._is_mirrored(x):

@@ -149,8 +149,8 @@ def test_sync_on_read_sum_reads_n_then_n_plus_sum_of_updates(strategy, n):
     assert float(strategy.read(v)) == n + sum(2 + i for i in range(n))
     # Components are what each replica wrote, on its own device.
     parts = strategy.local_results(v)
-    assert [float(p.value) for p in parts] == [1.0 + 2 + i for i in range(n)]
-    assert [next(iter(p.value.devices())) for p in parts] == list(strategy.devices)
+    assert [float(p) for p in parts] == [1.0 + 2 + i for i in range(n)]
+    assert [next(iter(p.devices())) for p in parts] == list(strategy.devices)
 
 
 @pytest.mark.parametrize(
@@ -160,13 +160,13 @@ def test_assign_reads_back_the_value(strategy, n, agg, expected):
     v = strategy.assign(strategy.sync_on_read(0.0, agg), 6.0)
     assert float(strategy.read(v)) == pytest.approx(expected)
     per = 6.0 / n if agg == "sum" else 6.0
-    assert [float(p.value) for p in strategy.local_results(v)] == pytest.approx([per] * n)
+    assert [float(p) for p in strategy.local_results(v)] == pytest.approx([per] * n)
 
 
 def test_assign_integer_sum_truncates(strategy, n):
     v = strategy.assign(strategy.sync_on_read(np.int32(0), "sum"), 7)
     assert v.value.dtype == np.int32
-    assert [int(p.value) for p in strategy.local_results(v)] == [int(7 / n)] * n
+    assert [int(p) for p in strategy.local_results(v)] == [int(7 / n)] * n
 
 
 def test_read_sync_on_read_aggregations(strategy, n):
@@ -278,3 +278,12 @@ def test_update_applies_fn_to_each_copy(strategy, n):
     per = strategy.update(w, lambda w, d: w * d, ids)
     assert isinstance(per, jm.PerReplica)
     np.testing.assert_array_equal(strategy.gather(per).reshape(n, 3)[:, 0], np.arange(n))
+
+
+def test_local_results_of_a_tree_with_sync_on_read_gives_plain_components(strategy, n):
+    metric = jm.metrics.Sum.create(strategy)
+    step = jm.replicate(lambda m, x: m.update(x), strategy=strategy)
+    metric = step(metric, jm.PerReplica(np.arange(n * 2, dtype=np.float32).reshape(n, 2)))
+    parts = strategy.local_results(metric)
+    assert [float(p.compute()) for p in parts] == [4.0 * i + 1 for i in range(n)]
+    assert float(metric.compute(strategy)) == sum(4.0 * i + 1 for i in range(n))
