@@ -42,13 +42,25 @@ def measure_steps(variants, steps: int, rounds: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in rates.items()}
 
 
+def factories() -> dict:
+    """The variants to compare: jmirror's, the JAX alternatives, and TensorFlow if installed."""
+    from benchmarks import models_tf
+    from benchmarks.models import VARIANTS
+
+    found = dict(VARIANTS)
+    if models_tf.available():
+        found["TensorFlow MirroredStrategy"] = models_tf.tensorflow_variant
+    return found
+
+
 def build(names, hidden: int):
     """Builds each variant and times its first call (trace + compile + one step)."""
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.models import VARIANTS, make_problem
+    from benchmarks.models import make_problem
 
+    variant_factories = factories()
     # Start the backends, compile something and trace the model once first, so that no
     # variant pays the process's one-time costs (JAX's start-up, flax's first trace).
     params, _, loss_fn, x, y = make_problem(hidden)
@@ -58,7 +70,7 @@ def build(names, hidden: int):
     variants, first_call = [], {}
     for name in names:
         start = time.perf_counter()
-        variant = VARIANTS[name](hidden)
+        variant = variant_factories[name](hidden)
         variant.block(variant.step())
         first_call[name] = time.perf_counter() - start
         for _ in range(3):
@@ -102,10 +114,8 @@ def table(title: str, rows: list[list[str]], header: list[str]) -> str:
 
 
 def steps_section(size: str, steps: int, rounds: int, memory: bool) -> str:
-    from benchmarks.models import VARIANTS
-
     hidden = SIZES[size]
-    names = list(VARIANTS)
+    names = list(factories())
     variants, first_call = build(names, hidden)
     rates = measure_steps(variants, steps, rounds)
     base_rate, base_first = rates[BASELINE], first_call[BASELINE]
@@ -141,6 +151,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip", default="", help="comma list of: steps,hlo,micro")
     args = parser.parse_args(argv)
     _setup_devices()
+    from benchmarks import models_tf
+
+    if models_tf.available():
+        models_tf.configure(NUM_DEVICES)
     import jax
 
     from benchmarks import hlo, micro

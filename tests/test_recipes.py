@@ -238,7 +238,7 @@ def test_per_replica_batch_norm_stats_read_as_mean(strategy, n):
     assert isinstance(placed.batch_stats, jm.SyncOnRead)
     assert placed.batch_stats.aggregation is jm.Aggregation.MEAN
     for component, expected in zip(strategy.local_results(placed.batch_stats), stats, strict=True):
-        _assert_trees_close(component.value, expected, rtol=1e-4, atol=1e-5)
+        _assert_trees_close(component, expected, rtol=1e-4, atol=1e-5)
     mean_stats = jax.tree.map(lambda *xs: np.mean(np.stack(xs), axis=0), *stats)
     read = recipes.read_variables(strategy, placed)
     _assert_trees_close(read, {"params": params, "batch_stats": mean_stats}, rtol=1e-4, atol=1e-5)
