@@ -97,23 +97,40 @@ def reads(rounds: int) -> list[list[str]]:
 
 
 _MEMORY = """
-import resource, sys, time
+import os, sys, threading, time
 from benchmarks.run import _setup_devices; _setup_devices()
 import jax, jax.numpy as jnp, numpy as np
 jnp.ones(1).block_until_ready()
 import flax.jax_utils, jmirror as jm
 tree = {"w%d" % i: np.ones((1024, 1024), np.float32) for i in range(8)}  # 32 MiB
 strategy = jm.MirroredStrategy()
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+peak, done = [rss()], []
+
+
+def poll():  # the transient peak, sampled every half millisecond
+    while not done:
+        peak[0] = max(peak[0], rss())
+        time.sleep(0.0005)
+
+
+base = rss()
+watcher = threading.Thread(target=poll)
+watcher.start()
 start = time.perf_counter()
-if sys.argv[1] == "mirror":
-    out = strategy.mirror(tree)
-else:
-    out = flax.jax_utils.replicate(tree)
+out = strategy.mirror(tree) if sys.argv[1] == "mirror" else flax.jax_utils.replicate(tree)
 jax.block_until_ready(out)
 took = time.perf_counter() - start
-peak = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
-print(took, peak / (32 * 2**20 * jax.device_count()))
+done.append(True)
+watcher.join()
+peak = max(peak[0], rss())
+print(took, (peak - base) / (32 * 2**20 * jax.device_count()))
 """
 
 

@@ -13,6 +13,7 @@ import numpy as np
 from benchmarks.models import CLASSES, FEATURES, GLOBAL_BATCH, Variant
 
 _CONFIGURED: list[int] = []
+_STRATEGY: list = []
 
 
 def available() -> bool:
@@ -35,7 +36,10 @@ def tensorflow_variant(hidden: int) -> Variant:
     import tensorflow as tf
 
     num_devices = _CONFIGURED[0]
-    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(num_devices)])
+    if not _STRATEGY:
+        # One strategy per process: a second one reuses TF's collective instance keys.
+        _STRATEGY.append(tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(num_devices)]))
+    strategy = _STRATEGY[0]
     rng = np.random.default_rng(0)
     x = rng.normal(size=(GLOBAL_BATCH, FEATURES)).astype(np.float32)
     y = rng.integers(0, CLASSES, size=(GLOBAL_BATCH,)).astype(np.int32)
@@ -73,4 +77,6 @@ def tensorflow_variant(hidden: int) -> Variant:
         losses = strategy.run(step_fn, args=batch)
         return strategy.reduce(tf.distribute.ReduceOp.SUM, losses, axis=None)
 
-    return Variant("TensorFlow MirroredStrategy", lambda: train_step(batch), lambda out: out.numpy())
+    return Variant(
+        "TensorFlow MirroredStrategy", lambda: train_step(batch), lambda out: out.numpy()
+    )

@@ -81,15 +81,14 @@ def build(names, hidden: int):
 
 
 def peak_memory_mb(name: str, hidden: int) -> float:
-    """Peak RSS growth (MB) of building and running a variant, in a fresh process."""
+    """Peak RSS (MB) of a fresh process that builds one variant and runs six steps."""
     code = (
-        "import resource, sys; from benchmarks.run import _setup_devices; _setup_devices();"
-        "import jax, jax.numpy as jnp; jnp.ones(1).block_until_ready();"
-        f"from benchmarks.models import VARIANTS, make_problem; make_problem({hidden});"
-        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
-        f"v = VARIANTS[{name!r}]({hidden}); [v.step() for _ in range(5)]; v.block(v.step());"
-        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)"
-    )
+        "import resource; from benchmarks.run import _setup_devices, factories;"
+        "_setup_devices(); from benchmarks import models_tf;"
+        f"{name.startswith('TensorFlow')} and models_tf.configure(%d);"
+        f"v = factories()[{name!r}]({hidden}); [v.step() for _ in range(5)]; v.block(v.step());"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
+    ) % NUM_DEVICES
     out = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

@@ -7,7 +7,10 @@ import pkgutil
 
 import pytest
 
+import jmirror
 import jmirror as jm
+import jmirror.metrics
+import jmirror.testing
 
 EXPECTED_ALL = {
     "Aggregation",
@@ -52,12 +55,19 @@ def _public_members(cls):
                 yield name, member
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED_ALL))
-def test_public_name_has_docstring_with_example(name):
-    obj = getattr(jm, name)
+PUBLIC = [("jmirror", name) for name in sorted(EXPECTED_ALL)] + [
+    (module.__name__, name)
+    for module in (jmirror.metrics, jmirror.testing)
+    for name in module.__all__
+]
+
+
+@pytest.mark.parametrize("module_name, name", PUBLIC)
+def test_public_name_has_docstring_with_example(module_name, name):
+    obj = getattr(importlib.import_module(module_name), name)
     doc = inspect.getdoc(obj) or ""
-    assert doc.strip(), f"jm.{name} has no docstring"
-    assert "Example:" in doc and ">>>" in doc, f"jm.{name} has no doctested example"
+    assert doc.strip(), f"{module_name}.{name} has no docstring"
+    assert "Example:" in doc and ">>>" in doc, f"{module_name}.{name} has no doctested example"
 
 
 def test_public_methods_of_strategy_have_docstrings():

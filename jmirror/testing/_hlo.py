@@ -30,7 +30,13 @@ _ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """One collective instruction of a compiled step: its opcode and the bytes it produces."""
+    """One collective instruction of a compiled step: its opcode and the bytes it produces.
+
+    Example:
+        >>> from jmirror.testing import Collective
+        >>> Collective("all-reduce", 16)
+        Collective(op='all-reduce', bytes=16)
+    """
 
     op: str
     bytes: int
