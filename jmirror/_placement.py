@@ -119,7 +119,16 @@ class _Placement:
             else:
                 todo.append(i)
         if todo:
-            placed = jax.device_put([leaves[i][1] for i in todo], [self._replicated] * len(todo))
+            sources = [leaves[i][1] for i in todo]
+            placed = jax.device_put(sources, [self._replicated] * len(todo))
+            # The mirrored state must own its buffers: device_put may reuse the caller's
+            # buffer for the copy on its device, and donating the state to a step would then
+            # delete (or overwrite) the caller's array.
+            shared = [j for j, (a, b) in enumerate(zip(sources, placed)) if _shares_memory(a, b)]
+            if shared:
+                copies = _copy_fn(self._replicated)([placed[j] for j in shared])
+                for j, copy in zip(shared, copies):
+                    placed[j] = copy
             for i, x in zip(todo, placed, strict=False):
                 out[i] = x
         return treedef.unflatten(out)
@@ -249,6 +258,25 @@ class _Placement:
         if context is not None:
             return PerReplica._from_local(keys[context.replica_id])
         return PerReplica(jax.device_put(keys, self._stacked))
+
+
+def _buffers(x: Any) -> set[int]:
+    if isinstance(x, jax.Array):
+        return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}
+    if isinstance(x, np.ndarray):
+        return {x.__array_interface__["data"][0]}
+    return set()
+
+
+def _shares_memory(source: Any, placed: jax.Array) -> bool:
+    """Whether `placed` reuses a buffer of `source` (a jax.Array or numpy array)."""
+    return bool(_buffers(source) & _buffers(placed))
+
+
+@functools.cache
+def _copy_fn(sharding: Any) -> Callable[[list[jax.Array]], list[jax.Array]]:
+    """Fresh copies of arrays, placed with `sharding`."""
+    return jax.jit(lambda xs: [jnp.copy(x) for x in xs], out_shardings=sharding)
 
 
 @functools.cache

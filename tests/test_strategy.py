@@ -287,3 +287,14 @@ def test_local_results_of_a_tree_with_sync_on_read_gives_plain_components(strate
     parts = strategy.local_results(metric)
     assert [float(p.compute()) for p in parts] == [4.0 * i + 1 for i in range(n)]
     assert float(metric.compute(strategy)) == sum(4.0 * i + 1 for i in range(n))
+
+
+@pytest.mark.parametrize("make", [jnp.arange, lambda k: np.arange(k, dtype=np.float32)])
+def test_donating_mirrored_state_keeps_the_callers_arrays(strategy, n, make):
+    original = make(4.0) if make is jnp.arange else make(4)
+    state = strategy.mirror(original)
+    step = jm.replicate(lambda w: w * 10, strategy=strategy, donate_argnums=0)
+    for _ in range(2):
+        state = step(state)
+    np.testing.assert_array_equal(np.asarray(original), np.arange(4.0))  # intact
+    np.testing.assert_array_equal(strategy.read(state), np.arange(4.0) * 100)
