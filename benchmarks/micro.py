@@ -178,6 +178,45 @@ def in_flight_cost(rounds: int) -> list[list[str]]:
     ]
 
 
+def donation_cost(rounds: int) -> list[list[str]]:
+    """Raw jax.pmap on the large MLP, donating its state or not (why jmirror skips it on CPU)."""
+    import optax
+
+    params, tx, loss_fn, x, y = make_problem(2048)
+    n = jax.device_count()
+    strategy = jm.MirroredStrategy()
+    batch = jax.device_put((x.reshape(n, -1, x.shape[-1]), y.reshape(n, -1)), strategy._stacked)
+
+    def train_step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = tx.update(jax.lax.pmean(grads, "i"), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "i")
+
+    fns = {}
+    for donate in ((0, 1), ()):
+        step = jax.pmap(
+            train_step, "i", in_axes=(None, None, 0, 0), out_axes=None, donate_argnums=donate
+        )
+        state = list(strategy.mirror((jax.tree.map(np.asarray, params), tx.init(params))))
+
+        def run(step=step, state=state):
+            state[0], state[1], loss = step(state[0], state[1], *batch)
+            return loss
+
+        fns[f"raw jax.pmap, hidden 2048, donate_argnums={donate}"] = _bounded(run)
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    rates = _interleaved(fns, 5, rounds)
+    (a, ra), (b, rb) = rates.items()
+    return [[a, f"{ra:.1f} steps/s", ""], [b, f"{rb:.1f} steps/s", f"{rb / ra:.2f}× donating"]]
+
+
 def report(rounds: int) -> str:
-    rows = dispatch(rounds) + reads(rounds) + placement() + in_flight_cost(rounds)
+    rows = (
+        dispatch(rounds)
+        + reads(rounds)
+        + placement()
+        + in_flight_cost(rounds)
+        + donation_cost(rounds)
+    )
     return table("Micro-benchmarks", rows, ["what", "median", "ratio"])
