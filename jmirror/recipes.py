@@ -178,13 +178,10 @@ def distribute_batch_norm_state(
         >>> state.batch_stats.aggregation
         <Aggregation.MEAN: 'mean'>
     """
-    stats = state.batch_stats
-    placed = strategy.mirror(state.replace(batch_stats=None))
     if per_replica_stats:
-        stats = strategy.sync_on_read(stats, Aggregation.MEAN)
-    else:
-        stats = strategy.mirror(stats)
-    return placed.replace(batch_stats=stats)
+        # mirror passes SyncOnRead state through: one call places the whole train state.
+        state = state.replace(batch_stats=strategy.sync_on_read(state.batch_stats, Aggregation.MEAN))
+    return strategy.mirror(state)
 
 
 def read_variables(strategy: Any, state: BatchNormTrainState) -> dict[str, PyTree]:
