@@ -81,13 +81,17 @@ def build(names, hidden: int):
 
 
 def peak_memory_mb(name: str, hidden: int) -> float:
-    """Peak RSS (MB) of a fresh process that builds one variant and runs six steps."""
+    """Peak RSS (MB) of a fresh process that builds one variant and runs six steps.
+
+    Read from VmHWM, which starts afresh at exec (ru_maxrss would inherit the parent's).
+    """
     code = (
-        "import resource; from benchmarks.run import _setup_devices, factories;"
+        "from benchmarks.run import _setup_devices, factories;"
         "_setup_devices(); from benchmarks import models_tf;"
         f"{name.startswith('TensorFlow')} and models_tf.configure(%d);"
         f"v = factories()[{name!r}]({hidden}); [v.step() for _ in range(5)]; v.block(v.step());"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
+        "print(next(int(line.split()[1]) for line in open('/proc/self/status')"
+        " if line.startswith('VmHWM')) / 1024)"
     ) % NUM_DEVICES
     out = subprocess.run(
         [sys.executable, "-c", code],

@@ -416,7 +416,8 @@ def replicate(
         time.
       donate_argnums: positional arguments whose buffers the step may reuse. Honoured on
         accelerators and on a single CPU device; skipped on several XLA:CPU host devices,
-        where donating slowed steps down (up to 1.9x) and saves no device memory.
+        where donating made steps up to 1.9x slower (the step then holds its inputs and
+        outputs at once: more host memory, see benchmarks/RESULTS.md).
       static_argnums: positional arguments that are static (hashed, not traced).
 
     Returns:

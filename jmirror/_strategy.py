@@ -107,7 +107,8 @@ class MirroredStrategy(_Placement, _Reading):
             )
         # Donating buffers to a step is a memory hint. On several XLA:CPU host devices it
         # made a step much slower (hidden 2048 MLP: 117 ms with donation, 63 ms without,
-        # see benchmarks/RESULTS.md) and saves no device memory, so jmirror skips it there.
+        # see benchmarks/RESULTS.md), so jmirror skips it there and spends host memory on
+        # holding a step's inputs and outputs at once.
         self._donates = devices[0].platform != "cpu" or len(devices) == 1
         self._axis_name = axis_name
         self._backend = backend
