@@ -71,6 +71,18 @@ def _bounded(run_step: Callable[[], Any]) -> Callable[[], Any]:
     return step
 
 
+def _pmap_train_step(tx, loss_fn):
+    """The hand-written pmap step of raw `jax.pmap` and the flax idiom."""
+
+    def train_step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        grads = jax.lax.pmean(grads, "batch")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "batch")
+
+    return train_step
+
+
 def jmirror_variant(hidden: int, backend: str) -> Variant:
     params, tx, loss_fn, x, y = make_problem(hidden)
     strategy = jm.MirroredStrategy(backend=backend, max_in_flight=IN_FLIGHT)
@@ -99,11 +111,7 @@ def raw_pmap_variant(hidden: int) -> Variant:
     devices = jax.local_devices()
     n = len(devices)
 
-    def train_step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        grads = jax.lax.pmean(grads, "batch")
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "batch")
+    train_step = _pmap_train_step(tx, loss_fn)
 
     pstep = jax.pmap(
         train_step,
@@ -153,11 +161,7 @@ def jit_sharding_variant(hidden: int) -> Variant:
 def flax_variant(hidden: int) -> Variant:
     params, tx, loss_fn, x, y = make_problem(hidden)
 
-    def train_step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        grads = jax.lax.pmean(grads, "batch")
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, "batch")
+    train_step = _pmap_train_step(tx, loss_fn)
 
     pstep = jax.pmap(train_step, axis_name="batch", donate_argnums=(0, 1))
     state = list(flax.jax_utils.replicate((params, tx.init(params))))
