@@ -476,16 +476,16 @@ def gather_local_components(tree: PyTree) -> PyTree:
 def merge_reduce(context: ReplicaContext, op: ReduceOp, tree: PyTree, axis: int | None):
     def one(x):
         if axis is not None:
-            x = _reduce_local(op, jnp.asarray(x), axis)
+            x = REDUCERS[op](jnp.asarray(x), axis=axis)
         return _all_reduce_leaf(op, x, context.axis_name)
 
     return jax.tree.map(one, tree)
 
 
-def _reduce_local(op: ReduceOp, x: jax.Array, axis: int) -> jax.Array:
-    return {
-        ReduceOp.SUM: jnp.sum,
-        ReduceOp.MEAN: jnp.mean,
-        ReduceOp.MAX: jnp.max,
-        ReduceOp.MIN: jnp.min,
-    }[op](x, axis=axis)
+# The reduction of each op within one array (over an axis); shared with `_reading.py`.
+REDUCERS = {
+    ReduceOp.SUM: jnp.sum,
+    ReduceOp.MEAN: jnp.mean,
+    ReduceOp.MAX: jnp.max,
+    ReduceOp.MIN: jnp.min,
+}

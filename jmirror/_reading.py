@@ -169,10 +169,7 @@ class _Reading:
         if isinstance(x, PerReplica):
             return [jax.tree.map(lambda v, i=i: self._component(v, i), x.values) for i in range(n)]
         if isinstance(x, SyncOnRead):
-            return [
-                jax.tree.map(lambda v, i=i: self._component(v, i), x.value)
-                for i in range(n)
-            ]
+            return [jax.tree.map(lambda v, i=i: self._component(v, i), x.value) for i in range(n)]
         if isinstance(x, jax.Array) and n > 1 and self._is_mirrored(x):
             by_device = {s.device: s.data for s in x.addressable_shards}
             return [by_device[d] for d in self._devices]
@@ -276,12 +273,7 @@ class _Reading:
 
 
 _squeeze = jax.jit(lambda x: x[0])
-_REDUCERS = {
-    ReduceOp.SUM: jnp.sum,
-    ReduceOp.MEAN: jnp.mean,
-    ReduceOp.MAX: jnp.max,
-    ReduceOp.MIN: jnp.min,
-}
+_REDUCERS = _context.REDUCERS
 
 
 @functools.cache

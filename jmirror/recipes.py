@@ -180,7 +180,9 @@ def distribute_batch_norm_state(
     """
     if per_replica_stats:
         # mirror passes SyncOnRead state through: one call places the whole train state.
-        state = state.replace(batch_stats=strategy.sync_on_read(state.batch_stats, Aggregation.MEAN))
+        state = state.replace(
+            batch_stats=strategy.sync_on_read(state.batch_stats, Aggregation.MEAN)
+        )
     return strategy.mirror(state)
 
 
