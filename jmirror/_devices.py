@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import jax
 
-DeviceSpec = jax.Device | str
+if TYPE_CHECKING:  # jaxlib ships no type stubs for jax.Device, a variable to type checkers
+    Device: TypeAlias = Any
+else:
+    Device = jax.Device
+
+DeviceSpec = Device | str
 
 _SPEC_RE = re.compile(r"^/?(?:device:)?([a-z]+):(\d+)$", re.IGNORECASE)
 
@@ -16,7 +22,7 @@ def _describe_available() -> str:
     return ", ".join(f"{d.platform}:{i}" for i, d in enumerate(jax.local_devices()))
 
 
-def _platform_devices(platform: str) -> list[jax.Device]:
+def _platform_devices(platform: str) -> list[Device]:
     """Local devices of `platform` in `jax.local_devices` order, or [] if it has none."""
     try:
         return list(jax.local_devices(backend=platform))
@@ -24,7 +30,7 @@ def _platform_devices(platform: str) -> list[jax.Device]:
         return []
 
 
-def _resolve_one(spec: object) -> jax.Device:
+def _resolve_one(spec: Any) -> Device:
     if isinstance(spec, jax.Device):
         if spec not in jax.local_devices(backend=spec.platform):
             raise ValueError(
@@ -57,7 +63,7 @@ def _resolve_one(spec: object) -> jax.Device:
 
 def resolve_devices(
     devices: Sequence[DeviceSpec] | None, num_devices: int | None
-) -> tuple[jax.Device, ...]:
+) -> tuple[Device, ...]:
     """Resolves `MirroredStrategy`'s device arguments to devices, in the caller's order."""
     if devices is not None and num_devices is not None:
         raise ValueError(

@@ -27,8 +27,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Generator, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -117,7 +117,7 @@ class _Source:
         self._given = given  # the caller's object: never closed by jmirror
         self._lock = threading.Lock()
 
-    def pull(self) -> Iterator[Any]:
+    def pull(self) -> Generator[Any, None, None]:
         """Yields the source's elements for one pass."""
         result = self._open_fn()
         try:
@@ -197,7 +197,7 @@ def _leading_size(call: str, batch: PyTree, index: int, leaves: list[Any]) -> in
             f"{call}: batch {index} has no array leaves ({batch!r}); each batch must be a pytree "
             "of arrays with a leading batch axis."
         )
-    sizes = [np.shape(x)[0] if np.ndim(x) else None for x in leaves]
+    sizes: list[int | None] = [np.shape(x)[0] if np.ndim(x) else None for x in leaves]
     for i, size in enumerate(sizes):
         if size is None:
             raise ValueError(
@@ -212,7 +212,7 @@ def _leading_size(call: str, batch: PyTree, index: int, leaves: list[Any]) -> in
                 f"but the first leaf has {sizes[0]} ({shapes}). Every leaf of a batch must hold "
                 "the same number of examples along axis 0."
             )
-    return sizes[0]
+    return cast(int, sizes[0])  # not None: checked in the loop above
 
 
 def _pad(x: Any, size: int) -> Any:

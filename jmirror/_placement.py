@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jmirror._devices import Device
 from jmirror._values import (
     Aggregation,
     PerReplica,
@@ -35,7 +36,7 @@ class _Placement:
     """
 
     if TYPE_CHECKING:  # provided by MirroredStrategy
-        _devices: tuple[jax.Device, ...]
+        _devices: tuple[Device, ...]
         _replicated: jax.sharding.Sharding
         _stacked: jax.sharding.Sharding
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmirror import _context
+from jmirror._devices import Device
 from jmirror._values import (
     Aggregation,
     PerReplica,
@@ -42,7 +43,7 @@ class _Reading:
     """
 
     if TYPE_CHECKING:  # provided by MirroredStrategy
-        _devices: tuple[jax.Device, ...]
+        _devices: tuple[Device, ...]
 
         @property
         def num_replicas(self) -> int: ...
@@ -87,7 +88,7 @@ class _Reading:
         # reduced by one compiled function, however many sync-on-read leaves the tree holds.
         nodes, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_distributed)
         out: list[Any] = []
-        pending: list[tuple[int, ReduceOp, Any]] = []
+        pending: list[tuple[int, Any, int]] = []
         for i, node in enumerate(nodes):
             if isinstance(node, SyncOnRead) and node.aggregation in _REDUCED:
                 op = _REDUCED[node.aggregation]
@@ -254,9 +255,9 @@ class _Reading:
         def one(x: Any) -> Any:
             if isinstance(x, PerReplica):
                 if context is not None:
+                    gather = context.all_gather
                     return jax.tree.map(
-                        lambda v: context.all_gather(v, axis=axis, tiled=jnp.ndim(v) > 0),
-                        x._values,
+                        lambda v: gather(v, axis=axis, tiled=jnp.ndim(v) > 0), x._values
                     )
                 return jax.tree.map(lambda v: _gather_fn(axis)(self._gathered(v)), x.values)
             if isinstance(x, SyncOnRead):

@@ -183,7 +183,7 @@ class Replicated:
 
     # --- tracing: once per input signature, inside jax.jit -------------------------------------
 
-    def _entry(self, strategy: Any, *args: Any, **kwargs: Any) -> tuple[Any, jax.Array]:
+    def _entry(self, strategy: Any, *args: Any, **kwargs: Any) -> tuple[Any, jax.Array | None]:
         self._compilations += 1
         statics = tuple(args[i] for i in self._static)
         dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jmirror import _context
-from jmirror._devices import DeviceSpec, resolve_devices
+from jmirror._devices import Device, DeviceSpec, resolve_devices
 from jmirror._placement import _Placement
 from jmirror._reading import _Reading
 from jmirror._replicate import replicate
@@ -80,7 +80,7 @@ class MirroredStrategy(_Placement, _Reading):
 
     def _setup(
         self,
-        devices: tuple[jax.Device, ...],
+        devices: tuple[Device, ...],
         axis_name: str,
         backend: str,
         max_in_flight: int | None,
@@ -128,7 +128,7 @@ class MirroredStrategy(_Placement, _Reading):
     # --- properties ----------------------------------------------------------------------------
 
     @property
-    def devices(self) -> tuple[jax.Device, ...]:
+    def devices(self) -> tuple[Device, ...]:
         """The strategy's devices, in replica order."""
         return self._devices
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 
+from jmirror._devices import Device
 from jmirror._strategy import MirroredStrategy
 
 
@@ -34,7 +35,7 @@ class EmulatedStrategy(MirroredStrategy):
         self,
         num_replicas: int,
         *,
-        device: jax.Device | None = None,
+        device: Device | None = None,
         axis_name: str = "replica",
         max_in_flight: int | None = None,
     ):
