@@ -53,24 +53,29 @@ def _bounded(call):
     return step
 
 
-def dispatch(rounds: int) -> list[list[str]]:
+def dispatch(rounds: int, leaves: int = 1) -> list[list[str]]:
+    """Calls/s of a trivial step (`x + 1` on every leaf of a tree of `leaves` arrays)."""
     n = jax.device_count()
-    x = np.ones((n, 16), np.float32)
+    x = [np.ones((n, 16), np.float32) for _ in range(leaves)]
+
+    def trivial(tree):
+        return [a + 1 for a in tree]
+
     fns = {}
     for backend in ("pmap", "shard_map"):
         strategy = jm.MirroredStrategy(backend=backend)
-        step = jm.replicate(lambda x: x + 1, strategy=strategy)
+        step = jm.replicate(trivial, strategy=strategy)
         px = jm.PerReplica(jax.device_put(x, strategy._stacked))
         fns[f"jm.replicate[{backend}]"] = lambda step=step, px=px: step(px)
-    raw = jax.pmap(lambda x: x + 1)
+    raw = jax.pmap(trivial)
     rx = jax.device_put(x, jm.MirroredStrategy()._stacked)
     fns["raw jax.pmap"] = _bounded(lambda: raw(rx))
     for fn in fns.values():
         jax.block_until_ready(fn())
-    rates = _interleaved(fns, 200, rounds)
+    rates = _interleaved(fns, max(20, 200 // leaves), rounds)
     base = rates["raw jax.pmap"]
     return [
-        [f"dispatch {k}", f"{v:.0f} calls/s", f"{v / base:.2f}× raw jax.pmap"]
+        [f"dispatch, {leaves} leaf tree, {k}", f"{v:.0f} calls/s", f"{v / base:.2f}× raw jax.pmap"]
         for k, v in rates.items()
     ]
 
@@ -214,6 +219,7 @@ def donation_cost(rounds: int) -> list[list[str]]:
 def report(rounds: int) -> str:
     rows = (
         dispatch(rounds)
+        + dispatch(rounds, leaves=100)
         + reads(rounds)
         + placement()
         + in_flight_cost(rounds)
