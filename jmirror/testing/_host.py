@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
 import jax
-
-# XLA:CPU flags applied with the host device count (see benchmarks/RESULTS.md for the
-# measurements behind them).
-HOST_XLA_FLAGS: tuple[str, ...] = ()
 
 
 def set_host_device_count(n: int) -> None:
@@ -16,7 +10,9 @@ def set_host_device_count(n: int) -> None:
 
     Call it before anything touches JAX's devices (`jax.devices()`, creating an array, ...):
     at the top of a script, in a `conftest.py`, or in the first notebook cell. Calling it again
-    with the count JAX already has is a no-op.
+    with the count JAX already has is a no-op. No XLA:CPU threading flag made host devices
+    faster in jmirror's measurements (benchmarks/RESULTS.md), so none is set here; what did
+    help, skipping buffer donation, `MirroredStrategy` applies on CPU host devices itself.
 
     Args:
       n: the number of host devices, at least 1.
@@ -48,8 +44,3 @@ def set_host_device_count(n: int) -> None:
             "make it the first call), or use jmirror.testing.EmulatedStrategy("
             f"{n}), which runs {n} replicas on one device without a restart."
         ) from None
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    for flag in HOST_XLA_FLAGS:
-        if flag not in flags:
-            flags.append(flag)
-    os.environ["XLA_FLAGS"] = " ".join(flags)
