@@ -84,6 +84,9 @@ class Replicated:
         self._donate = donate_argnums
         self._static = static_argnums
         self._compilations = 0
+        # For each output structure, the flat index of its smallest leaf: what the bound on
+        # steps in flight keeps alive to wait on (never the large outputs).
+        self._smallest: dict[Any, int] = {}
         # One jax.jit around the whole step: its C++ dispatch flattens the arguments
         # (PerReplica and SyncOnRead are pytree nodes), checks the signature and runs the
         # cached program. The strategy is a static argument. Two variants: with the
@@ -124,7 +127,10 @@ class Replicated:
             if placed is None:
                 raise
             result, token = self._jitted(strategy, *placed[0], **placed[1])
-        strategy._track(result if token is None else token)
+        if token is None:
+            leaves, treedef = jax.tree_util.tree_flatten(result)
+            token = leaves[self._smallest[treedef]]
+        strategy._track(token)
         return result
 
     def _place(self, strategy: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -213,8 +219,12 @@ class Replicated:
             else:
                 built.append(PerReplica(leaves[0]) if out_split[pos] else leaves[0])
             pos += slot.size
-        token = outs[-1] if len(outs) > len(out_split) else None
-        return out_treedef.unflatten(built), token
+        result = out_treedef.unflatten(built)
+        if len(outs) > len(out_split):
+            return result, outs[-1]
+        sizes = [o.size * o.dtype.itemsize for o in outs]
+        self._smallest[jax.tree.structure(result)] = sizes.index(min(sizes))
+        return result, None
 
     def _prove(self, strategy, treedef, slots, statics, n_args, split, avals):
         """Traces the replica function to a jaxpr and proves which outputs are identical."""

@@ -194,7 +194,7 @@ class MirroredStrategy(_Placement, _Reading):
 
     def _wait_for_room(self) -> None:
         """Blocks until fewer than `max_in_flight` replicated steps are queued."""
-        must_block = False  # set when a step's outputs were all donated to a later step
+        must_block = False  # set when a step's output was donated to a later step
         while True:
             with self._lock:
                 if not self._in_flight or (
@@ -202,19 +202,18 @@ class MirroredStrategy(_Placement, _Reading):
                 ):
                     return
                 oldest = self._in_flight.popleft()
-            alive = next((x for x in jax.tree.leaves(oldest) if not x.is_deleted()), None)
-            if alive is None:
-                # Every output was donated to a later (already queued) step: waiting for that
-                # step covers this one.
+            if oldest.is_deleted():
+                # Donated to a later (already queued) step: waiting for that step covers
+                # this one.
                 must_block = True
                 continue
-            alive.block_until_ready()
+            oldest.block_until_ready()
             must_block = False
 
-    def _track(self, outputs: Any) -> None:
-        """Records a dispatched step by its outputs (all become ready when it is done)."""
+    def _track(self, output: jax.Array) -> None:
+        """Records a dispatched step by one (small) output: all are ready when it is done."""
         with self._lock:
-            self._in_flight.append(outputs)
+            self._in_flight.append(output)
 
     def _merge(self, call: str) -> _context.ReplicaContext | None:
         """The replica context when called inside a merge_fn; raises inside a replica."""

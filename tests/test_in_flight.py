@@ -34,3 +34,26 @@ def test_max_in_flight_bounds_the_queue(n):
 
 def test_default_is_small_on_cpu():
     assert jm.MirroredStrategy().max_in_flight == 2
+
+
+def test_the_bound_keeps_only_the_smallest_output_alive(strategy, n):
+    import gc
+    import weakref
+
+    step = jm.replicate(
+        lambda x: (jm.all_reduce("sum", x), jm.all_reduce("sum", x.sum())), strategy=strategy
+    )
+    big, small = step(jm.PerReplica(np.ones((n, 1024), np.float32)))
+    assert strategy._in_flight[-1] is small
+    ref = weakref.ref(big)
+    del big
+    gc.collect()
+    assert ref() is None, "the in-flight bound must not keep large outputs alive"
+
+
+def test_a_step_without_outputs_is_still_bounded(strategy, n):
+    step = jm.replicate(lambda x: None, strategy=strategy)
+    x = jm.PerReplica(np.ones((n, 2), np.float32))
+    for _ in range(5):
+        assert step(x) is None
+        assert len(strategy._in_flight) <= strategy.max_in_flight
