@@ -102,8 +102,15 @@ class Replicated:
         }
         functools.update_wrapper(self, fn)
 
+    def _for(self, strategy: Any, args: tuple) -> Any:
+        """The jitted step with or without donation, as the strategy advises for `args`."""
+        if not self._donate:
+            return self._jitted_by_donation[False]
+        donated = [args[i] for i in self._donate if i < len(args)]
+        return self._jitted_by_donation[strategy._donates(donated)]
+
     def _jitted(self, strategy: Any, *args: Any, **kwargs: Any) -> Any:
-        return self._jitted_by_donation[strategy._donates](strategy, *args, **kwargs)
+        return self._for(strategy, args)(strategy, *args, **kwargs)
 
     def __repr__(self) -> str:
         name = getattr(self._fn, "__qualname__", repr(self._fn))
@@ -165,7 +172,7 @@ class Replicated:
             True
         """
         strategy = self._check_call(args)
-        return self._jitted_by_donation[strategy._donates].lower(strategy, *args, **kwargs)
+        return self._for(strategy, args).lower(strategy, *args, **kwargs)
 
     @property
     def num_compilations(self) -> int:
@@ -424,9 +431,9 @@ def replicate(
       fn: the replica function.
       strategy: the `MirroredStrategy` to run on; `None` means `jm.get_strategy()` at call
         time.
-      donate_argnums: positional arguments whose buffers the step may reuse. Honoured on
-        accelerators and on a single CPU device; skipped on several XLA:CPU host devices,
-        where donating made steps up to 1.9x slower (the step then holds its inputs and
+      donate_argnums: positional arguments whose buffers the step may reuse. On several
+        XLA:CPU host devices an argument holding a leaf of 8 MiB or more is not donated:
+        there donating it made steps up to 1.9x slower (the step then holds its inputs and
         outputs at once: more host memory, see benchmarks/RESULTS.md).
       static_argnums: positional arguments that are static (hashed, not traced).
 

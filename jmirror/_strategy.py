@@ -29,6 +29,8 @@ _BACKENDS = ("pmap", "shard_map")
 # when many programs are queued back to back; accelerators queue deeper safely.
 _DEFAULT_IN_FLIGHT = {"cpu": 2}
 _DEFAULT_IN_FLIGHT_ACCELERATOR = 16
+# On several XLA:CPU devices, arguments holding a leaf this large are not donated.
+_LARGE_DONATION = 8 * 2**20
 _RUN_CACHE_SIZE = 64
 
 
@@ -105,21 +107,25 @@ class MirroredStrategy(_Placement, _Reading):
             max_in_flight = _DEFAULT_IN_FLIGHT.get(
                 devices[0].platform, _DEFAULT_IN_FLIGHT_ACCELERATOR
             )
-        # Donating buffers to a step is a memory hint. On several XLA:CPU host devices it
-        # made a step much slower (hidden 2048 MLP: 117 ms with donation, 63 ms without,
-        # see benchmarks/RESULTS.md), so jmirror skips it there and spends host memory on
-        # holding a step's inputs and outputs at once.
-        self._donates = devices[0].platform != "cpu" or len(devices) == 1
+        # Donating a large buffer to a step on several XLA:CPU host devices made the step much
+        # slower (MLP hidden 2048, 16 MiB weights: 110 ms with donation, 58 ms without), while
+        # small buffers gain from it (hidden 512: 4.2 ms against 4.7 ms); see
+        # benchmarks/RESULTS.md. There jmirror skips donating arguments that hold a leaf of
+        # `_LARGE_DONATION` bytes or more, and spends host memory instead.
+        self._large_donation = (
+            _LARGE_DONATION if devices[0].platform == "cpu" and len(devices) > 1 else None
+        )
         self._axis_name = axis_name
         self._backend = backend
         self._max_in_flight = max_in_flight
+        first = devices[0]
         if len(set(devices)) == len(devices):
             self._mesh = Mesh(np.array(devices), (axis_name,))
             self._replicated = NamedSharding(self._mesh, P())
             self._stacked = NamedSharding(self._mesh, P(axis_name))
         else:  # every replica on one device (jmirror.testing.EmulatedStrategy)
-            self._mesh = Mesh(np.array(devices[:1]), (axis_name,))
-            self._replicated = self._stacked = jax.sharding.SingleDeviceSharding(devices[0])
+            self._mesh = Mesh(np.array([first]), (axis_name,))
+            self._replicated = self._stacked = jax.sharding.SingleDeviceSharding(first)
         self._device_set = frozenset(devices)
         self._in_flight: collections.deque = collections.deque()
         self._lock = threading.Lock()
@@ -209,6 +215,13 @@ class MirroredStrategy(_Placement, _Reading):
                 continue
             oldest.block_until_ready()
             must_block = False
+
+    def _donates(self, donated: list[Any]) -> bool:
+        """Whether to donate these arguments to a step (False: some leaf is too large)."""
+        if self._large_donation is None or not donated:
+            return True
+        limit = self._large_donation
+        return all(getattr(x, "nbytes", 0) < limit for x in jax.tree.leaves(donated))
 
     def _track(self, output: jax.Array) -> None:
         """Records a dispatched step by one (small) output: all are ready when it is done."""
