@@ -88,6 +88,7 @@ class MirroredStrategy(_Placement, _Reading):
         max_in_flight: int | None,
     ) -> None:
         self._devices = devices
+        first = devices[0]
         if not isinstance(axis_name, str) or not axis_name:
             raise TypeError(
                 f"MirroredStrategy(axis_name=...) expects a non-empty str, got {axis_name!r}."
@@ -104,21 +105,18 @@ class MirroredStrategy(_Placement, _Reading):
                     "None for the platform's safe default)."
                 )
         else:
-            max_in_flight = _DEFAULT_IN_FLIGHT.get(
-                devices[0].platform, _DEFAULT_IN_FLIGHT_ACCELERATOR
-            )
+            max_in_flight = _DEFAULT_IN_FLIGHT.get(first.platform, _DEFAULT_IN_FLIGHT_ACCELERATOR)
         # Donating a large buffer to a step on several XLA:CPU host devices made the step much
         # slower (MLP hidden 2048, 16 MiB weights: 110 ms with donation, 58 ms without), while
         # small buffers gain from it (hidden 512: 4.2 ms against 4.7 ms); see
         # benchmarks/RESULTS.md. There jmirror skips donating arguments that hold a leaf of
         # `_LARGE_DONATION` bytes or more, and spends host memory instead.
         self._large_donation = (
-            _LARGE_DONATION if devices[0].platform == "cpu" and len(devices) > 1 else None
+            _LARGE_DONATION if first.platform == "cpu" and len(devices) > 1 else None
         )
         self._axis_name = axis_name
         self._backend = backend
         self._max_in_flight = max_in_flight
-        first = devices[0]
         if len(set(devices)) == len(devices):
             self._mesh = Mesh(np.array(devices), (axis_name,))
             self._replicated = NamedSharding(self._mesh, P())
