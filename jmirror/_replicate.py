@@ -243,7 +243,7 @@ class Replicated:
             box["round"] = round_
             # A new function object each round: make_jaxpr caches traces by function.
             flat_fn = functools.partial(
-                self._flat_fn, strategy, treedef, slots, statics, n_args, box
+                self._flat_fn, strategy, treedef, slots, statics, n_args, split, box
             )
             closed = jax.make_jaxpr(flat_fn, axis_env=axis_env)(*avals)
             out_split, proof = prove(closed, split, strategy.axis_name)
@@ -283,8 +283,8 @@ class Replicated:
             pos += slot.size
         return closed, out_split, box["out_slots"], box["out_treedef"]
 
-    def _flat_fn(self, strategy, treedef, slots, statics, n_args, box, *flat):
-        box["round"].learn(flat, [slot.kind == _SPLIT for slot in slots for _ in range(slot.size)])
+    def _flat_fn(self, strategy, treedef, slots, statics, n_args, split, box, *flat):
+        box["round"].learn(flat, split)
         top = []
         pos = 0
         for slot in slots:
