@@ -55,6 +55,25 @@ def test_local_results_concatenate_to_source_batches(s, n, kind, prefetch):
         jax.tree.map(np.testing.assert_array_equal, _concat(s, got), want)
 
 
+@pytest.mark.parametrize("prefetch", [0, 2, 4])
+def test_a_loader_refilling_one_buffer_loses_no_batch(s, n, prefetch):
+    # JAX on CPU places an aligned host buffer without copying it: a loader that reuses one
+    # buffer must still see every batch it yielded, even when batches are prefetched.
+    raw = np.zeros(n * 256 * 4 + 128, np.uint8)
+    start = -raw.ctypes.data % 64  # 64-byte aligned, the case JAX would alias
+    buffer = raw[start : start + n * 256 * 4].view(np.float32).reshape(n * 4, 64)
+
+    def loader():
+        for i in range(6):
+            buffer[:] = i
+            yield buffer
+
+    with s.distribute_dataset(loader, remainder="drop", prefetch=prefetch) as data:
+        out = [np.asarray(batch.values) for batch in data]
+    assert [float(x.min()) for x in out] == [0, 1, 2, 3, 4, 5]
+    assert [float(x.max()) for x in out] == [0, 1, 2, 3, 4, 5]
+
+
 def test_pad_masks_count_exactly_the_real_examples(s, n):
     sizes = [4 * n + 1, 4 * n, 3, 1]  # the first one is not a multiple of N when N > 1
     g = -(-sizes[0] // n) * n

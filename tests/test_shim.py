@@ -1,0 +1,120 @@
+"""`jmirror._shim.put_rows` against the public `jax.make_array_from_callback` it stands in for."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmirror as jm
+from jmirror import _shim
+
+DTYPES = [np.float32, np.float64, np.int64, np.int8, np.uint8, np.bool_, np.float16, jnp.bfloat16]
+TRAILING = [(), (3,), (2, 5)]
+
+
+def _host(n: int, trailing: tuple[int, ...], dtype) -> np.ndarray:
+    values = np.arange(n * int(np.prod(trailing, dtype=int))).reshape((n,) + trailing) % 7
+    return values.astype(dtype)
+
+
+def _assert_same_array(got: jax.Array, want: jax.Array) -> None:
+    assert got.shape == want.shape
+    assert got.dtype == want.dtype
+    assert got.sharding == want.sharding
+    assert got.committed and want.committed
+    for a, b in zip(got.addressable_shards, want.addressable_shards, strict=True):
+        assert a.device == b.device
+        assert a.index == b.index
+        np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("trailing", TRAILING)
+def test_put_rows_matches_make_array_from_callback(n, dtype, trailing):
+    sharding = jm.MirroredStrategy()._stacked
+    x = _host(n, trailing, dtype)
+    want = jax.make_array_from_callback(x.shape, sharding, x.__getitem__)
+    _assert_same_array(_shim.put_rows(x, sharding), want)
+    assert want.dtype == jax.dtypes.canonicalize_dtype(dtype)  # float64 -> float32 without x64
+
+
+def test_put_rows_row_i_lands_on_device_i_only(n):
+    strategy = jm.MirroredStrategy()
+    x = _host(n, (4,), np.float32)
+    placed = _shim.put_rows(x, strategy._stacked)
+    for i, device in enumerate(strategy.devices):
+        (shard,) = [s for s in placed.addressable_shards if s.device == device]
+        np.testing.assert_array_equal(np.asarray(shard.data), x[i : i + 1])
+
+
+def test_put_rows_of_a_strided_view(n):
+    sharding = jm.MirroredStrategy()._stacked
+    x = _host(n, (6, 4), np.float32)[:, ::2, ::-1]  # not contiguous
+    want = jax.make_array_from_callback(x.shape, sharding, x.__getitem__)
+    _assert_same_array(_shim.put_rows(x, sharding), want)
+
+
+def _aligned_zeros(shape: tuple[int, ...], offset: int) -> np.ndarray:
+    """float32 zeros whose data starts `offset` bytes past a 64-byte boundary."""
+    size = int(np.prod(shape)) * 4
+    raw = np.zeros(size + 128, np.uint8)
+    start = -raw.ctypes.data % 64 + offset
+    return raw[start : start + size].view(np.float32).reshape(shape)
+
+
+@pytest.mark.parametrize("public", [False, True])
+@pytest.mark.parametrize("offset", [0, 16])
+def test_put_rows_copies_the_host_buffer(n, monkeypatch, public, offset):
+    # JAX on CPU places an aligned host buffer without a copy; a loader that refills its
+    # buffer must not change batches already placed.
+    if public:
+        monkeypatch.setattr(_shim, "_batched_device_put", None)
+    x = _aligned_zeros((n, 1024), offset)
+    assert x.ctypes.data % 64 == offset
+    placed = _shim.put_rows(x, jm.MirroredStrategy()._stacked)
+    placed.block_until_ready()
+    x[:] = 1.0
+    np.testing.assert_array_equal(np.asarray(placed), 0.0)
+
+
+@pytest.mark.parametrize("kind", ["replicated", "single_device", "other_row_count"])
+def test_other_shardings_take_the_public_path(n, kind):
+    strategy = jm.MirroredStrategy()
+    sharding = {
+        "replicated": strategy._replicated,
+        "single_device": jax.sharding.SingleDeviceSharding(jax.devices()[0]),
+        "other_row_count": strategy._stacked,
+    }[kind]
+    rows = 2 * n if kind == "other_row_count" else n
+    x = _host(rows, (3,), np.int32)
+    want = jax.make_array_from_callback(x.shape, sharding, x.__getitem__)
+    _assert_same_array(_shim.put_rows(x, sharding), want)
+
+
+def test_without_the_internal_the_public_path_gives_the_same_array(n, monkeypatch):
+    monkeypatch.setattr(_shim, "_batched_device_put", None)
+    sharding = jm.MirroredStrategy()._stacked
+    x = _host(n, (3,), np.float32)
+    want = jax.make_array_from_callback(x.shape, sharding, x.__getitem__)
+    _assert_same_array(_shim.put_rows(x, sharding), want)
+
+
+def test_an_internal_that_rejects_the_call_warns_once_then_uses_the_public_path(n, monkeypatch):
+    calls = []
+
+    def changed_signature(*args):
+        calls.append(args)
+        raise TypeError("batched_device_put(): incompatible function arguments")
+
+    monkeypatch.setattr(_shim, "_batched_device_put", changed_signature)
+    sharding = jm.MirroredStrategy()._stacked
+    x = _host(n, (3,), np.float32)
+    want = jax.make_array_from_callback(x.shape, sharding, x.__getitem__)
+    with pytest.warns(RuntimeWarning, match="make_array_from_callback from now on"):
+        _assert_same_array(_shim.put_rows(x, sharding), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _assert_same_array(_shim.put_rows(x, sharding), want)
+    assert len(calls) == 1
