@@ -22,12 +22,13 @@ uses the public path from then on.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import warnings
 from typing import Any
 
 import jax
-import jaxlib
 import numpy as np
+from jax.core import ShapedArray
 from jaxlib import xla_client
 
 _batched_device_put = getattr(xla_client, "batched_device_put", None)
@@ -46,7 +47,9 @@ def _row_devices(sharding: jax.sharding.Sharding, rows: int) -> tuple[Any, ...] 
     indices = sharding.addressable_devices_indices_map((rows,))
     by_row: dict[int, Any] = {}
     for device, index in indices.items():
-        (row,) = index
+        if not index:
+            return None
+        row = index[0]
         start = 0 if row.start is None else row.start
         stop = rows if row.stop is None else row.stop
         if stop - start != 1 or start in by_row:
@@ -76,16 +79,17 @@ def put_rows(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     dtype = jax.dtypes.canonicalize_dtype(x.dtype)
     if x.dtype != dtype:
         x = x.astype(dtype)
-    aval = jax.core.ShapedArray(x.shape, dtype)
+    aval = ShapedArray(x.shape, dtype)
     try:
         return _batched_device_put(
             aval, sharding, list(x[:, None]), list(devices), True, True, _COPY_DURING_CALL
         )
     except TypeError as e:
         _batched_device_put = None
+        version = importlib.metadata.version("jaxlib")
         warnings.warn(
-            f"jmirror: jaxlib {jaxlib.__version__}'s xla_client.batched_device_put rejected the "
-            f"call jmirror makes to place input batches ({e}); jmirror places them with "
+            f"jmirror: jaxlib {version}'s xla_client.batched_device_put rejected the call "
+            f"jmirror makes to place input batches ({e}); jmirror places them with "
             "jax.make_array_from_callback from now on, which is slower but gives the same "
             "arrays. Please report this with your jax and jaxlib versions.",
             RuntimeWarning,
