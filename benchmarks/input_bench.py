@@ -18,9 +18,19 @@ medians of the per-round ratios; the ratio of the median steps/s is printed besi
 CPU host devices XLA deadlocks when many collective programs are queued, so the raw pmap loop
 blocks on its output every 2 steps (jm.replicate bounds its steps in flight itself).
 
-Run: python benchmarks/input_bench.py
+Run: python benchmarks/input_bench.py [--hidden 512] [--rounds 25] [--source-ms 0]
+                                     [--priority-study]
+
+- `--hidden`: the width of both hidden layers; 512 is the configuration the targets are
+  measured on, wider layers give a longer step.
+- `--source-ms X`: (a) and (c) read from a generator that spends X ms of Python (holding the
+  GIL) on each batch before yielding it, like a loader decoding or augmenting on the host; (b)
+  stays the pre-placed ceiling.
+- `--priority-study`: adds (d), run (a) with jmirror's prefetch thread left at the normal CPU
+  priority instead of niceness 19 (see jmirror/_prefetch.py), and prints (a)/(d).
 """
 
+import argparse
 import statistics
 import time
 
@@ -34,22 +44,24 @@ import numpy as np  # noqa: E402
 from flax.training.common_utils import shard  # noqa: E402
 
 import jmirror as jm  # noqa: E402
+from jmirror import _prefetch as jm_prefetch  # noqa: E402
 
 GLOBAL_BATCH = 256
 STEPS = 100
-ROUNDS = 15
-SIZES = (64, 512, 512, 10)
+ROUNDS = 25
+FEATURES, CLASSES = 64, 10
 LR = 0.01
 
 
-def init_params(seed: int = 0) -> list[dict[str, np.ndarray]]:
+def init_params(hidden: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    sizes = (FEATURES, hidden, hidden, CLASSES)
     rng = np.random.default_rng(seed)
     return [
         {
             "w": (rng.normal(size=(m, k)) * np.sqrt(2.0 / m)).astype(np.float32),
             "b": np.zeros((k,), np.float32),
         }
-        for m, k in zip(SIZES[:-1], SIZES[1:])
+        for m, k in zip(sizes[:-1], sizes[1:])
     ]
 
 
@@ -70,19 +82,27 @@ def make_host_batches(steps: int, seed: int = 1):
     rng = np.random.default_rng(seed)
     return [
         (
-            rng.normal(size=(GLOBAL_BATCH, SIZES[0])).astype(np.float32),
-            rng.integers(0, SIZES[-1], size=(GLOBAL_BATCH,)).astype(np.int32),
+            rng.normal(size=(GLOBAL_BATCH, FEATURES)).astype(np.float32),
+            rng.integers(0, CLASSES, size=(GLOBAL_BATCH,)).astype(np.int32),
         )
         for _ in range(steps)
     ]
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=512, help="hidden layer width (512)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds ({ROUNDS})")
+    parser.add_argument("--source-ms", type=float, default=0.0, help="Python ms per batch (0)")
+    parser.add_argument("--priority-study", action="store_true", help="add (d): normal priority")
+    args = parser.parse_args()
     strategy = jm.MirroredStrategy()
     n = strategy.num_replicas
     print(
         f"{n} devices ({jax.devices()[0].platform}), global batch {GLOBAL_BATCH}, "
-        f"{ROUNDS} rounds x {STEPS} steps, jax {jax.__version__}"
+        f"MLP {FEATURES}-{args.hidden}-{args.hidden}-{CLASSES}, "
+        f"{args.rounds} rounds x {STEPS} steps, source work {args.source_ms} ms/batch, "
+        f"jax {jax.__version__}"
     )
 
     @jm.replicate(strategy=strategy)
@@ -99,8 +119,17 @@ def main() -> None:
     pmap_step = jax.pmap(raw_step, axis_name="batch")
 
     host_batches = make_host_batches(STEPS)
-    params0 = init_params()
-    dataset = strategy.distribute_dataset(host_batches, remainder="drop", prefetch=2)
+    params0 = init_params(args.hidden)
+
+    def source():
+        for batch in host_batches:
+            if args.source_ms:
+                end = time.perf_counter() + args.source_ms / 1e3
+                while time.perf_counter() < end:  # Python work, holding the GIL
+                    pass
+            yield batch
+
+    dataset = strategy.distribute_dataset(source, remainder="drop", prefetch=2)
     device_batches = list(strategy.distribute_dataset(host_batches, remainder="drop", prefetch=0))
     jax.block_until_ready(device_batches)
 
@@ -126,7 +155,7 @@ def main() -> None:
         params = flax.jax_utils.replicate(params0)
         jax.block_until_ready(params)
         start = time.perf_counter()
-        batches = flax.jax_utils.prefetch_to_device(map(shard, host_batches), 2)
+        batches = flax.jax_utils.prefetch_to_device(map(shard, source()), 2)
         for i, batch in enumerate(batches):
             params, loss = pmap_step(params, batch)
             if i % 2 == 1:  # never queue unbounded collective steps on CPU host devices
@@ -134,13 +163,24 @@ def main() -> None:
         jax.block_until_ready((params, loss))
         return STEPS / (time.perf_counter() - start)
 
+    def run_d() -> float:
+        lower_priority = jm_prefetch._lower_priority
+        jm_prefetch._lower_priority = lambda: None
+        try:
+            return run_a()
+        finally:
+            jm_prefetch._lower_priority = lower_priority
+
     runs = {"a": run_a, "b": run_b, "c": run_c}
+    if args.priority_study:
+        runs["d"] = run_d
     for run in runs.values():  # compile and warm up
         run()
     results: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
-    for r in range(ROUNDS):
-        for name in names[r % 3 :] + names[: r % 3]:
+    for r in range(args.rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
             results[name].append(runs[name]())
         print(f"round {r}: " + "  ".join(f"({k}) {v[-1]:7.1f}" for k, v in results.items()))
     dataset.close()
@@ -150,6 +190,10 @@ def main() -> None:
     print(f"  (a) distribute_dataset (host numpy, prefetch=2) + jm.replicate: {med['a']:8.1f}")
     print(f"  (b) batches already on the devices + jm.replicate:            {med['b']:8.1f}")
     print(f"  (c) flax prefetch_to_device(map(shard, ...), 2) + jax.pmap:   {med['c']:8.1f}")
+    if "d" in med:
+        print(f"  (d) as (a), prefetch thread at normal priority:              {med['d']:8.1f}")
+        paired = statistics.median(a / d for a, d in zip(results["a"], results["d"], strict=True))
+        print(f"(a)/(d) = {paired:.3f} median of per-round ratios")
     for base, target in (("b", 0.95), ("c", 1.0)):
         paired = statistics.median(a / x for a, x in zip(results["a"], results[base], strict=True))
         met = "met" if paired >= target else "NOT met"

@@ -377,14 +377,22 @@ class DistributedDataset:
         [2, 2]
     """
 
-    def __init__(self, open_elements: Callable[[], Iterator[Any]], prefetch: int, call: str):
+    def __init__(
+        self,
+        open_elements: Callable[[], Iterator[Any]],
+        prefetch: int,
+        call: str,
+        strategy: MirroredStrategy,
+    ):
         self._open_elements = open_elements
         self._prefetch = prefetch
         self._call = call
+        # On host devices the step's compute shares the cores: see jmirror._prefetch.
+        self._low_priority = strategy.devices[0].platform == "cpu"
         self._iterators: weakref.WeakSet[DistributedIterator] = weakref.WeakSet()
 
     def __iter__(self) -> DistributedIterator:
-        iterator = DistributedIterator(self._open_elements(), self._prefetch)
+        iterator = DistributedIterator(self._open_elements(), self._prefetch, self._low_priority)
         self._iterators.add(iterator)
         return iterator
 
@@ -461,7 +469,7 @@ def distribute_dataset(
     prefetch = _check_prefetch(_DATASET_CALL, prefetch)
     source = _source(_DATASET_CALL, dataset)
     return DistributedDataset(
-        lambda: _global_batches(strategy, source, remainder), prefetch, _DATASET_CALL
+        lambda: _global_batches(strategy, source, remainder), prefetch, _DATASET_CALL, strategy
     )
 
 
@@ -511,4 +519,6 @@ def distribute_datasets_from_function(
         num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=strategy.num_replicas
     )
     source = _Source(_FUNCTION_CALL, lambda: dataset_fn(context), dataset_fn)
-    return DistributedDataset(lambda: _dealt_batches(strategy, source), prefetch, _FUNCTION_CALL)
+    return DistributedDataset(
+        lambda: _dealt_batches(strategy, source), prefetch, _FUNCTION_CALL, strategy
+    )

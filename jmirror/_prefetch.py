@@ -5,12 +5,21 @@ With `prefetch=k > 0`, a daemon thread keeps at most k batches transferred
 (`block_until_ready`) ahead of the consumer; those never taken are discarded on `close()`
 (lost to the next pass of a one-shot iterator source). A `_Warning` in the stream is emitted
 in the consuming thread when the consumer reaches it.
+
+On XLA:CPU host devices the step's compute threads and the prefetch thread share the host's
+cores, and at every collective all replicas wait for the slowest device thread: input work that
+preempts one of them holds up the whole step. There the prefetch thread (and the source code
+it runs) takes the lowest CPU priority, niceness 19 (Linux; elsewhere it is left as is), so it
+runs in the gaps the step leaves (measured in benchmarks/RESULTS.md). On accelerators the step
+does not run on the host's cores, and the thread keeps its priority.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
+import sys
 import threading
 import warnings
 import weakref
@@ -27,13 +36,29 @@ class _Warning:
     message: str
 
 
+_BACKGROUND_NICENESS = 19
+
+
+def _lower_priority() -> None:
+    """Gives the calling thread the lowest CPU priority (Linux, where niceness is per thread)."""
+    if sys.platform != "linux":
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _BACKGROUND_NICENESS)
+    except OSError:  # a sandbox may forbid it: only speed is at stake, never results
+        pass
+
+
 def _produce(
     elements: Iterator[Any],
     results: queue.SimpleQueue,
     slots: queue.SimpleQueue,
     stop: threading.Event,
+    low_priority: bool,
 ) -> None:
     """The prefetch thread: one slot per element, each element on the devices before queued."""
+    if low_priority:
+        _lower_priority()
     try:
         while True:
             slots.get()
@@ -59,7 +84,7 @@ def _produce(
 class _Prefetcher:
     """The prefetch thread and its queue; holds no reference to the iterator using it."""
 
-    def __init__(self, elements: Iterator[Any], prefetch: int):
+    def __init__(self, elements: Iterator[Any], prefetch: int, low_priority: bool):
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         # Free slots as tokens in a SimpleQueue (implemented in C: cheaper per batch than a
         # threading.Semaphore, whose acquire and release run Python while the step runs).
@@ -69,7 +94,7 @@ class _Prefetcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=_produce,
-            args=(elements, self._results, self._slots, self._stop),
+            args=(elements, self._results, self._slots, self._stop, low_priority),
             name="jmirror-prefetch",
             daemon=True,
         )
@@ -116,9 +141,9 @@ class DistributedIterator:
         True
     """
 
-    def __init__(self, elements: Iterator[Any], prefetch: int):
+    def __init__(self, elements: Iterator[Any], prefetch: int, low_priority: bool = False):
         self._elements = elements
-        self._prefetcher = _Prefetcher(elements, prefetch) if prefetch > 0 else None
+        self._prefetcher = _Prefetcher(elements, prefetch, low_priority) if prefetch > 0 else None
         self._done = False
         # The finalizer holds the thread's state, never `self`: dropping the iterator stops it.
         self._finalizer = weakref.finalize(self, _shutdown, elements, self._prefetcher)

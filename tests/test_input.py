@@ -1,6 +1,8 @@
 """`strategy.distribute_dataset` and `strategy.distribute_datasets_from_function` (SPEC 7)."""
 
 import gc
+import os
+import sys
 import threading
 import traceback
 
@@ -281,6 +283,44 @@ def test_prefetch_zero_starts_no_thread(s, n):
     assert threading.active_count() == start
     assert float(np.asarray(first.values).max()) == 0.0
     assert len(list(it)) == 2
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread niceness is Linux's")
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_prefetch_thread_yields_the_cores_to_host_device_steps(s, n, prefetch):
+    # On host devices the prefetch thread, and the source it runs, take niceness 19 so that
+    # the step's compute threads go first; the consumer's thread keeps its priority.
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = niceness()
+    seen = []
+
+    def source():
+        for _ in range(3):
+            seen.append(niceness())
+            yield np.zeros((n, 2), np.float32)
+
+    assert s.devices[0].platform == "cpu"
+    with s.distribute_dataset(source, remainder="drop", prefetch=prefetch) as data:
+        assert len(list(data)) == 3
+    assert seen == [19] * 3 if prefetch else seen == [before] * 3
+    assert niceness() == before
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread niceness is Linux's")
+def test_prefetch_thread_keeps_its_priority_for_accelerator_steps():
+    # An accelerator's step does not run on the host's cores: nothing to yield to.
+    from types import SimpleNamespace
+
+    from jmirror._input import DistributedDataset
+
+    def source():
+        yield os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    gpu_strategy = SimpleNamespace(devices=[SimpleNamespace(platform="gpu")])
+    data = DistributedDataset(source, 2, "test", gpu_strategy)  # type: ignore[arg-type]
+    assert list(data) == [os.getpriority(os.PRIO_PROCESS, threading.get_native_id())]
 
 
 def test_prefetch_stays_bounded(s, n):
