@@ -57,6 +57,33 @@ def test_local_results_concatenate_to_source_batches(s, n, kind, prefetch):
         jax.tree.map(np.testing.assert_array_equal, _concat(s, got), want)
 
 
+class _Loader:
+    """A tf.data- or grain-style loader: plain iteration, a fresh pass per `iter()`."""
+
+    def __init__(self, batches):
+        self.batches = batches
+        self.passes = 0
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        self.passes += 1
+        return iter(list(self.batches))
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_loader_object_is_read_once_per_epoch(s, n, prefetch):
+    batches = _batches(n, [2 * n, 2 * n])
+    loader = _Loader([(b["x"], b["y"]) for b in batches])
+    data = s.distribute_dataset(loader, remainder="drop", prefetch=prefetch)
+    for epoch in range(2):
+        out = list(data)
+        assert loader.passes == epoch + 1
+        for got, want in zip(out, batches, strict=True):
+            jax.tree.map(np.testing.assert_array_equal, _concat(s, got), (want["x"], want["y"]))
+
+
 @pytest.mark.parametrize("prefetch", [0, 2, 4])
 def test_a_loader_refilling_one_buffer_loses_no_batch(s, n, prefetch):
     # JAX on CPU places an aligned host buffer without copying it: a loader that reuses one
