@@ -10,7 +10,8 @@ On XLA:CPU host devices the step's compute threads and the prefetch thread share
 cores, and at every collective all replicas wait for the slowest device thread: input work that
 preempts one of them holds up the whole step. There the prefetch thread (and the source code
 it runs) takes the lowest CPU priority, niceness 19 (Linux; elsewhere it is left as is), so it
-runs in the gaps the step leaves (measured in benchmarks/RESULTS.md). On accelerators the step
+runs in the gaps the step leaves (measured in benchmarks/RESULTS.md). Threads and processes the
+source starts from that thread inherit the niceness, as Linux does. On accelerators the step
 does not run on the host's cores, and the thread keeps its priority.
 """
 

@@ -40,6 +40,17 @@ def test_put_rows_matches_make_array_from_callback(n, dtype, trailing):
     assert want.dtype == jax.dtypes.canonicalize_dtype(dtype)  # float64 -> float32 without x64
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.int64, np.complex128])
+def test_put_rows_keeps_64_bit_dtypes_under_x64(n, dtype):
+    sharding = jm.MirroredStrategy()._stacked
+    x = _host(n, (3,), dtype)
+    with jax.enable_x64(True):
+        want = jax.make_array_from_callback(x.shape, sharding, x.__getitem__)
+        got = _shim.put_rows(x, sharding)
+    assert got.dtype == np.dtype(dtype)
+    _assert_same_array(got, want)
+
+
 def test_put_rows_row_i_lands_on_device_i_only(n):
     strategy = jm.MirroredStrategy()
     x = _host(n, (4,), np.float32)
