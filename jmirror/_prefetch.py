@@ -142,7 +142,7 @@ class DistributedIterator:
         True
     """
 
-    def __init__(self, elements: Iterator[Any], prefetch: int, low_priority: bool = False):
+    def __init__(self, elements: Iterator[Any], prefetch: int, low_priority: bool):
         self._elements = elements
         self._prefetcher = _Prefetcher(elements, prefetch, low_priority) if prefetch > 0 else None
         self._done = False

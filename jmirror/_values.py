@@ -143,9 +143,9 @@ class SyncOnRead:
     Example:
         >>> import jmirror as jm
         >>> strategy = jm.MirroredStrategy()
-        >>> count = strategy.sync_on_read(1.0, "sum")
-        >>> float(strategy.read(count)) == strategy.num_replicas
-        True
+        >>> loss = strategy.sync_on_read(2.0, "mean")
+        >>> loss.aggregation, float(strategy.read(loss))
+        (<Aggregation.MEAN: 'mean'>, 2.0)
     """
 
     __slots__ = ("value", "aggregation")

@@ -174,17 +174,22 @@ def _bn_loss(model):
     return loss_fn
 
 
-def test_synchronized_batch_norm_matches_full_batch(strategy, n):
-    model = BatchNormMLP(axis_name=strategy.axis_name)
-    oracle_model = BatchNormMLP(axis_name=None)
-    variables = _init(oracle_model, jnp.zeros((2, FEATURES)), False)
-    tx = optax.sgd(0.1)
+def _bn_state(model, init_model=None):
+    """A `BatchNormTrainState` (SGD 0.1) for `model`, initialized by `init_model` (or `model`)."""
+    variables = _init(init_model or model, jnp.zeros((2, FEATURES)), False)
     state = recipes.BatchNormTrainState.create(
         apply_fn=model.apply,
         params=variables["params"],
-        tx=tx,
+        tx=optax.sgd(0.1),
         batch_stats=variables["batch_stats"],
     )
+    return state, variables
+
+
+def test_synchronized_batch_norm_matches_full_batch(strategy, n):
+    model = BatchNormMLP(axis_name=strategy.axis_name)
+    oracle_model = BatchNormMLP(axis_name=None)
+    state, _ = _bn_state(model, oracle_model)
     placed = recipes.distribute_batch_norm_state(strategy, state, per_replica_stats=False)
     step = recipes.make_batch_norm_train_step(_bn_loss(model), strategy=strategy)
     oracle_loss = _bn_loss(oracle_model)
@@ -209,14 +214,7 @@ def test_synchronized_batch_norm_matches_full_batch(strategy, n):
 
 def test_per_replica_batch_norm_stats_read_as_mean(strategy, n):
     model = BatchNormMLP(axis_name=None)
-    variables = _init(model, jnp.zeros((2, FEATURES)), False)
-    tx = optax.sgd(0.1)
-    state = recipes.BatchNormTrainState.create(
-        apply_fn=model.apply,
-        params=variables["params"],
-        tx=tx,
-        batch_stats=variables["batch_stats"],
-    )
+    state, variables = _bn_state(model)
     placed = recipes.distribute_batch_norm_state(strategy, state, per_replica_stats=True)
     loss_fn = _bn_loss(model)
     step = recipes.make_batch_norm_train_step(loss_fn, strategy=strategy)
@@ -248,13 +246,7 @@ def test_per_replica_batch_norm_stats_read_as_mean(strategy, n):
 
 def test_unsynchronized_batch_norm_with_mirrored_stats_raises(strategy, n):
     model = BatchNormMLP(axis_name=None)  # forgets axis_name: the statistics would diverge
-    variables = _init(model, jnp.zeros((2, FEATURES)), False)
-    state = recipes.BatchNormTrainState.create(
-        apply_fn=model.apply,
-        params=variables["params"],
-        tx=optax.sgd(0.1),
-        batch_stats=variables["batch_stats"],
-    )
+    state, _ = _bn_state(model)
     placed = recipes.distribute_batch_norm_state(strategy, state, per_replica_stats=False)
     step = recipes.make_batch_norm_train_step(_bn_loss(model), strategy=strategy)
     with pytest.raises(ValueError, match="batch_stats|identical"):
