@@ -24,8 +24,8 @@ quietly() {
   echo "\$ $*" >>"$log"
   "$@" >>"$log" 2>&1 || rc=$?
   if [ "$rc" -ne 0 ]; then
-    echo "scripts/setup.sh: '$*' failed with exit code $rc; its output (.venv/setup.log):" >&2
     cat "$log" >&2
+    echo "scripts/setup.sh: '$*' failed with exit code $rc (output above, kept in $log)" >&2
     exit "$rc"
   fi
 }
