@@ -181,3 +181,100 @@ def test_update_in_replica_communicates_nothing(strategy, n):
     hlo = step.lower(metrics.Mean.create(strategy), *_split(n, values, mask)).as_text()
     for collective in ("all-reduce", "all_reduce", "all-gather", "all_gather", "psum"):
         assert collective not in hlo
+
+
+# stack_history: a per-step metric history → one host tree (flax's common_utils.get_metrics).
+
+
+def _history_step(strategy):
+    @jm.replicate(strategy=strategy)
+    def step(x, seen):
+        metrics_tree = {
+            "loss": jm.all_reduce("mean", jnp.mean(x)),
+            "per_class": jm.all_reduce("sum", x),
+            "nested": {"max": jm.all_reduce("max", jnp.max(x))},
+            "seen": seen.replace(seen.value + x.shape[0]),  # SyncOnRead (SUM), read by stack
+        }
+        return metrics_tree
+
+    return step
+
+
+def test_stack_history_matches_numpy(strategy, n):
+    step = _history_step(strategy)
+    rng = np.random.default_rng(3)
+    batches = [rng.normal(size=(n, 4, 3)).astype(np.float32) for _ in range(5)]
+    history = []
+    for batch in batches:
+        out = step(jm.PerReplica(batch), strategy.sync_on_read(np.int32(0), "sum"))
+        history.append({**out, "learning_rate": 0.1})  # a plain number is stacked too
+    got = metrics.stack_history(history, strategy=strategy)
+    expected = {
+        "loss": np.array([b.mean() for b in batches]),
+        "per_class": np.stack([b.sum(axis=0) for b in batches]),
+        "nested": {"max": np.array([b.max() for b in batches])},
+        "seen": np.full(5, 4 * n),
+        "learning_rate": np.full(5, 0.1),
+    }
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(got):
+        assert isinstance(leaf, np.ndarray), jax.tree_util.keystr(path)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), got, expected)
+    assert got["seen"].dtype == np.int32 and got["per_class"].shape == (5, 4, 3)
+
+
+def test_stack_history_one_compiled_stack_and_one_transfer(monkeypatch, strategy, n):
+    """Every leaf of every step goes to the host in one device_get, after one compiled stack."""
+    from jmirror.metrics import _history
+
+    step = _history_step(strategy)
+    history = [
+        step(jm.PerReplica(np.full((n, 2, 3), float(s), np.float32)), strategy.sync_on_read(0))
+        for s in range(4)
+    ]
+    calls = {"device_get": 0, "stack": 0}
+    device_get, stack = jax.device_get, _history._stack_columns
+
+    def counting_device_get(tree):
+        calls["device_get"] += 1
+        return device_get(tree)
+
+    def counting_stack(columns):
+        calls["stack"] += 1
+        return stack(columns)
+
+    monkeypatch.setattr(jax, "device_get", counting_device_get)
+    monkeypatch.setattr(_history, "_stack_columns", counting_stack)
+    got = metrics.stack_history(history, strategy=strategy)
+    assert calls == {"device_get": 1, "stack": 1}
+    np.testing.assert_allclose(got["loss"], [0.0, 1.0, 2.0, 3.0])
+
+
+def test_stack_history_uses_the_current_strategy(n):
+    strategy = jm.MirroredStrategy()
+    step = jm.replicate(lambda x: jm.all_reduce("sum", x), strategy=strategy)
+    history = [step(jm.PerReplica(np.ones(n, np.float32) * s)) for s in range(3)]
+    with strategy.scope():
+        np.testing.assert_allclose(metrics.stack_history(history), [0.0, n, 2.0 * n])
+    np.testing.assert_allclose(metrics.stack_history(tuple(history)), [0.0, n, 2.0 * n])
+
+
+def test_stack_history_errors(n):
+    strategy = jm.MirroredStrategy()
+    one = strategy.mirror(np.float32(1.0))
+    with pytest.raises(ValueError, match="empty history"):
+        metrics.stack_history([], strategy=strategy)
+    with pytest.raises(TypeError, match="expects a list.*got dict"):
+        metrics.stack_history({"loss": one}, strategy=strategy)
+    with pytest.raises(ValueError, match=r"history\[2\] has a different structure.*\['acc'\]"):
+        metrics.stack_history(
+            [{"loss": one, "acc": one}, {"loss": one, "acc": one}, {"loss": one}],
+            strategy=strategy,
+        )
+    with pytest.raises(ValueError, match=r"history\[1\]\['loss'\] has shape \(2,\).*\(\)"):
+        metrics.stack_history([{"loss": one}, {"loss": strategy.mirror(np.ones(2))}])
+    with pytest.raises(TypeError, match=r"history\[1\]\['loss'\] is a jm.PerReplica.*reduce"):
+        metrics.stack_history(
+            [{"loss": one}, {"loss": jm.PerReplica(np.zeros(n, np.float32))}],
+            strategy=strategy,
+        )
