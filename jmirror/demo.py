@@ -13,9 +13,10 @@ nothing in this module (or in `jmirror`) touches the backends at import time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import flax.linen as nn
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax.training.train_state import TrainState
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import jmirror as jm
 from jmirror import metrics
@@ -205,9 +207,21 @@ def _eval_step(params: Any, apply_fn: Any, batch: dict[str, Any], mask: Any, acc
     return accuracy.update(apply_fn({"params": params}, batch["x"]), batch["y"], mask=mask)
 
 
-def _bar(done: int, total: int) -> str:
-    filled = _BAR_WIDTH * done // max(total, 1)
-    return "[" + "#" * filled + "." * (_BAR_WIDTH - filled) + f"] {done:>3}/{total}"
+@contextlib.contextmanager
+def _bar(description: str, total: int, live: bool) -> Iterator[Callable[[], None]]:
+    """Yields `advance()`, called once per step.
+
+    With `live` (stdout is a terminal) a rich progress bar shows the epoch's steps and is
+    erased when the epoch ends; otherwise (a notebook, a pipe, a log file) nothing is drawn,
+    so the output holds no carriage returns or escape sequences, only the epoch lines.
+    """
+    if not live:
+        yield lambda: None
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(bar_width=_BAR_WIDTH))
+    with Progress(*columns, MofNCompleteColumn(), TimeElapsedColumn(), transient=True) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda: progress.advance(task)
 
 
 def train_one_device(
@@ -297,21 +311,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         batches = train_batches(train, args.batch_size, epoch, args.seed)
         loss, accuracy = metrics.Mean.create(strategy), metrics.Accuracy.create(strategy)
         start = time.perf_counter()
-        for i, batch in enumerate(batches):
-            state, loss, accuracy = train_step(state, split(strategy, batch), loss, accuracy)
-            if tty:
-                print(
-                    f"\repoch {epoch + 1:>3}/{args.epochs} {_bar(i + 1, len(batches))}",
-                    end="",
-                    flush=True,
-                )
-        epoch_loss, epoch_accuracy = loss.compute(strategy), accuracy.compute(strategy)
-        seconds = time.perf_counter() - start  # reading the metrics waited for the steps
+        label = f"epoch {epoch + 1:>3}/{args.epochs}"
+        with _bar(label, len(batches), live=tty) as advance:
+            for batch in batches:
+                state, loss, accuracy = train_step(state, split(strategy, batch), loss, accuracy)
+                advance()
+            epoch_loss = float(loss.compute(strategy))  # waits for the epoch's steps
+            epoch_accuracy = float(accuracy.compute(strategy))
+        seconds = time.perf_counter() - start
         rate = len(batches) * args.batch_size / seconds
         print(
-            f"{chr(13) if tty else ''}epoch {epoch + 1:>3}/{args.epochs} "
-            f"{_bar(len(batches), len(batches))}  loss {float(epoch_loss):.4f}  "
-            f"accuracy {float(epoch_accuracy):.4f}  {rate:,.0f} examples/s"
+            f"{label}  {len(batches)} steps  loss {epoch_loss:.4f}  "
+            f"accuracy {epoch_accuracy:.4f}  {rate:,.0f} examples/s"
             + ("  (includes compiling)" if epoch == 0 else "")
         )
 
