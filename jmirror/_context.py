@@ -18,6 +18,7 @@ from typing import Any, cast
 import jax
 import jax.core
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jmirror._values import Aggregation, PerReplica, PyTree, ReduceOp, SyncOnRead
@@ -189,6 +190,13 @@ class ReplicaContext:
         paths = [jax.tree_util.keystr(p) for p, _ in path_leaves]
         leaves = [leaf for _, leaf in path_leaves]
         call = f"jm.sync(tree, {aggregation.name})"
+        for path, leaf in zip(paths, leaves):
+            if not _is_array_like(leaf):
+                raise TypeError(
+                    f"{call} got a {type(leaf).__name__} at path {path or '<root>'!r}; every leaf "
+                    "to synchronize must be an array or a number. Keep other Python values out "
+                    "of the tree (they are the same on every replica already)."
+                )
         require = aggregation is Aggregation.NONE
         leaves, varying, answered = self._trace.mark(call, leaves, paths, require)
         if require and answered:
@@ -241,7 +249,9 @@ class ReplicaContext:
         )
         paths = [jax.tree_util.keystr(p) for p, _ in path_leaves]
         leaves = [leaf for _, leaf in path_leaves]
-        plain = [i for i, x in enumerate(leaves) if not isinstance(x, SyncOnRead)]
+        # Arrays are tagged for the proof; other Python objects (a string, a flag) are the same
+        # on every replica and reach merge_fn as they are.
+        plain = [i for i, x in enumerate(leaves) if _is_array_like(x)]
         marked, varying, _ = self._trace.mark(
             "jm.merge_call", [leaves[i] for i in plain], [paths[i] for i in plain]
         )
@@ -253,16 +263,33 @@ class ReplicaContext:
             result = merge_fn(self._strategy, *args, **kwargs)
         finally:
             _STACK.frames.pop()
-        return jax.tree.map(
-            self._own_component, result, is_leaf=lambda x: isinstance(x, PerReplica)
+        nodes, treedef = jax.tree_util.tree_flatten_with_path(
+            result, is_leaf=lambda x: isinstance(x, PerReplica)
         )
+        return treedef.unflatten([self._own_component(path, x) for path, x in nodes])
 
-    def _own_component(self, x: Any) -> Any:
+    def _own_component(self, path: tuple, x: Any) -> Any:
         if not isinstance(x, PerReplica):
             return x
         if x._local:
             return x._values
-        return jax.tree.map(lambda v: jnp.asarray(v)[self.replica_id], x._values)
+        n = self.num_replicas
+
+        def own(inner: tuple, v: Any) -> Any:
+            v = jnp.asarray(v)
+            if v.shape[:1] != (n,):
+                where = jax.tree_util.keystr(path) + ".values" + jax.tree_util.keystr(inner)
+                raise ValueError(
+                    f"jm.merge_call: merge_fn returned a PerReplica whose leaf at "
+                    f"{where or '<root>'} has shape {v.shape}, but a PerReplica needs a leading "
+                    f"axis of {n} (one component per replica) for each replica to receive its "
+                    "own. Return the PerReplica merge_fn received (or one built from it with "
+                    "jax.tree.map), a value stacked over all replicas, or a value every replica "
+                    "shares (a plain array)."
+                )
+            return v[self.replica_id]
+
+        return jax.tree_util.tree_map_with_path(own, x._values)
 
     def __repr__(self) -> str:
         return f"ReplicaContext(num_replicas={self.num_replicas}, axis_name={self.axis_name!r})"
@@ -281,6 +308,10 @@ class _Stack(threading.local):
 
 _STACK = _Stack()
 _DEFAULT: list[Any] = []
+
+
+def _is_array_like(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
 
 
 def check_identical(call: str, paths: Sequence[str], varying: Sequence[bool]) -> None:

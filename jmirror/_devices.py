@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -61,6 +62,16 @@ def _resolve_one(spec: Any) -> Device:
     )
 
 
+def as_int(value: Any, call: str) -> int:
+    """An integer-like `value` (a Python or NumPy integer, not a bool) as an int."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{call} expects an int, got {value!r} of type {type(value).__name__}.")
+
+
 def resolve_devices(
     devices: Sequence[DeviceSpec] | None, num_devices: int | None
 ) -> tuple[Device, ...]:
@@ -74,11 +85,7 @@ def resolve_devices(
     if devices is None:
         if num_devices is None:
             return tuple(available)
-        if isinstance(num_devices, bool) or not isinstance(num_devices, int):
-            raise TypeError(
-                f"MirroredStrategy(num_devices=...) expects an int, got {num_devices!r} of type "
-                f"{type(num_devices).__name__}."
-            )
+        num_devices = as_int(num_devices, "MirroredStrategy(num_devices=...)")
         if not 1 <= num_devices <= len(available):
             raise ValueError(
                 f"MirroredStrategy(num_devices={num_devices}) needs 1 <= num_devices <= "

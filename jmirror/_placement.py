@@ -157,8 +157,9 @@ class _Placement:
     def assign(self, sync_on_read: SyncOnRead, value: PyTree) -> SyncOnRead:
         """Returns a new `SyncOnRead` holding `value`: reading it gives `value`.
 
-        For `SUM` each replica gets `value / N` cast to the dtype (integers truncate);
-        otherwise each replica gets `value`.
+        For `SUM` each replica gets `value / N` cast to the dtype; for integers each gets
+        `value // N` and the first `value % N` replicas one more, so the sum is exact.
+        Otherwise each replica gets `value`.
 
         Example:
             >>> import jmirror as jm
@@ -166,6 +167,9 @@ class _Placement:
             >>> total = strategy.assign(strategy.sync_on_read(0.0, "sum"), 6.0)
             >>> float(strategy.read(total))
             6.0
+            >>> count = strategy.assign(strategy.sync_on_read(0, "sum"), 10)
+            >>> int(strategy.read(count))
+            10
         """
         if not isinstance(sync_on_read, SyncOnRead):
             raise TypeError(
@@ -180,21 +184,36 @@ class _Placement:
                 f"the SyncOnRead's {jax.tree.structure(sync_on_read.value)}; pass a value of the "
                 "same structure."
             )
+        is_sum = sync_on_read.aggregation is Aggregation.SUM
 
-        def component(old: Any, new: Any) -> Any:
-            dtype = jnp.result_type(old)
+        def spread(dtype: Any) -> bool:  # an integer SUM: components differ by the remainder
+            return is_sum and jnp.issubdtype(dtype, jnp.integer)
+
+        def component(dtype: Any, new: Any, replica: Any) -> Any:
             new = jnp.asarray(new)
-            if sync_on_read.aggregation is Aggregation.SUM:
-                new = new / n
-            return new.astype(dtype)
+            if spread(dtype):
+                new = new.astype(dtype)
+                extra = (replica < jnp.remainder(new, n)).astype(dtype)
+                return jnp.floor_divide(new, n) + extra
+            return (new / n if is_sum else new).astype(dtype)
 
         if context is not None:
-            return sync_on_read.replace(jax.tree.map(component, sync_on_read.value, value))
-        old = jax.tree.map(
-            lambda v: jax.ShapeDtypeStruct(np.shape(v)[1:], jnp.result_type(v)), sync_on_read.value
+            return sync_on_read.replace(
+                jax.tree.map(
+                    lambda old, new: component(jnp.result_type(old), new, context.replica_id),
+                    sync_on_read.value,
+                    value,
+                )
+            )
+        dtypes = jax.tree.map(jnp.result_type, sync_on_read.value)
+        if not any(spread(d) for d in jax.tree.leaves(dtypes)):
+            same = jax.tree.map(lambda d, new: component(d, new, 0), dtypes, value)
+            return sync_on_read.replace(self._stack_copies(self.mirror(same)))
+        replicas = jnp.arange(n)
+        stacked = jax.tree.map(
+            lambda d, new: jax.vmap(lambda r: component(d, new, r))(replicas), dtypes, value
         )
-        new = jax.tree.map(component, old, value)
-        return sync_on_read.replace(self._stack_copies(self.mirror(new)))
+        return sync_on_read.replace(jax.device_put(stacked, self._stacked))
 
     def distribute_values_from_function(self, value_fn: Callable[[ValueContext], PyTree]):
         """Returns a `PerReplica` whose component i is `value_fn(ValueContext(i, N))`.

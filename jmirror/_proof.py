@@ -40,7 +40,7 @@ _DIVERGENT = (
     "{prim} whose {what} differs across replicas contains a cross-replica collective "
     "({collective}): replicas would wait on each other forever. Make the {what} identical on "
     "every replica (for example reduce it with jm.all_reduce first), or move the collective "
-    "out of the {prim}."
+    "out of the {where}."
 )
 
 
@@ -165,7 +165,10 @@ class Proof:
                 if collective is not None:
                     raise ValueError(
                         _DIVERGENT.format(
-                            prim="A while_loop", what="predicate", collective=collective
+                            prim="A while_loop",
+                            where="while_loop",
+                            what="predicate",
+                            collective=collective,
                         )
                     )
                 # The trip count differs between replicas, so every carry may differ.
@@ -184,7 +187,9 @@ class Proof:
                 collective = self.find_collective(branch.jaxpr)
                 if collective is not None:
                     raise ValueError(
-                        _DIVERGENT.format(prim="A cond", what="predicate", collective=collective)
+                        _DIVERGENT.format(
+                            prim="A cond", where="cond", what="predicate", collective=collective
+                        )
                     )
         outs = [index_varies] * len(eqn.outvars)
         for branch in branches:

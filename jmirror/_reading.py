@@ -82,11 +82,17 @@ class _Reading:
             (2.0, True)
         """
         context = self._merge("read(tree)")
+        path_nodes, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_distributed)
+        for path, node in path_nodes:
+            if isinstance(node, PerReplica):
+                where = " inside merge_fn" if context is not None else ""
+                where += f" at path {jax.tree_util.keystr(path) or '<root>'!r}"
+                raise TypeError(_READ_PER_REPLICA.format(call="strategy.read", where=where))
         if context is not None:
             return jax.tree.map(lambda x: self._read_node(x, context), tree, is_leaf=is_distributed)
         # Cross-replica: every SUM / MEAN component goes to devices[0] in one transfer and is
         # reduced by one compiled function, however many sync-on-read leaves the tree holds.
-        nodes, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_distributed)
+        nodes = [node for _, node in path_nodes]
         out: list[Any] = []
         pending: list[tuple[int, Any, int]] = []
         for i, node in enumerate(nodes):
@@ -106,9 +112,6 @@ class _Reading:
         return treedef.unflatten(out)
 
     def _read_node(self, x: Any, context: _context.ReplicaContext | None) -> Any:
-        if isinstance(x, PerReplica):
-            where = " inside merge_fn" if context is not None else ""
-            raise TypeError(_READ_PER_REPLICA.format(call="strategy.read", where=where))
         if isinstance(x, SyncOnRead):
             agg = x.aggregation
             if agg is Aggregation.NONE:
@@ -227,6 +230,14 @@ class _Reading:
         return jax.tree.map(one, value, is_leaf=is_distributed)
 
     def _reduce_plain(self, op: ReduceOp, value: Any) -> Any:
+        if isinstance(value, jax.core.Tracer) and _context.merge_context() is not None:
+            raise ValueError(
+                f"strategy.reduce({op.name}, value) inside merge_fn got a traced value that is "
+                "not a PerReplica: it was captured from the replica function's closure instead "
+                "of passed through merge_call, so jmirror cannot tell whether it differs "
+                "between replicas. Pass it in jm.merge_call(merge_fn, args=(value,)): merge_fn "
+                "then receives a PerReplica when it may differ."
+            )
         if op is ReduceOp.SUM and self.num_replicas > 1:
             raise ValueError(
                 f"strategy.reduce(SUM, value) got a value that is not a PerReplica "

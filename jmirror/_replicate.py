@@ -16,19 +16,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jmirror import _context
+from jmirror import _context, _dispatch
 from jmirror._proof import prove
 from jmirror._values import PerReplica, SyncOnRead, is_distributed
 
 _MAX_ROUNDS = 4
+# More input signatures than this compiled by one replicated function earn a warning.
+_RETRACE_WARNING_AT = 8
+_UNBOUND_AXIS = re.compile(r"unbound axis name: (\S+?)\.?(\s|$)")
 
 # Kinds of a top-level input slot.
 _SPLIT, _BROADCAST = "split", "broadcast"
@@ -83,34 +89,37 @@ class Replicated:
         self._strategy = strategy
         self._donate = donate_argnums
         self._static = static_argnums
-        self._compilations = 0
-        # For each output structure, the flat index of its smallest leaf: what the bound on
+        self._traces = 0  # every trace of the step: plain calls, .lower(), outer transforms
+        self._compilations = 0  # input signatures compiled by plain calls
+        # For each output structure, the flat index of its smallest array: what the bound on
         # steps in flight keeps alive to wait on (never the large outputs).
-        self._smallest: dict[Any, int] = {}
+        self._token_index: dict[Any, int] = {}
+        # Every (shape, dtype) seen at each argument path, for the retracing warning.
+        self._seen: dict[str, set[tuple]] = {}
+        self._warned: set[str] = set()
         # One jax.jit around the whole step: its C++ dispatch flattens the arguments
         # (PerReplica and SyncOnRead are pytree nodes), checks the signature and runs the
         # cached program. The strategy is a static argument. Two variants: with the
-        # requested donation, and without it for strategies where donating costs time.
+        # requested donation, and without it where the donation policy skips it. `.lower()`
+        # has its own pair, whose step returns only the result (no in-flight token).
         static = (0,) + tuple(i + 1 for i in static_argnums)
-        self._jitted_by_donation = {
-            True: jax.jit(
-                self._entry,
-                static_argnums=static,
-                donate_argnums=tuple(i + 1 for i in donate_argnums),
-            ),
-            False: jax.jit(self._entry, static_argnums=static),
-        }
+        donate = tuple(i + 1 for i in donate_argnums)
+
+        def jitted(entry: Callable[..., Any]) -> dict[bool, Any]:
+            return {
+                True: jax.jit(entry, static_argnums=static, donate_argnums=donate),
+                False: jax.jit(entry, static_argnums=static),
+            }
+
+        self._jitted_by_donation = jitted(self._entry)
+        self._lowerable_by_donation = jitted(self._entry_result)
         functools.update_wrapper(self, fn)
 
-    def _for(self, strategy: Any, args: tuple) -> Any:
-        """The jitted step with or without donation, as the strategy advises for `args`."""
+    def _donates(self, strategy: Any, args: tuple) -> bool:
+        """Whether this call donates `donate_argnums`, under the strategy's donation policy."""
         if not self._donate:
-            return self._jitted_by_donation[False]
-        donated = [args[i] for i in self._donate if i < len(args)]
-        return self._jitted_by_donation[strategy._donates(donated)]
-
-    def _jitted(self, strategy: Any, *args: Any, **kwargs: Any) -> Any:
-        return self._for(strategy, args)(strategy, *args, **kwargs)
+            return False
+        return strategy._donates([args[i] for i in self._donate if i < len(args)])
 
     def __repr__(self) -> str:
         name = getattr(self._fn, "__qualname__", repr(self._fn))
@@ -125,20 +134,86 @@ class Replicated:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         strategy = self._check_call(args)
-        strategy._wait_for_room()
+        donate = self._donates(strategy, args)
+        if donate:
+            _dispatch.check_donated(repr(self), args, kwargs, self._donate)
+        strategy._in_flight.wait_for_room(strategy.max_in_flight)
+        traces = self._traces
+        jitted = self._jitted_by_donation[donate]
         try:
-            result, token = self._jitted(strategy, *args, **kwargs)
+            result, token = jitted(strategy, *args, **kwargs)
         except ValueError:
             # jax.jit refuses arrays committed to other devices; move them (rare) and retry.
             placed = self._place(strategy, args, kwargs)
             if placed is None:
                 raise
-            result, token = self._jitted(strategy, *placed[0], **placed[1])
+            args, kwargs = placed
+            result, token = jitted(strategy, *args, **kwargs)
         if token is None:
-            leaves, treedef = jax.tree_util.tree_flatten(result)
-            token = leaves[self._smallest[treedef]]
-        strategy._track(token)
+            token = self._token(result)
+        if isinstance(token, jax.core.Tracer):
+            # Traced by the caller's own transformation (jit, grad, vmap, scan, ...): JAX
+            # dispatches it, so there is nothing to bound and no compilation of ours to count.
+            return result
+        strategy._in_flight.track(token)
+        if self._traces != traces:
+            self._compiled(strategy, args, kwargs)
         return result
+
+    def _token(self, result: Any) -> Any:
+        """The smallest array output of a step, which the in-flight bound waits on."""
+        leaves, treedef = jax.tree_util.tree_flatten(result)
+        i = self._token_index.get(treedef)
+        if i is None or not isinstance(leaves[i], jax.Array):
+            sizes = [
+                (getattr(leaf, "nbytes", 0), j)
+                for j, leaf in enumerate(leaves)
+                if isinstance(leaf, jax.Array)
+            ]
+            if not sizes:
+                return None
+            i = min(sizes)[1]
+            self._token_index[treedef] = i
+        return leaves[i]
+
+    def _compiled(self, strategy: Any, args: tuple, kwargs: dict) -> None:
+        """Bookkeeping after a plain call compiled a new input signature."""
+        self._compilations += 1
+        dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
+        nodes = jax.tree_util.tree_flatten_with_path((dynamic, kwargs), is_leaf=is_distributed)[0]
+        for path, node in nodes:
+            where = _argument_path(path, self._static)
+            if (
+                isinstance(node, np.ndarray)
+                and node.ndim
+                and node.shape[0] == strategy.num_replicas
+            ):
+                self._warn_once(
+                    "host batch",
+                    _HOST_BATCH.format(
+                        fn=self, shape=node.shape, path=where, n=strategy.num_replicas
+                    ),
+                )
+            for inner, leaf in jax.tree_util.tree_flatten_with_path(node)[0]:
+                signature = (tuple(np.shape(leaf)), str(jnp.result_type(leaf)))
+                self._seen.setdefault(where + jax.tree_util.keystr(inner), set()).add(signature)
+        if self._compilations > _RETRACE_WARNING_AT:
+            changing = [(p, sorted(s)) for p, s in self._seen.items() if len(s) > 1]
+            shown = "; ".join(
+                f"{p}: " + ", ".join(f"{shape} {dtype}" for shape, dtype in s[:4])
+                for p, s in changing[:5]
+            )
+            self._warn_once(
+                "retrace",
+                _RETRACING.format(
+                    fn=self, k=self._compilations, changing=shown or "(the tree structure changes)"
+                ),
+            )
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(message, UserWarning, stacklevel=4)
 
     def _place(self, strategy: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Arguments with arrays on other devices moved onto the strategy's; None if none are."""
@@ -172,11 +247,13 @@ class Replicated:
             True
         """
         strategy = self._check_call(args)
-        return self._for(strategy, args).lower(strategy, *args, **kwargs)
+        lowerable = self._lowerable_by_donation[self._donates(strategy, args)]
+        return lowerable.lower(strategy, *args, **kwargs)
 
     @property
     def num_compilations(self) -> int:
-        """How many input signatures have been traced and compiled so far."""
+        """How many input signatures calls have compiled so far (`.lower()` and calls traced
+        by an outer transformation do not count)."""
         return self._compilations
 
     def _check_call(self, args: tuple) -> Any:
@@ -196,8 +273,13 @@ class Replicated:
 
     # --- tracing: once per input signature, inside jax.jit -------------------------------------
 
+    def _entry_result(self, strategy: Any, *args: Any, **kwargs: Any) -> Any:
+        """The step as `.lower()` exposes it: the result only."""
+        return self._entry(strategy, *args, **kwargs)[0]
+
     def _entry(self, strategy: Any, *args: Any, **kwargs: Any) -> tuple[Any, jax.Array | None]:
-        self._compilations += 1
+        """The traced step: the result, and a token to wait on when no output can serve."""
+        self._traces += 1
         statics = tuple(args[i] for i in self._static)
         dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
         top, treedef = jax.tree_util.tree_flatten((dynamic, kwargs), is_leaf=is_distributed)
@@ -215,7 +297,12 @@ class Replicated:
         closed, out_split, out_slots, out_treedef = self._prove(
             strategy, treedef, slots, statics, len(args), split, avals
         )
-        outs = _EXECUTABLES[strategy.backend](strategy, closed, split, out_split)(*flat)
+        # A step with no array output (none at all, or only float0 gradients) returns a
+        # scalar token for the in-flight bound to wait on.
+        needs_token = all(aval.dtype == jax.dtypes.float0 for aval in closed.out_avals)
+        outs = _EXECUTABLES[strategy.backend](strategy, closed, split, out_split, needs_token)(
+            *flat
+        )
         built, pos = [], 0
         for slot in out_slots:
             leaves = outs[pos : pos + slot.size]
@@ -227,11 +314,7 @@ class Replicated:
                 built.append(PerReplica(leaves[0]) if out_split[pos] else leaves[0])
             pos += slot.size
         result = out_treedef.unflatten(built)
-        if len(outs) > len(out_split):
-            return result, outs[-1]
-        sizes = [o.size * o.dtype.itemsize for o in outs]
-        self._smallest[jax.tree.structure(result)] = sizes.index(min(sizes))
-        return result, None
+        return result, (outs[-1] if needs_token else None)
 
     def _prove(self, strategy, treedef, slots, statics, n_args, split, avals):
         """Traces the replica function to a jaxpr and proves which outputs are identical."""
@@ -245,7 +328,10 @@ class Replicated:
             flat_fn = functools.partial(
                 self._flat_fn, strategy, treedef, slots, statics, n_args, split, box
             )
-            closed = jax.make_jaxpr(flat_fn, axis_env=axis_env)(*avals)
+            try:
+                closed = jax.make_jaxpr(flat_fn, axis_env=axis_env)(*avals)
+            except NameError as e:
+                raise self._unbound_axis(strategy, e) from e
             out_split, proof = prove(closed, split, strategy.axis_name)
             return closed, out_split, proof, round_
 
@@ -312,6 +398,19 @@ class Replicated:
         box["out_treedef"] = out_treedef
         return [jnp.asarray(x) for x in out_flat]
 
+    def _unbound_axis(self, strategy: Any, error: NameError) -> Exception:
+        match = _UNBOUND_AXIS.search(str(error))
+        if match is None:
+            return error
+        name = match.group(1)
+        return NameError(
+            f"{self!r} runs a collective over the axis name {name!r}, but the strategy's axis "
+            f"name is {strategy.axis_name!r}, so {name!r} is not bound. Models written for "
+            f"jax.pmap often hard-code it (flax's BatchNorm(axis_name={name!r})): create the "
+            f"strategy with jm.MirroredStrategy(axis_name={name!r}), or use the strategy's "
+            "axis name (jm.replica_context().axis_name) in the model."
+        )
+
     def _bad_split(self, strategy: Any, args: tuple, kwargs: dict, leaf: Any) -> ValueError:
         path = "<unknown>"
         for p, candidate in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
@@ -326,22 +425,22 @@ class Replicated:
         )
 
 
-def _done_token(out_split: Sequence[bool]) -> tuple[jax.Array, ...]:
-    """A scalar output for a step with no outputs, for the in-flight bound to wait on."""
-    return () if out_split else (jnp.zeros((), jnp.int8),)
+def _done_token(needs_token: bool) -> tuple[jax.Array, ...]:
+    """A scalar output for a step with no array outputs, for the in-flight bound to wait on."""
+    return (jnp.zeros((), jnp.int8),) if needs_token else ()
 
 
-def _pmap_executable(strategy, closed, split, out_split):
+def _pmap_executable(strategy, closed, split, out_split, needs_token):
     body = jex.jaxpr_as_fun(closed)
     # jax.pmap needs one mapped argument: a function of mirrored inputs only gets a dummy one.
     needs_mapped_input = not any(split)
     in_axes = tuple(0 if s else None for s in split) + ((0,) if needs_mapped_input else ())
-    out_axes = tuple(0 if s else None for s in out_split) + (None,) * len(_done_token(out_split))
+    out_axes = tuple(0 if s else None for s in out_split) + (None,) * len(_done_token(needs_token))
 
     def replica(*flat):
         if needs_mapped_input:
             flat = flat[:-1]
-        return (*body(*flat), *_done_token(out_split))
+        return (*body(*flat), *_done_token(needs_token))
 
     mapped = jax.pmap(
         replica,
@@ -355,24 +454,24 @@ def _pmap_executable(strategy, closed, split, out_split):
     return lambda *flat: mapped(*flat, jnp.zeros((strategy.num_replicas,), jnp.int8))
 
 
-def _shard_map_executable(strategy, closed, split, out_split):
+def _shard_map_executable(strategy, closed, split, out_split, needs_token):
     body = jex.jaxpr_as_fun(closed)
     axis = strategy.axis_name
 
     def replica(*flat):
         flat = [x[0] if s else x for x, s in zip(flat, split)]
         outs = [o[None] if s else o for o, s in zip(body(*flat), out_split)]
-        return (*outs, *_done_token(out_split))
+        return (*outs, *_done_token(needs_token))
 
     in_specs = tuple(P(axis) if s else P() for s in split)
     out_specs = tuple(P(axis) if s else P() for s in out_split)
-    out_specs += (P(),) * len(_done_token(out_split))
+    out_specs += (P(),) * len(_done_token(needs_token))
     return jax.shard_map(
         replica, mesh=strategy.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
     )
 
 
-def _vmap_executable(strategy, closed, split, out_split):
+def _vmap_executable(strategy, closed, split, out_split, needs_token):
     """Every replica on one device, as `jax.vmap` with the replica axis name."""
     body = jex.jaxpr_as_fun(closed)
     replicas = jax.vmap(
@@ -384,7 +483,7 @@ def _vmap_executable(strategy, closed, split, out_split):
 
     def run(*flat):
         outs = [o if s else o[0] for o, s in zip(replicas(*flat), out_split)]
-        return (*outs, *_done_token(out_split))
+        return (*outs, *_done_token(needs_token))
 
     return run
 
@@ -394,6 +493,32 @@ _EXECUTABLES = {
     "shard_map": _shard_map_executable,
     "vmap": _vmap_executable,
 }
+
+
+_HOST_BATCH = (
+    "{fn} got a numpy array of shape {shape} at {path}, whose leading axis equals the {n} "
+    "replicas, as a plain argument: it is transferred whole to every device on every call, and "
+    "every replica sees all of it. If it is a per-replica batch (such as flax's "
+    "common_utils.shard output), wrap it as jm.PerReplica(batch) or let "
+    "strategy.distribute_dataset place the batches; if it is state, place it once with "
+    "strategy.mirror(x) and pass the mirrored value."
+)
+_RETRACING = (
+    "{fn} has compiled {k} input signatures: every new shape, dtype or tree structure of its "
+    "arguments compiles the step again. Arguments that keep changing: {changing}. Pad batches "
+    "to fixed shapes (strategy.distribute_dataset(..., remainder='pad') keeps every batch's "
+    "shape), and pass Python values that change as static_argnums only when few."
+)
+
+
+def _argument_path(path: tuple, static: Sequence[int]) -> str:
+    """`args[i]...` / `kwargs[...]` for a path into `((dynamic args), kwargs)`."""
+    first, rest = path[0], path[1:]
+    if first.idx == 1:
+        return "kwargs" + jax.tree_util.keystr(rest)
+    i = rest[0].idx
+    dynamic = [j for j in range(i + len(static) + 1) if j not in static]
+    return f"args[{dynamic[i]}]" + jax.tree_util.keystr(rest[1:])
 
 
 def _default_strategy() -> Any:

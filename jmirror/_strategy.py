@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -17,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jmirror import _context
+from jmirror import _context, _dispatch
 from jmirror._devices import Device, DeviceSpec, resolve_devices
 from jmirror._placement import _Placement
 from jmirror._reading import _Reading
@@ -25,12 +24,6 @@ from jmirror._replicate import replicate
 from jmirror._values import PerReplica, PyTree
 
 _BACKENDS = ("pmap", "shard_map")
-# Steps in flight by platform: XLA:CPU host devices deadlock in their collective rendezvous
-# when many programs are queued back to back; accelerators queue deeper safely.
-_DEFAULT_IN_FLIGHT = {"cpu": 2}
-_DEFAULT_IN_FLIGHT_ACCELERATOR = 16
-# On several XLA:CPU devices, arguments holding a leaf this large are not donated.
-_LARGE_DONATION = 8 * 2**20
 _RUN_CACHE_SIZE = 64
 
 
@@ -49,11 +42,17 @@ class MirroredStrategy(_Placement, _Reading):
       backend: `"pmap"` (compile with `jax.pmap`) or `"shard_map"` (with
         `jax.jit(jax.shard_map(...))`); both give the same results.
       max_in_flight: how many replicated steps may be queued before the next call waits for
-        the oldest; `None` picks a safe default for the platform (2 on CPU host devices).
+        the oldest; `None` picks a safe default for the platform (2 on CPU host devices, at
+        most 16 there: XLA:CPU aborts when too many collective steps are queued). Strategies
+        on the same platform share one queue.
+      donation: `"auto"` donates what `donate_argnums` names except where donating is
+        measured to be slower (arguments holding leaves of 8 MiB or more, on several CPU
+        host devices, where the step then holds its inputs and outputs at once);
+        `"always"` donates exactly what `donate_argnums` names.
 
     Raises:
       ValueError: for bad devices, both `devices` and `num_devices`, an unknown backend or
-        `max_in_flight < 1`.
+        donation policy, `max_in_flight < 1`, or above 16 on several CPU host devices.
       TypeError: when `max_in_flight` is not an int.
 
     Example:
@@ -71,6 +70,7 @@ class MirroredStrategy(_Placement, _Reading):
         axis_name: str = "replica",
         backend: str = "pmap",
         max_in_flight: int | None = None,
+        donation: str = "auto",
     ):
         resolved = resolve_devices(devices, num_devices)
         if backend not in _BACKENDS:
@@ -78,7 +78,7 @@ class MirroredStrategy(_Placement, _Reading):
                 f"MirroredStrategy(backend={backend!r}) is not a backend; expected one of "
                 f"{_BACKENDS}."
             )
-        self._setup(resolved, axis_name, backend, max_in_flight)
+        self._setup(resolved, axis_name, backend, max_in_flight, donation)
 
     def _setup(
         self,
@@ -86,6 +86,7 @@ class MirroredStrategy(_Placement, _Reading):
         axis_name: str,
         backend: str,
         max_in_flight: int | None,
+        donation: str = "auto",
     ) -> None:
         self._devices = devices
         first = devices[0]
@@ -93,30 +94,12 @@ class MirroredStrategy(_Placement, _Reading):
             raise TypeError(
                 f"MirroredStrategy(axis_name=...) expects a non-empty str, got {axis_name!r}."
             )
-        if max_in_flight is not None:
-            if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int):
-                raise TypeError(
-                    f"MirroredStrategy(max_in_flight=...) expects an int or None, got "
-                    f"{max_in_flight!r} of type {type(max_in_flight).__name__}."
-                )
-            if max_in_flight < 1:
-                raise ValueError(
-                    f"MirroredStrategy(max_in_flight={max_in_flight}) must be at least 1 (or "
-                    "None for the platform's safe default)."
-                )
-        else:
-            max_in_flight = _DEFAULT_IN_FLIGHT.get(first.platform, _DEFAULT_IN_FLIGHT_ACCELERATOR)
-        # Donating a large buffer to a step on several XLA:CPU host devices made the step much
-        # slower (MLP hidden 2048, 16 MiB weights: 110 ms with donation, 58 ms without), while
-        # small buffers gain from it (hidden 512: 4.2 ms against 4.7 ms); see
-        # benchmarks/RESULTS.md. There jmirror skips donating arguments that hold a leaf of
-        # `_LARGE_DONATION` bytes or more, and spends host memory instead.
-        self._large_donation = (
-            _LARGE_DONATION if first.platform == "cpu" and len(devices) > 1 else None
+        self._max_in_flight = _dispatch.check_max_in_flight(
+            max_in_flight, first.platform, len(set(devices)), "MirroredStrategy"
         )
+        self._donation = _dispatch.check_donation(donation, "MirroredStrategy")
         self._axis_name = axis_name
         self._backend = backend
-        self._max_in_flight = max_in_flight
         if len(set(devices)) == len(devices):
             self._mesh = Mesh(np.array(devices), (axis_name,))
             self._replicated = NamedSharding(self._mesh, P())
@@ -125,8 +108,7 @@ class MirroredStrategy(_Placement, _Reading):
             self._mesh = Mesh(np.array([first]), (axis_name,))
             self._replicated = self._stacked = jax.sharding.SingleDeviceSharding(first)
         self._device_set = frozenset(devices)
-        self._in_flight: collections.deque = collections.deque()
-        self._lock = threading.Lock()
+        self._in_flight = _dispatch.in_flight_for(first.platform)
         self._run_cache: collections.OrderedDict = collections.OrderedDict()
 
     # --- properties ----------------------------------------------------------------------------
@@ -160,6 +142,11 @@ class MirroredStrategy(_Placement, _Reading):
     def max_in_flight(self) -> int:
         """How many replicated steps may be queued before the next call waits."""
         return self._max_in_flight
+
+    @property
+    def donation(self) -> str:
+        """The donation policy: `"auto"` or `"always"`."""
+        return self._donation
 
     def __repr__(self) -> str:
         devices = ", ".join(f"{d.platform}:{d.id}" for d in self._devices)
@@ -196,35 +183,10 @@ class MirroredStrategy(_Placement, _Reading):
             return True
         return sharding.is_fully_replicated and sharding.device_set == self._device_set
 
-    def _wait_for_room(self) -> None:
-        """Blocks until fewer than `max_in_flight` replicated steps are queued."""
-        must_block = False  # set when a step's output was donated to a later step
-        while True:
-            with self._lock:
-                if not self._in_flight or (
-                    len(self._in_flight) < self._max_in_flight and not must_block
-                ):
-                    return
-                oldest = self._in_flight.popleft()
-            if oldest.is_deleted():
-                # Donated to a later (already queued) step: waiting for that step covers
-                # this one.
-                must_block = True
-                continue
-            oldest.block_until_ready()
-            must_block = False
-
     def _donates(self, donated: list[Any]) -> bool:
-        """Whether to donate these arguments to a step (False: some leaf is too large)."""
-        if self._large_donation is None or not donated:
-            return True
-        limit = self._large_donation
-        return all(getattr(x, "nbytes", 0) < limit for x in jax.tree.leaves(donated))
-
-    def _track(self, output: jax.Array) -> None:
-        """Records a dispatched step by one (small) output: all are ready when it is done."""
-        with self._lock:
-            self._in_flight.append(output)
+        """Whether a step donates these arguments under the strategy's donation policy."""
+        first = self._devices[0]
+        return _dispatch.donates(self._donation, first.platform, len(self._device_set), donated)
 
     def _merge(self, call: str) -> _context.ReplicaContext | None:
         """The replica context when called inside a merge_fn; raises inside a replica."""

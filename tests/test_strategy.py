@@ -163,10 +163,14 @@ def test_assign_reads_back_the_value(strategy, n, agg, expected):
     assert [float(p) for p in strategy.local_results(v)] == pytest.approx([per] * n)
 
 
-def test_assign_integer_sum_truncates(strategy, n):
-    v = strategy.assign(strategy.sync_on_read(np.int32(0), "sum"), 7)
+@pytest.mark.parametrize("value", [7, 10, -10, 0, 2**20 + 3])
+def test_assign_integer_sum_spreads_the_remainder(strategy, n, value):
+    # SPEC 4 (round 2): value // N each, one more on the first value % N replicas.
+    v = strategy.assign(strategy.sync_on_read(np.int32(0), "sum"), value)
     assert v.value.dtype == np.int32
-    assert [int(p) for p in strategy.local_results(v)] == [int(7 / n)] * n
+    expected = [value // n + (i < value % n) for i in range(n)]
+    assert [int(p) for p in strategy.local_results(v)] == expected
+    assert int(strategy.read(v)) == value
 
 
 def test_read_sync_on_read_aggregations(strategy, n):

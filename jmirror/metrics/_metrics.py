@@ -52,6 +52,13 @@ def _expand_mask(call: str, mask: ArrayLike | None, shape: tuple[int, ...]) -> j
     if mask is None:
         return jnp.ones(shape, jnp.bool_)
     mask = jnp.asarray(mask)
+    if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
+        raise TypeError(
+            f"{call}: the mask has dtype {mask.dtype}, but a mask marks which examples count "
+            "(booleans, True: counted; integers: nonzero counted); it is not a weight, so a "
+            "value such as 0.5 has no meaning. Pass booleans (for example mask > 0), or "
+            "multiply the values by your weights before updating."
+        )
     if mask.shape != shape[: mask.ndim]:
         raise ValueError(
             f"{call}: the mask has shape {mask.shape}, but the values have shape {shape}; a "

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import jax
-
-from jmirror._devices import Device
+from jmirror._devices import DeviceSpec, as_int, resolve_devices
 from jmirror._strategy import MirroredStrategy
 
 
@@ -19,7 +17,8 @@ class EmulatedStrategy(MirroredStrategy):
 
     Args:
       num_replicas: how many replicas to emulate.
-      device: the device to run on; `None` for `jax.local_devices()[0]`.
+      device: the device to run on (a `jax.Device` or a spec such as `"cpu:1"`); `None` for
+        `jax.local_devices()[0]`.
       axis_name: the collective axis name of the replicas.
       max_in_flight: as for `MirroredStrategy`.
 
@@ -35,16 +34,17 @@ class EmulatedStrategy(MirroredStrategy):
         self,
         num_replicas: int,
         *,
-        device: Device | None = None,
+        device: DeviceSpec | None = None,
         axis_name: str = "replica",
         max_in_flight: int | None = None,
     ):
-        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int):
-            raise TypeError(f"EmulatedStrategy expects an int num_replicas, got {num_replicas!r}.")
+        num_replicas = as_int(num_replicas, "EmulatedStrategy(num_replicas)")
         if num_replicas < 1:
             raise ValueError(f"EmulatedStrategy({num_replicas}) needs at least one replica.")
-        device = jax.local_devices()[0] if device is None else device
-        self._setup((device,) * num_replicas, axis_name, "vmap", max_in_flight)
+        (resolved,) = resolve_devices(
+            None if device is None else [device], 1 if device is None else None
+        )
+        self._setup((resolved,) * num_replicas, axis_name, "vmap", max_in_flight)
 
     def __repr__(self) -> str:
         device = self._devices[0]

@@ -8,14 +8,29 @@ devices, and the fixtures `jmirror_strategy` (a `MirroredStrategy` over every de
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
+
+
+def _device_count(text: str) -> int:
+    """A device count of at least 1, or a usage error naming the option."""
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(
+            f"--jmirror-devices expects a number of host devices of at least 1, got {text!r}."
+        )
+    return count
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("jmirror")
     group.addoption(
         "--jmirror-devices",
-        type=int,
+        type=_device_count,
         default=None,
         help="number of XLA:CPU host devices to run the tests on (set before JAX starts)",
     )
@@ -25,7 +40,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     count = config.getoption("--jmirror-devices")
     if count is None and config.getini("jmirror_devices"):
-        count = int(config.getini("jmirror_devices"))
+        try:
+            count = _device_count(config.getini("jmirror_devices"))
+        except argparse.ArgumentTypeError as e:
+            raise pytest.UsageError(f"the ini option jmirror_devices: {e}") from None
     if count is not None:
         from jmirror.testing._host import set_host_device_count
 

@@ -1,0 +1,176 @@
+"""Dispatching replicated steps: the bound on steps in flight and the donation policy.
+
+**The bound.** On XLA:CPU host devices, XLA's collective rendezvous aborts the process when too
+many collective programs are queued back to back (64 in flight aborted on 8 host devices; see
+benchmarks/RESULTS.md). jmirror keeps a queue of the steps it dispatched, each recorded by one
+small output (every output of a step is ready when the step is done), and waits for the oldest
+before dispatching past the limit. There is one queue per platform, shared by every strategy
+on it, so strategies interleaved on the same devices never add up past their limits. Steps
+that JAX dispatches itself (a replicated function traced inside the caller's `jax.jit`, `grad`,
+`scan`, ...) are not jmirror's to bound: their outputs are tracers and are never queued.
+
+**Donation.** `donation="always"` donates exactly what `donate_argnums` names. `"auto"` also
+does, except on several XLA:CPU host devices for arguments holding a leaf of `LARGE_DONATION`
+bytes or more, where donating made steps much slower (benchmarks/RESULTS.md). Before a donating
+call, `check_donated` refuses arguments that jaxlib would crash on (a deleted buffer, or one
+buffer passed twice), with a `ValueError` instead of the process dying.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+DONATIONS = ("auto", "always")
+# Steps in flight by platform: XLA:CPU host devices abort in their collective rendezvous when
+# many programs are queued back to back; accelerators queue deeper safely.
+DEFAULT_IN_FLIGHT = {"cpu": 2}
+DEFAULT_IN_FLIGHT_ACCELERATOR = 16
+# The most steps in flight allowed on several CPU host devices (32 ran, 64 aborted).
+MAX_IN_FLIGHT_HOST = 16
+# With donation="auto" on several XLA:CPU devices, arguments holding a leaf this large are
+# not donated.
+LARGE_DONATION = 8 * 2**20
+
+
+def check_max_in_flight(max_in_flight: Any, platform: str, num_devices: int, call: str) -> int:
+    """Validates `max_in_flight` (None: the platform's default) and returns the bound."""
+    if max_in_flight is None:
+        return DEFAULT_IN_FLIGHT.get(platform, DEFAULT_IN_FLIGHT_ACCELERATOR)
+    if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int):
+        raise TypeError(
+            f"{call}(max_in_flight=...) expects an int or None, got {max_in_flight!r} of type "
+            f"{type(max_in_flight).__name__}."
+        )
+    if max_in_flight < 1:
+        raise ValueError(
+            f"{call}(max_in_flight={max_in_flight}) must be at least 1 (or None for the "
+            "platform's safe default)."
+        )
+    if platform == "cpu" and num_devices > 1 and max_in_flight > MAX_IN_FLIGHT_HOST:
+        raise ValueError(
+            f"{call}(max_in_flight={max_in_flight}) is too deep for {num_devices} CPU host "
+            "devices: XLA:CPU's collective rendezvous aborts the process when too many "
+            "collective steps are queued (64 aborted on 8 host devices). Use at most "
+            f"{MAX_IN_FLIGHT_HOST}, or None for the default of "
+            f"{DEFAULT_IN_FLIGHT['cpu']}, which costs no measurable speed there."
+        )
+    return max_in_flight
+
+
+def check_donation(donation: Any, call: str) -> str:
+    if donation not in DONATIONS:
+        raise ValueError(
+            f"{call}(donation={donation!r}) is not a donation policy; expected 'auto' (skip "
+            "donating where it is measured to be slower: arguments holding leaves of 8 MiB or "
+            "more on several CPU host devices) or 'always' (donate exactly what "
+            "donate_argnums names)."
+        )
+    return donation
+
+
+class InFlight:
+    """The steps dispatched on one platform and not yet known to be finished."""
+
+    def __init__(self):
+        self._queue: collections.deque[jax.Array] = collections.deque()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __getitem__(self, i: int) -> jax.Array:
+        return self._queue[i]
+
+    def wait_for_room(self, limit: int) -> None:
+        """Blocks until fewer than `limit` steps are queued."""
+        must_block = False  # set when a step's output was donated to a later step
+        while True:
+            with self._lock:
+                if not self._queue or (len(self._queue) < limit and not must_block):
+                    return
+                oldest = self._queue.popleft()
+            if oldest.is_deleted():
+                # Donated to a later (already queued) step: waiting for that step covers
+                # this one.
+                must_block = True
+                continue
+            oldest.block_until_ready()
+            must_block = False
+
+    def track(self, token: Any) -> None:
+        """Records a dispatched step by one of its outputs; tracers and host values are not."""
+        if isinstance(token, jax.Array) and not isinstance(token, jax.core.Tracer):
+            with self._lock:
+                self._queue.append(token)
+
+
+_BOUNDS: dict[str, InFlight] = {}
+_BOUNDS_LOCK = threading.Lock()
+
+
+def in_flight_for(platform: str) -> InFlight:
+    """The queue of steps in flight shared by every strategy on `platform`."""
+    with _BOUNDS_LOCK:
+        return _BOUNDS.setdefault(platform, InFlight())
+
+
+def donates(donation: str, platform: str, num_devices: int, donated: Sequence[Any]) -> bool:
+    """Whether a step donates the arguments `donated` under the policy `donation`."""
+    if donation == "always" or platform != "cpu" or num_devices == 1:
+        return True
+    return all(getattr(x, "nbytes", 0) < LARGE_DONATION for x in jax.tree.leaves(donated))
+
+
+def check_donated(call: str, args: tuple, kwargs: dict, donate_argnums: Sequence[int]) -> None:
+    """Refuses donated arguments that would crash jaxlib: deleted buffers, buffers used twice.
+
+    On several devices jaxlib dies (SIGSEGV) on either; on one it raises. Checked in Python
+    before the call, from the arguments' identities (no device work).
+    """
+    donated_ids: dict[int, str] = {}
+    for i in donate_argnums:
+        if i >= len(args):
+            continue
+        for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+            if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
+                continue
+            where = f"args[{i}]{jax.tree_util.keystr(path)}"
+            if leaf.is_deleted():
+                raise ValueError(
+                    f"{call}: the donated argument at {where} (shape {leaf.shape}, dtype "
+                    f"{leaf.dtype}) has been deleted: its buffer was donated to an earlier "
+                    "call, which reused it for that call's outputs. Pass the new value the "
+                    "step returned (state = step(state, ...)), or drop the argument from "
+                    "donate_argnums to keep the inputs alive."
+                )
+            first = donated_ids.setdefault(id(leaf), where)
+            if first != where:
+                raise ValueError(_TWICE.format(call=call, first=first, where=where))
+    if not donated_ids:
+        return
+    for i, arg in enumerate(args):
+        if i in donate_argnums:
+            continue
+        _check_not_donated(call, arg, f"args[{i}]", donated_ids)
+    _check_not_donated(call, kwargs, "kwargs", donated_ids)
+
+
+_TWICE = (
+    "{call}: one array is passed as the donated argument at {first} and again at {where}; a "
+    "donated buffer is reused for the outputs, so it cannot be read a second time in the same "
+    "call. Pass a copy (jnp.copy(x)) for one of them, or drop the argument from "
+    "donate_argnums."
+)
+
+
+def _check_not_donated(call: str, tree: Any, prefix: str, donated_ids: dict[int, str]) -> None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        first = donated_ids.get(id(leaf))
+        if first is not None:
+            where = f"{prefix}{jax.tree_util.keystr(path)}"
+            raise ValueError(_TWICE.format(call=call, first=first, where=where))
