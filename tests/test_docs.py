@@ -9,6 +9,7 @@ import pytest
 
 import jmirror
 import jmirror as jm
+import jmirror.checkpoint
 import jmirror.metrics
 import jmirror.testing
 
@@ -57,7 +58,7 @@ def _public_members(cls):
 
 PUBLIC = [("jmirror", name) for name in sorted(EXPECTED_ALL)] + [
     (module.__name__, name)
-    for module in (jmirror.metrics, jmirror.testing)
+    for module in (jmirror.checkpoint, jmirror.metrics, jmirror.testing)
     for name in module.__all__
 ]
 

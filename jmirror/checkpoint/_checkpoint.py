@@ -1,0 +1,136 @@
+"""`save` and `restore`: one checkpoint of a training state, in one directory."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any
+
+from jmirror._strategy import MirroredStrategy, get_strategy
+from jmirror._values import PyTree
+from jmirror.checkpoint import _decode, _encode, _format, _storage
+
+
+def save(
+    directory: str | os.PathLike,
+    state: PyTree,
+    *,
+    strategy: MirroredStrategy | None = None,
+    force: bool = False,
+) -> None:
+    """Writes `state` to the checkpoint `directory` and returns when it is complete.
+
+    Mirrored leaves are written once (one copy, however many replicas); a `SyncOnRead` is
+    written aggregated, as `strategy.read` gives it; a `PerReplica` with its N components;
+    numpy arrays and Python scalars as they are. The checkpoint appears only when complete.
+
+    Args:
+      directory: the checkpoint's directory; its parent is created if needed.
+      state: a pytree of mirrored arrays, `SyncOnRead` and `PerReplica` nodes, numpy arrays
+        and Python scalars (flax `TrainState` and optax states included).
+      strategy: the strategy the state lives on; `None` for `jm.get_strategy()`.
+      force: replace an existing checkpoint (atomically: a process killed while replacing
+        leaves the old or the new checkpoint, never a mix).
+
+    Raises:
+      ValueError: `directory` exists and `force` is False.
+      TypeError: a leaf is neither an array nor a Python scalar.
+
+    Example:
+        >>> import tempfile, numpy as np, jmirror as jm
+        >>> strategy = jm.MirroredStrategy()
+        >>> state = {"w": strategy.mirror(np.ones(3)), "n": strategy.sync_on_read(1, "sum")}
+        >>> path = tempfile.mkdtemp() + "/ckpt"
+        >>> jm.checkpoint.save(path, state)
+        >>> int(strategy.read(jm.checkpoint.restore(path)["n"])) == strategy.num_replicas
+        True
+    """
+    path = _storage.as_path(directory)
+    if path.exists() and not force:
+        raise ValueError(
+            f"jm.checkpoint.save: {path} exists. Pass force=True to replace it atomically, "
+            "or save to a new directory."
+        )
+    write(path, state, strategy or get_strategy(), data=None, force=force)
+
+
+def restore(
+    directory: str | os.PathLike,
+    target: PyTree = None,
+    *,
+    strategy: MirroredStrategy | None = None,
+) -> PyTree:
+    """Reads the checkpoint in `directory` and places it on `strategy`.
+
+    Values come back as they were saved: mirrored leaves mirrored on the strategy's devices,
+    `SyncOnRead` nodes as `strategy.assign` places a value (reading one gives what was saved,
+    on any replica count: exactly for integer `SUM` and `ONLY_FIRST_REPLICA`, an integer `MEAN`
+    rounded to the nearest integer), `PerReplica` nodes split over the replicas (same replica
+    count only), numpy arrays and Python scalars as themselves. Nothing read from the
+    checkpoint is unpickled or evaluated.
+
+    Args:
+      directory: a directory written by `jm.checkpoint.save` (or a manager's step).
+      target: `None` to rebuild the saved tree from dicts, lists, tuples, `SyncOnRead` and
+        `PerReplica` nodes (other pytree classes come back as dicts of their fields); or a
+        pytree of the saved structure (leaves may be `jax.ShapeDtypeStruct`) whose
+        structure the result takes.
+      strategy: where to place the state; `None` for `jm.get_strategy()`.
+
+    Returns:
+      The restored state.
+
+    Raises:
+      FileNotFoundError: no checkpoint at `directory` (the message says what exists there).
+      ValueError: `target` differs from the checkpoint (the first differing path, what was
+        saved, what was expected); a `PerReplica` saved with another replica count; damaged
+        metadata.
+
+    Example:
+        >>> import tempfile, numpy as np, jmirror as jm
+        >>> strategy = jm.MirroredStrategy()
+        >>> path = tempfile.mkdtemp() + "/ckpt"
+        >>> jm.checkpoint.save(path, {"w": strategy.mirror(np.arange(3.0))})
+        >>> jm.checkpoint.restore(path)["w"].tolist()
+        [0.0, 1.0, 2.0]
+    """
+    path = _storage.as_path(directory)
+    return read(path, target, strategy or get_strategy(), "jm.checkpoint.restore")
+
+
+# --- shared with the manager -------------------------------------------------------------------
+
+
+def encode(state: PyTree, strategy: MirroredStrategy, data: Any) -> tuple[dict, dict]:
+    """The metadata document and host arrays of `state` (fresh host copies)."""
+    encoded = _encode.encode(state, strategy)
+    doc = _format.document(encoded.tree, encoded.arrays, encoded.num_replicas, data)
+    return doc, encoded.arrays
+
+
+def write(
+    path: pathlib.Path, state: PyTree, strategy: MirroredStrategy, *, data: Any, force: bool
+) -> None:
+    doc, arrays = encode(state, strategy, data)
+    _storage.write(path, arrays, doc, force=force)
+
+
+def read(path: pathlib.Path, target: PyTree, strategy: MirroredStrategy, call: str) -> PyTree:
+    """The state in the checkpoint at `path`, checked against `target` and placed."""
+    where = str(path)
+    doc = _storage.read_document(path, call)
+    saved_n, specs, node = _format.parse_document(doc, where)
+    tree = _decode.Tree(node, where, specs)
+    _decode.check_arrays(tree, specs, saved_n, where)
+    if target is not None:
+        _decode.check_target(tree, target)
+    _decode.check_replicas(tree, saved_n, strategy.num_replicas)
+    arrays = _storage.read_arrays(path, specs)
+    return _decode.place(tree, arrays, strategy, target)
+
+
+def read_data(path: pathlib.Path, call: str) -> Any:
+    """The `data` saved with the checkpoint at `path`."""
+    doc = _storage.read_document(path, call)
+    _format.parse_document(doc, str(path))
+    return doc.get("data")

@@ -1,0 +1,319 @@
+"""Restoring side: the JSON tree and its host arrays become a state placed on a strategy.
+
+`check` validates the tree (and `target`, when given) before any array is read; `place` puts
+the values back as they were saved: mirrored leaves mirrored, `SyncOnRead` leaves as
+`strategy.assign` places a value (so reading them gives what was saved, on any replica
+count), `PerReplica` leaves split over the replicas (same replica count only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jmirror._values import Aggregation, PerReplica, PyTree, SyncOnRead, is_distributed
+from jmirror.checkpoint import _format
+from jmirror.checkpoint._encode import children, container_kind
+
+_GET_VALUE = jax.tree_util.GetAttrKey("value")
+_GET_VALUES = jax.tree_util.GetAttrKey("values")
+
+
+class Leaf:
+    """One validated leaf of the saved tree."""
+
+    def __init__(self, node: dict, path: tuple, where: str, specs: dict):
+        self.path = path
+        self.kind = _format.field(node, "kind", str, where)
+        if self.kind not in _format.KINDS:
+            raise _format.corrupt(where, f"leaf kind {self.kind!r} is unknown")
+        self.array = _format.field(node, "array", str, where)
+        if self.array not in specs:
+            raise _format.corrupt(where, f"leaf array {self.array!r} is not in the array table")
+        self.shape = _format.parse_shape(_format.field(node, "shape", list, where), where)
+        self.dtype_name = _format.field(node, "dtype", str, where)
+        self.key_impl = node.get("key_impl")
+        self.dtype: np.dtype | None = None
+        self.aggregation: Aggregation | None = None  # set for the leaves of a SyncOnRead
+        if self.key_impl is None:
+            self.dtype = _format.parse_dtype(self.dtype_name, where)
+        elif self.key_impl not in _format.KEY_IMPLS:
+            raise _format.corrupt(where, f"PRNG key implementation {self.key_impl!r} is unknown")
+        self.python = node.get("python")
+        if self.kind == "python" and self.python not in _format.PYTHON_TYPES:
+            raise _format.corrupt(where, f"Python scalar type {self.python!r} is unknown")
+        self.scalar = node.get("scalar") is True
+
+    def describe(self) -> str:
+        if self.kind == "python":
+            return f"a Python {self.python}"
+        return f"shape {self.shape} dtype {self.dtype_name}"
+
+
+class Tree:
+    """A validated saved tree: containers, `SyncOnRead` / `PerReplica` nodes and `Leaf`s."""
+
+    def __init__(self, node: object, where: str, specs: dict, path: tuple = (), inside=False):
+        self.path = path
+        self.kind = _format.field(node, "node", str, where)
+        if inside and self.kind in ("sync_on_read", "per_replica"):
+            raise _format.corrupt(where, f"a {self.kind} node lies inside a distributed node")
+        self.children: list[tuple[Any, Tree]] = []
+        self.leaf: Leaf | None = None
+        self.aggregation: Aggregation | None = None
+        if self.kind == "leaf":
+            self.leaf = Leaf(node, path, where, specs)  # type: ignore[arg-type]
+            if not inside and self.leaf.kind in ("aggregated", "stacked"):
+                raise _format.corrupt(where, f"a {self.leaf.kind} leaf lies outside its node")
+        elif self.kind == "sync_on_read":
+            name = _format.field(node, "aggregation", str, where)
+            if name not in {a.value for a in Aggregation}:
+                raise _format.corrupt(where, f"aggregation {name!r} is unknown")
+            self.aggregation = Aggregation(name)
+            child = Tree(
+                _format.field(node, "child", dict, where), where, specs, path + (_GET_VALUE,), True
+            )
+            self.children = [(_GET_VALUE, child)]
+            stored = "stacked" if self.aggregation is Aggregation.NONE else "aggregated"
+            for leaf in child.leaves():
+                _expect_kind(leaf, stored, where)
+                leaf.aggregation = self.aggregation
+        elif self.kind == "per_replica":
+            child = Tree(
+                _format.field(node, "child", dict, where), where, specs, path + (_GET_VALUES,), True
+            )
+            self.children = [(_GET_VALUES, child)]
+            for leaf in child.leaves():
+                _expect_kind(leaf, "stacked", where)
+        elif self.kind in _format.CONTAINERS:
+            for pair in _format.field(node, "children", list, where):
+                if not isinstance(pair, list) or len(pair) != 2:
+                    raise _format.corrupt(where, f"tree child {pair!r} is not a [key, node] pair")
+                entry = _format.entry_from_json(pair[0], where)
+                child = Tree(pair[1], where, specs, path + (entry,), inside)
+                self.children.append((entry, child))
+        else:
+            raise _format.corrupt(where, f"tree node kind {self.kind!r} is unknown")
+
+    def leaves(self) -> list[Leaf]:
+        if self.leaf is not None:
+            return [self.leaf]
+        return [leaf for _, child in self.children for leaf in child.leaves()]
+
+    def describe(self) -> str:
+        if self.leaf is not None:
+            return f"a leaf ({self.leaf.describe()})"
+        if self.kind == "sync_on_read":
+            return f"a SyncOnRead with aggregation {self.aggregation.value!r}"  # type: ignore[union-attr]
+        if self.kind == "per_replica":
+            return "a PerReplica"
+        keys = ", ".join(_key_str(e) for e, _ in self.children) or "none"
+        return f"a {self.kind} with keys {keys}"
+
+
+def _expect_kind(leaf: Leaf, kind: str, where: str) -> None:
+    if leaf.kind != kind:
+        raise _format.corrupt(where, f"a {leaf.kind} leaf lies where a {kind} leaf belongs")
+
+
+def check_arrays(tree: Tree, specs: dict, saved_n: int, where: str) -> None:
+    """Checks that every leaf's array has the shape and dtype the leaf says."""
+    for leaf in tree.leaves():
+        spec = specs[leaf.array]
+        expected = ((saved_n,) if leaf.kind == "stacked" else ()) + leaf.shape
+        shape = tuple(spec.shape)
+        if leaf.key_impl is not None:
+            shape = shape[: len(expected)]
+        dtype_ok = leaf.kind == "aggregated" or leaf.key_impl is not None
+        if shape != expected or not (dtype_ok or spec.dtype == leaf.dtype):
+            raise _format.corrupt(
+                where,
+                f"array {leaf.array!r} has shape {spec.shape} dtype {spec.dtype}; its leaf "
+                f"{jax.tree_util.keystr(leaf.path)!r} says {leaf.describe()}",
+            )
+
+
+def _key_str(entry: Any) -> str:
+    return jax.tree_util.keystr((entry,))
+
+
+def _mismatch(path: tuple, saved: str, expected: str) -> ValueError:
+    where = jax.tree_util.keystr(path) or "the root"
+    return ValueError(
+        f"jm.checkpoint.restore: the checkpoint does not match target at path {where!r}: the "
+        f"checkpoint holds {saved}, target expects {expected}. Pass a target with the "
+        "structure, shapes and dtypes that were saved, or target=None to get the saved tree."
+    )
+
+
+def _describe_target(x: Any) -> str:
+    if isinstance(x, SyncOnRead):
+        return f"a SyncOnRead with aggregation {x.aggregation.value!r}"
+    if isinstance(x, PerReplica):
+        return "a PerReplica"
+    pairs = children(x)
+    if pairs is None:
+        return f"a leaf ({_describe_leaf(x)})"
+    keys = ", ".join(_key_str(e) for e, _ in pairs) or "none"
+    return f"a {container_kind(x)} with keys {keys}"
+
+
+def _describe_leaf(x: Any) -> str:
+    if isinstance(x, (bool, int, float, complex)):
+        return f"a Python {type(x).__name__}"
+    dtype = getattr(x, "dtype", None)
+    name = _format.dtype_name(dtype) if dtype is not None else type(x).__name__
+    return f"shape {tuple(np.shape(x))} dtype {name}"
+
+
+def check_target(tree: Tree, target: Any, stacked: bool = False) -> None:
+    """Raises `ValueError` at the first path where `target` differs from the saved tree."""
+    if tree.leaf is not None:
+        if is_distributed(target) or children(target) is not None:
+            raise _mismatch(tree.path, tree.describe(), _describe_target(target))
+        _check_leaf(tree.leaf, target, stacked)
+        return
+    if tree.kind == "sync_on_read":
+        if not isinstance(target, SyncOnRead) or target.aggregation != tree.aggregation:
+            raise _mismatch(tree.path, tree.describe(), _describe_target(target))
+        check_target(tree.children[0][1], target.value, stacked=True)
+        return
+    if tree.kind == "per_replica":
+        if not isinstance(target, PerReplica):
+            raise _mismatch(tree.path, tree.describe(), _describe_target(target))
+        check_target(tree.children[0][1], target.values, stacked=True)
+        return
+    pairs = None if is_distributed(target) else children(target)
+    if pairs is None:
+        raise _mismatch(tree.path, tree.describe(), _describe_target(target))
+    saved_keys = [_key_str(e) for e, _ in tree.children]
+    target_keys = [_key_str(e) for e, _ in pairs]
+    if saved_keys != target_keys:
+        raise _key_mismatch(tree, pairs, saved_keys, target_keys)
+    for (_, child), (_, sub) in zip(tree.children, pairs):
+        check_target(child, sub, stacked)
+
+
+def _key_mismatch(tree: Tree, pairs: list, saved_keys: list, target_keys: list) -> ValueError:
+    """The error at the first key where the checkpoint's and target's containers differ."""
+    i = next(i for i, (a, b) in enumerate(zip(saved_keys + [None], target_keys + [None])) if a != b)
+    if i < len(saved_keys) and saved_keys[i] not in target_keys:
+        entry, child = tree.children[i]
+        there = f"no entry (target's keys there: {', '.join(target_keys) or 'none'})"
+        return _mismatch(tree.path + (entry,), child.describe(), there)
+    entry, sub = pairs[i]
+    there = f"no entry (the checkpoint's keys there: {', '.join(saved_keys) or 'none'})"
+    return _mismatch(tree.path + (entry,), there, _describe_target(sub))
+
+
+def _check_leaf(leaf: Leaf, x: Any, stacked: bool) -> None:
+    if isinstance(x, (bool, int, float, complex)) or leaf.kind == "python":
+        if np.shape(x) != leaf.shape:
+            raise _mismatch(leaf.path, f"a leaf ({leaf.describe()})", _describe_target(x))
+        return
+    shape = tuple(np.shape(x))
+    if stacked:
+        shape = shape[1:]  # target holds N components of its own strategy
+    dtype = getattr(x, "dtype", None)
+    name = _format.dtype_name(dtype) if dtype is not None else None
+    if shape != leaf.shape or name != leaf.dtype_name:
+        found = f"shape {shape} dtype {name}" + (" per replica" if stacked else "")
+        raise _mismatch(leaf.path, f"a leaf ({leaf.describe()})", f"a leaf ({found})")
+
+
+def check_replicas(tree: Tree, saved_n: int, n: int) -> None:
+    """Raises `ValueError` when the tree holds per-replica leaves saved on another N."""
+    if saved_n == n:
+        return
+    for leaf in tree.leaves():
+        if leaf.kind == "stacked":
+            where = jax.tree_util.keystr(leaf.path)
+            raise ValueError(
+                f"jm.checkpoint.restore: the PerReplica value at path {where!r} was saved with "
+                f"{saved_n} replicas and the strategy has {n}; per-replica components cannot "
+                "be restored onto another replica count. Keep a mirrored value instead (for "
+                "random keys: save one mirrored key and derive per-replica keys with "
+                "strategy.split_key inside the run), or restore with the saved replica count."
+            )
+
+
+# --- placing -----------------------------------------------------------------------------------
+
+
+def place(tree: Tree, arrays: dict[str, np.ndarray], strategy: Any, target: Any) -> PyTree:
+    """The restored state: `target`'s structure when given, else the saved plain containers."""
+    leaves = tree.leaves()
+    values = _place_leaves(leaves, arrays, strategy)
+    if target is not None:
+        return jax.tree.unflatten(jax.tree.structure(target), values)
+    return _rebuild(tree, iter(values))
+
+
+def _place_leaves(leaves: list[Leaf], arrays: dict[str, np.ndarray], strategy: Any) -> list:
+    n = strategy.num_replicas
+    out: list[Any] = [None] * len(leaves)
+    mirrored: list[int] = []
+    stacked: list[int] = []
+    for i, leaf in enumerate(leaves):
+        host = arrays[leaf.array]
+        if leaf.kind == "mirrored":
+            mirrored.append(i)
+            out[i] = host
+        elif leaf.kind == "numpy":
+            out[i] = host[()] if leaf.scalar else host
+        elif leaf.kind == "python":
+            out[i] = _format.PYTHON_TYPES[leaf.python](host.item())  # type: ignore[index]
+        else:
+            stacked.append(i)
+            out[i] = host if leaf.kind == "stacked" else _components(leaf, host, n)
+    if mirrored:
+        placed = strategy.mirror([out[i] for i in mirrored])
+        for i, x in zip(mirrored, placed):
+            out[i] = x
+    if stacked:
+        sharding = NamedSharding(strategy.mesh, P(strategy.axis_name))
+        placed = jax.device_put([out[i] for i in stacked], [sharding] * len(stacked))
+        for i, x in zip(stacked, placed):
+            out[i] = x
+    for i, leaf in enumerate(leaves):
+        if leaf.key_impl is not None:
+            out[i] = jax.random.wrap_key_data(out[i], impl=leaf.key_impl)
+    return out
+
+
+def _components(leaf: Leaf, value: np.ndarray, n: int) -> np.ndarray:
+    """N components whose aggregation is `value`, as `strategy.assign` places them."""
+    dtype = leaf.dtype
+    aggregation = leaf.aggregation
+    if aggregation is Aggregation.SUM:
+        if np.issubdtype(dtype, np.inexact):
+            each = (value / n).astype(dtype)
+            return np.broadcast_to(each, (n,) + each.shape).copy()
+        # Integers: value // N each, the remainder spread one unit over the first replicas.
+        quotient, remainder = np.divmod(value, n)
+        ids = np.arange(n).reshape((n,) + (1,) * np.ndim(value))
+        return (quotient[None] + (ids < remainder[None])).astype(dtype)
+    if aggregation is Aggregation.MEAN and not np.issubdtype(dtype, np.inexact):
+        value = np.rint(value)  # an integer MEAN reads as a float: nearest, ties to even
+    each = np.asarray(value).astype(dtype)
+    return np.broadcast_to(each, (n,) + each.shape).copy()
+
+
+def _rebuild(tree: Tree, values: Any) -> PyTree:
+    if tree.leaf is not None:
+        return next(values)
+    if tree.kind == "sync_on_read":
+        return SyncOnRead(_rebuild(tree.children[0][1], values), tree.aggregation)  # type: ignore[arg-type]
+    if tree.kind == "per_replica":
+        return PerReplica(_rebuild(tree.children[0][1], values))
+    items = [(entry, _rebuild(child, values)) for entry, child in tree.children]
+    if tree.kind == "none":
+        return None
+    if tree.kind in ("list", "tuple"):
+        rebuilt = [value for _, value in items]
+        return rebuilt if tree.kind == "list" else tuple(rebuilt)
+    return {_format.entry_name(entry): value for entry, value in items}

@@ -1,0 +1,202 @@
+"""Saving side: a training state becomes host arrays plus a JSON tree that says how to rebuild it.
+
+Mirrored leaves are fetched once (one device's copy), `SyncOnRead` nodes are read (aggregated)
+in one `strategy.read` call, `PerReplica` leaves are fetched with their N components, numpy
+arrays and Python scalars are copied. Every value is a fresh host copy when `encode` returns,
+so the caller may donate or overwrite its arrays at once (on XLA:CPU a host view of a device
+buffer would otherwise change under the writer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmirror._values import Aggregation, PerReplica, PyTree, SyncOnRead
+from jmirror.checkpoint import _format
+
+_PYTHON_SCALARS = (bool, int, float, complex)
+
+
+@dataclasses.dataclass
+class Encoded:
+    """A state as written: the JSON tree, its arrays (host copies) and the replica count."""
+
+    tree: dict
+    arrays: dict[str, np.ndarray]
+    num_replicas: int
+
+
+def children(node: Any) -> list[tuple[Any, Any]] | None:
+    """The (key entry, child) pairs one level below `node`; `None` when `node` is a leaf."""
+    pairs, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    if len(pairs) == 1 and pairs[0][0] == () and pairs[0][1] is node:
+        return None
+    return [(path[0], child) for path, child in pairs]
+
+
+def container_kind(node: Any) -> str:
+    if node is None:
+        return "none"
+    for kind in (dict, list, tuple):
+        if type(node) is kind:
+            return kind.__name__
+    return "class"
+
+
+class _Encoder:
+    def __init__(self, strategy: Any):
+        self.strategy = strategy
+        self.n = strategy.num_replicas
+        self.fetch: list[tuple[str, Any]] = []  # (array name, device or host value)
+        self.reads: list[tuple[SyncOnRead, list[str]]] = []  # nodes to aggregate
+        self.count = 0
+
+    def _name(self) -> str:
+        self.count += 1
+        return str(self.count - 1)
+
+    def node(self, x: Any, path: tuple) -> dict:
+        where = jax.tree_util.keystr(path)
+        if isinstance(x, SyncOnRead):
+            if x.aggregation is Aggregation.NONE:
+                child = self.stacked(x.value, path + (jax.tree_util.GetAttrKey("value"),))
+            else:
+                child = self.aggregated(x, path)
+            return {"node": "sync_on_read", "aggregation": x.aggregation.value, "child": child}
+        if isinstance(x, PerReplica):
+            if x._local:
+                raise RuntimeError(
+                    f"jm.checkpoint.save got a PerReplica at path {where!r} inside a merge_fn; "
+                    "save from cross-replica context, outside the replicated function."
+                )
+            key = jax.tree_util.GetAttrKey("values")
+            return {"node": "per_replica", "child": self.stacked(x.values, path + (key,))}
+        pairs = children(x)
+        if pairs is None:
+            return self.leaf(x, where)
+        kind = container_kind(x)
+        out: dict[str, Any] = {"node": kind}
+        if kind == "class":
+            out["class"] = f"{type(x).__module__}.{type(x).__qualname__}"
+        out["children"] = [
+            [_format.entry_to_json(entry, where), self.node(child, path + (entry,))]
+            for entry, child in pairs
+        ]
+        return out
+
+    def leaf(self, x: Any, where: str) -> dict:
+        name = self._name()
+        if isinstance(x, jax.Array):
+            if not x.is_fully_replicated:
+                raise TypeError(
+                    f"jm.checkpoint.save: the array at path {where!r} is not mirrored (its "
+                    f"sharding is {x.sharding}); a state holds mirrored arrays, SyncOnRead and "
+                    "PerReplica nodes. Wrap per-replica values in jm.PerReplica, or mirror the "
+                    "array with strategy.mirror."
+                )
+            self.fetch.append((name, x.addressable_shards[0].data))
+            return _leaf("mirrored", name, x.shape, x)
+        if isinstance(x, (np.ndarray, np.generic)):
+            self.fetch.append((name, np.array(x, copy=True)))
+            out = _leaf("numpy", name, np.shape(x), x)
+            if isinstance(x, np.generic):
+                out["scalar"] = True
+            return out
+        if isinstance(x, _PYTHON_SCALARS):
+            value = np.asarray(x)
+            self.fetch.append((name, value))
+            return {**_leaf("python", name, (), value), "python": type(x).__name__}
+        raise TypeError(
+            f"jm.checkpoint.save: the leaf at path {where!r} is a {type(x).__name__}; a "
+            "checkpoint stores arrays (mirrored jax.Array, numpy) and Python scalars. Make it a "
+            "static field (flax.struct.field(pytree_node=False)) or drop it from the state."
+        )
+
+    def stacked(self, tree: PyTree, path: tuple) -> dict:
+        """A subtree whose leaves hold N stacked components (PerReplica, SyncOnRead NONE)."""
+
+        def one(sub_path: tuple, x: Any) -> dict:
+            where = jax.tree_util.keystr(path + sub_path)
+            if np.ndim(x) < 1 or np.shape(x)[0] != self.n:
+                raise ValueError(
+                    f"jm.checkpoint.save: the per-replica leaf at path {where!r} has shape "
+                    f"{np.shape(x)}; expected a leading axis of {self.n} (one component per "
+                    "replica of the strategy). Save with the strategy that made the value."
+                )
+            name = self._name()
+            if isinstance(x, jax.Array):
+                self.fetch.append((name, x))
+            else:
+                self.fetch.append((name, np.array(x, copy=True)))
+            return _leaf("stacked", name, np.shape(x)[1:], x)
+
+        return self.subtree(tree, path, one)
+
+    def aggregated(self, node: SyncOnRead, path: tuple) -> dict:
+        names: list[str] = []
+        self.reads.append((node, names))
+
+        def one(sub_path: tuple, x: Any) -> dict:
+            names.append(self._name())
+            return _leaf("aggregated", names[-1], np.shape(x)[1:], x)
+
+        return self.subtree(node.value, path + (jax.tree_util.GetAttrKey("value"),), one)
+
+    def subtree(self, tree: PyTree, path: tuple, one: Any, sub_path: tuple = ()) -> dict:
+        pairs = children(tree)
+        if pairs is None:
+            return one(sub_path, tree)
+        where = jax.tree_util.keystr(path + sub_path)
+        kind = container_kind(tree)
+        out: dict[str, Any] = {"node": kind}
+        if kind == "class":
+            out["class"] = f"{type(tree).__module__}.{type(tree).__qualname__}"
+        out["children"] = [
+            [_format.entry_to_json(e, where), self.subtree(c, path, one, sub_path + (e,))]
+            for e, c in pairs
+        ]
+        return out
+
+    def host_arrays(self) -> dict[str, np.ndarray]:
+        """Aggregates the sync-on-read nodes and copies every value to the host."""
+        values = dict(self.fetch)
+        if self.reads:
+            read = self.strategy.read([node for node, _ in self.reads])
+            for (_, names), tree in zip(self.reads, read):
+                for name, leaf in zip(names, jax.tree.leaves(tree)):
+                    values[name] = leaf
+        for name, x in values.items():
+            if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+                values[name] = jax.random.key_data(x)
+        on_device = [name for name, x in values.items() if isinstance(x, jax.Array)]
+        fetched = jax.device_get([values[name] for name in on_device])
+        for name, host in zip(on_device, fetched):
+            # A host view of an XLA:CPU buffer would change if the array were donated.
+            values[name] = np.array(host, copy=True)
+        return {str(i): values[str(i)] for i in range(self.count)}
+
+
+def _leaf(kind: str, name: str, shape: tuple, x: Any) -> dict:
+    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    out = {
+        "node": "leaf",
+        "kind": kind,
+        "array": name,
+        "shape": list(shape),
+        "dtype": _format.dtype_name(dtype),
+    }
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        out["key_impl"] = str(jax.random.key_impl(x))
+    return out
+
+
+def encode(state: PyTree, strategy: Any) -> Encoded:
+    """The JSON tree of `state` and host copies of its arrays (see `_format`)."""
+    encoder = _Encoder(strategy)
+    tree = encoder.node(state, ())
+    return Encoded(tree, encoder.host_arrays(), strategy.num_replicas)

@@ -1,0 +1,188 @@
+"""The checkpoint's own metadata: a JSON document, written and validated without evaluating it.
+
+A checkpoint holds two orbax items: `state`, a flat dict of host arrays named "0", "1", ...,
+and `jmirror`, one JSON document (orbax's `JsonSave`) that says how those arrays make up the
+saved state:
+
+    {"format": "jmirror.checkpoint", "version": 1, "num_replicas": N,
+     "arrays": {"0": {"shape": [...], "dtype": "float32"}, ...},
+     "tree": <node>, "data": <the manager's data, any JSON>}
+
+A `<node>` is one of
+    {"node": "leaf", "kind": KIND, "array": "3", "shape": [...], "dtype": "float32", ...}
+    {"node": "dict" | "list" | "tuple" | "none" | "class", "children": [[ENTRY, <node>], ...]}
+    {"node": "sync_on_read", "aggregation": "sum", "child": <node>}
+    {"node": "per_replica", "child": <node>}
+where ENTRY is `["attr", name]`, `["key", str_or_int]`, `["index", int]` or `["flat", int]` (a
+`jax.tree_util` key) and KIND says how the leaf was held and is placed back:
+    "mirrored"   a mirrored array, stored once;
+    "numpy"      a numpy array (`"scalar": true` for a numpy scalar);
+    "python"     a Python scalar (`"python": "int" | "float" | "bool" | "complex"`);
+    "aggregated" a leaf of a `SyncOnRead`, stored as `strategy.read` gives it;
+    "stacked"    a leaf of a `PerReplica` (or a `SyncOnRead` with aggregation NONE), N components.
+`shape` and `dtype` describe the value as the user held it (one component for "aggregated" and
+"stacked"); a PRNG key leaf adds `"key_impl"` and is stored as its `jax.random.key_data`.
+
+Restoring parses this document with `json.loads` and checks every field it uses against this
+schema: nothing read from a checkpoint is unpickled or evaluated, and a dtype outside
+`_DTYPES` (an object dtype, say) is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FORMAT = "jmirror.checkpoint"
+VERSION = 1
+STATE_ITEM = "state"
+METADATA_ITEM = "jmirror"
+
+KINDS = ("mirrored", "numpy", "python", "aggregated", "stacked")
+CONTAINERS = ("dict", "list", "tuple", "none", "class")
+PYTHON_TYPES = {"bool": bool, "int": int, "float": float, "complex": complex}
+KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+_DTYPES = frozenset(
+    ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+    + ["float16", "bfloat16", "float32", "float64", "complex64", "complex128"]
+    + ["float8_e4m3fn", "float8_e5m2", "float8_e4m3b11fnuz", "float8_e4m3fnuz", "float8_e5m2fnuz"]
+)
+
+
+class CorruptCheckpointError(ValueError):
+    """The metadata of a checkpoint does not follow the schema (a `ValueError`)."""
+
+
+def corrupt(where: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"jm.checkpoint: the checkpoint at {where} is not a valid jmirror checkpoint: {what}. "
+        "It was damaged or not written by jmirror.checkpoint; nothing from it was loaded "
+        "(restoring never unpickles or evaluates checkpoint contents). Restore another step."
+    )
+
+
+def dtype_name(dtype: Any) -> str:
+    """The JSON name of an array dtype (PRNG key dtypes included, e.g. 'key<fry>')."""
+    return str(dtype) if jnp.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype).name
+
+
+def parse_dtype(name: object, where: str) -> np.dtype:
+    """The numpy dtype named `name`; only plain numeric and bool dtypes are accepted."""
+    if not isinstance(name, str) or name not in _DTYPES:
+        raise corrupt(where, f"dtype {name!r} is not one of the array dtypes jmirror writes")
+    return np.dtype(jnp.dtype(name))
+
+
+def parse_shape(shape: object, where: str) -> tuple[int, ...]:
+    if not isinstance(shape, list) or not all(
+        type(d) is int and d >= 0
+        for d in shape  # noqa: E721 (bool is not a dimension)
+    ):
+        raise corrupt(where, f"shape {shape!r} is not a list of non-negative ints")
+    return tuple(shape)
+
+
+def field(obj: object, name: str, kind: type | tuple[type, ...], where: str) -> Any:
+    """`obj[name]`, which must be of type `kind` (bools are not ints)."""
+    if not isinstance(obj, dict) or name not in obj:
+        raise corrupt(where, f"a metadata entry lacks the field {name!r}")
+    value = obj[name]
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
+        raise corrupt(where, f"field {name!r} is {value!r}, not of type {kind}")
+    return value
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+# --- tree keys ---------------------------------------------------------------------------------
+
+
+def entry_to_json(entry: Any, path: str) -> list[Any]:
+    """A `jax.tree_util` key entry as JSON, e.g. `DictKey('w')` -> `["key", "w"]`."""
+    if isinstance(entry, jax.tree_util.GetAttrKey):
+        return ["attr", entry.name]
+    if isinstance(entry, jax.tree_util.SequenceKey):
+        return ["index", entry.idx]
+    if isinstance(entry, jax.tree_util.FlattenedIndexKey):
+        return ["flat", entry.key]
+    if isinstance(entry, jax.tree_util.DictKey):
+        key = entry.key
+        if isinstance(key, str) or (isinstance(key, int) and not isinstance(key, bool)):
+            return ["key", key]
+        raise TypeError(
+            f"jm.checkpoint.save: the dict key {key!r} at path {path!r} is a "
+            f"{type(key).__name__}; checkpoints store dict keys that are str or int. Use str "
+            "keys in the state."
+        )
+    raise TypeError(
+        f"jm.checkpoint.save: the pytree key {entry!r} at path {path!r} is of an unknown kind "
+        f"({type(entry).__name__}); expected GetAttrKey, DictKey, SequenceKey or "
+        "FlattenedIndexKey. Register the class with jax.tree_util.register_dataclass."
+    )
+
+
+def entry_from_json(entry: object, where: str) -> Any:
+    """The `jax.tree_util` key entry written by `entry_to_json`."""
+    if isinstance(entry, list) and len(entry) == 2:
+        kind, key = entry
+        if kind == "attr" and isinstance(key, str):
+            return jax.tree_util.GetAttrKey(key)
+        if kind == "key" and (isinstance(key, str) or type(key) is int):
+            return jax.tree_util.DictKey(key)
+        if kind == "index" and type(key) is int:
+            return jax.tree_util.SequenceKey(key)
+        if kind == "flat" and type(key) is int:
+            return jax.tree_util.FlattenedIndexKey(key)
+    raise corrupt(where, f"tree key {entry!r} is not a jmirror tree key")
+
+
+def entry_name(entry: Any) -> str | int:
+    """The key a rebuilt dict uses for a child: a field name, dict key or index."""
+    for attr in ("name", "key", "idx"):
+        if hasattr(entry, attr):
+            return getattr(entry, attr)
+    raise TypeError(f"unknown key entry {entry!r}")
+
+
+# --- the document ------------------------------------------------------------------------------
+
+
+def document(tree: dict, arrays: dict[str, np.ndarray], num_replicas: int, data: Any) -> dict:
+    """The metadata document of a checkpoint."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "num_replicas": num_replicas,
+        "arrays": {
+            name: {"shape": list(a.shape), "dtype": dtype_name(a.dtype)}
+            for name, a in arrays.items()
+        },
+        "tree": tree,
+        "data": data,
+    }
+
+
+def parse_document(doc: object, where: str) -> tuple[int, dict[str, jax.ShapeDtypeStruct], dict]:
+    """Validates the document's header: (num_replicas, array specs, tree node)."""
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise corrupt(where, f"its metadata does not name the format {FORMAT!r}")
+    version = field(doc, "version", int, where)
+    if version != VERSION:
+        raise ValueError(
+            f"jm.checkpoint: the checkpoint at {where} has format version {version}; this "
+            f"jmirror reads version {VERSION}. Restore it with the jmirror that wrote it."
+        )
+    num_replicas = field(doc, "num_replicas", int, where)
+    if num_replicas < 1:
+        raise corrupt(where, f"num_replicas is {num_replicas}")
+    specs = {}
+    for name, spec in field(doc, "arrays", dict, where).items():
+        shape = parse_shape(field(spec, "shape", list, where), where)
+        dtype = parse_dtype(field(spec, "dtype", str, where), where)
+        specs[name] = jax.ShapeDtypeStruct(shape, dtype)
+    return num_replicas, specs, field(doc, "tree", dict, where)

@@ -1,0 +1,315 @@
+"""`CheckpointManager`: a series of checkpoints, saved in the background, resumed from the newest.
+
+The directory holds one checkpoint per step, named by the step ("100", "200", ...), each
+written by `_storage.write` (orbax, atomic). A save copies the state to the host in the
+caller's thread and writes it in a background thread, one write at a time; the next call to
+the manager raises an error of that write. Old steps beyond `max_to_keep` are deleted after
+the new one is complete, each made invisible before it is removed.
+
+orbax's own `CheckpointManager` is not used: it refuses to replace a step (`force` there only
+overrides the interval), deletes a replaced step before writing the new one, and keeps its
+own bookkeeping of steps; here the directory listing is the only truth, so a restarted
+process sees exactly the complete checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+import threading
+from typing import Any
+
+from jmirror._strategy import MirroredStrategy, get_strategy
+from jmirror._values import PyTree
+from jmirror.checkpoint import _checkpoint, _storage
+
+
+def _positive_int(value: Any, name: str, allow_none: bool) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"CheckpointManager({name}=...) expects an int{' or None' if allow_none else ''}, "
+            f"got {value!r} of type {type(value).__name__}."
+        )
+    if value < 1:
+        raise ValueError(f"CheckpointManager({name}={value}) must be at least 1.")
+    return value
+
+
+def _step(step: Any, call: str) -> int:
+    if isinstance(step, bool):
+        raise TypeError(f"{call} expects an int step, got {step!r}.")
+    try:
+        step = operator.index(step)
+    except TypeError:
+        raise TypeError(
+            f"{call} expects an int step, got {step!r} of type {type(step).__name__}."
+        ) from None
+    if step < 0:
+        raise ValueError(f"{call} got step {step}; steps are non-negative ints.")
+    return step
+
+
+def _json_copy(data: Any) -> Any:
+    try:
+        return json.loads(json.dumps(data, allow_nan=False))
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"CheckpointManager.save(..., data=...) expects JSON-able data (dicts, lists, str, "
+            f"int, finite float, bool, None) such as an iterator's .position; got {data!r} "
+            f"({error})."
+        ) from None
+
+
+class CheckpointManager:
+    """Keeps a series of checkpoints of a training state, one per saved step.
+
+    Saving copies the state off the devices and, with `async_save`, writes it in the
+    background while training goes on. Each checkpoint appears only when complete; a run
+    killed at any moment resumes from `latest_step()`, the newest complete one. Use it as a
+    context manager, or call `close()`, so that the last write finishes.
+
+    Args:
+      directory: the directory of the series (created if missing). One manager at a time
+        per directory: opening one removes what killed saves left behind.
+      strategy: the strategy the state lives on; `None` for `jm.get_strategy()` at each call.
+      max_to_keep: keep only the newest `max_to_keep` steps; `None` keeps all.
+      save_interval_steps: `save` writes only steps that are multiples of it (others return
+        False), unless `force=True`.
+      async_save: write in a background thread; `save` returns once the state is copied.
+
+    Raises:
+      TypeError, ValueError: for arguments of the wrong type or out of range.
+
+    Example:
+        >>> import tempfile, numpy as np, jmirror as jm
+        >>> strategy = jm.MirroredStrategy()
+        >>> state = {"w": strategy.mirror(np.zeros(2))}
+        >>> with jm.checkpoint.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2) as manager:
+        ...     for step in range(1, 4):
+        ...         _ = manager.save(step, state, data={"batches": step})
+        ...     manager.all_steps(), manager.data()
+        ([2, 3], {'batches': 3})
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        strategy: MirroredStrategy | None = None,
+        max_to_keep: int | None = None,
+        save_interval_steps: int = 1,
+        async_save: bool = True,
+    ):
+        self._max_to_keep = _positive_int(max_to_keep, "max_to_keep", allow_none=True)
+        self._interval: int = _positive_int(save_interval_steps, "save_interval_steps", False) or 1
+        if not isinstance(async_save, bool):
+            raise TypeError(
+                f"CheckpointManager(async_save=...) expects a bool, got {async_save!r}."
+            )
+        self._root = _storage.as_path(directory)
+        self._root.mkdir(parents=True, exist_ok=True)
+        _storage.clean(self._root)
+        self._strategy = strategy
+        self._async = async_save
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+
+    @property
+    def directory(self) -> str:
+        """The directory of the series, as an absolute path."""
+        return str(self._root)
+
+    def __repr__(self) -> str:
+        return (
+            f"CheckpointManager({str(self._root)!r}, max_to_keep={self._max_to_keep}, "
+            f"save_interval_steps={self._interval}, async_save={self._async})"
+        )
+
+    # --- background writes -------------------------------------------------------------------
+
+    def _raise_error(self, wait: bool) -> None:
+        """Raises the error of the last background write (waiting for it when `wait`)."""
+        thread = self._thread
+        if thread is not None and (wait or not thread.is_alive()):
+            thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _write(self, step: int, doc: dict, arrays: dict, force: bool) -> None:
+        path = self._root / str(step)
+        try:
+            _storage.write(path, arrays, doc, force=force)
+            if self._max_to_keep is not None:
+                for old in _storage.steps(self._root)[: -self._max_to_keep]:
+                    _storage.remove(self._root / str(old))
+        except BaseException as error:
+            if not self._async:
+                raise
+            error.add_note(f"(raised by the background save of step {step} to {path})")
+            self._error = error
+
+    def wait_until_finished(self) -> None:
+        """Blocks until the background write (if any) is complete; raises its error.
+
+        Example:
+            >>> import tempfile, jmirror as jm
+            >>> manager = jm.checkpoint.CheckpointManager(tempfile.mkdtemp())
+            >>> manager.save(0, {"n": 1})
+            True
+            >>> manager.wait_until_finished()
+            >>> manager.close()
+        """
+        self._raise_error(wait=True)
+
+    def close(self) -> None:
+        """Waits for the background write and releases the manager; raises a write's error.
+
+        Example:
+            >>> import tempfile, jmirror as jm
+            >>> manager = jm.checkpoint.CheckpointManager(tempfile.mkdtemp())
+            >>> manager.close()
+        """
+        try:
+            self._raise_error(wait=True)
+        finally:
+            self._closed = True
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    # --- saving ------------------------------------------------------------------------------
+
+    def save(self, step: int, state: PyTree, *, data: Any = None, force: bool = False) -> bool:
+        """Saves `state` (and `data`, e.g. an input position) as checkpoint `step`.
+
+        Args:
+          step: a non-negative int.
+          state: as for `jm.checkpoint.save`.
+          data: JSON-able data saved with the step, e.g. `iterator.position`.
+          force: replace the step if it exists (atomically), and save even a step that
+            `save_interval_steps` would skip.
+
+        Returns:
+          True when the step is saved (or being saved), False when the interval skips it.
+
+        Raises:
+          ValueError: the step exists and `force` is False.
+          RuntimeError: the manager is closed.
+          Exception: the error of an earlier background write, with its own type.
+
+        Example:
+            >>> import tempfile, jmirror as jm
+            >>> with jm.checkpoint.CheckpointManager(
+            ...     tempfile.mkdtemp(), save_interval_steps=10
+            ... ) as manager:
+            ...     manager.save(5, {"n": 1}), manager.save(10, {"n": 1})
+            (False, True)
+        """
+        if self._closed:
+            raise RuntimeError(
+                "CheckpointManager.save was called after close(); open a new "
+                f"CheckpointManager({str(self._root)!r})."
+            )
+        step = _step(step, "CheckpointManager.save")
+        self._raise_error(wait=False)
+        if step % self._interval != 0 and not force:
+            return False
+        data = _json_copy(data)
+        self._raise_error(wait=True)  # one write at a time: the previous one first
+        path = self._root / str(step)
+        if path.exists() and not force:
+            raise ValueError(
+                f"CheckpointManager.save: step {step} exists in {self._root}. Pass force=True "
+                "to replace it (atomically), or save a new step."
+            )
+        doc, arrays = _checkpoint.encode(state, self._strategy or get_strategy(), data)
+        if not self._async:
+            self._write(step, doc, arrays, force)
+            return True
+        self._thread = threading.Thread(
+            target=self._write,
+            args=(step, doc, arrays, force),
+            name=f"jmirror-checkpoint-{step}",
+        )
+        self._thread.start()
+        return True
+
+    # --- reading -----------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """The steps with a complete checkpoint, ascending (after the pending write).
+
+        Example:
+            >>> import tempfile, jmirror as jm
+            >>> jm.checkpoint.CheckpointManager(tempfile.mkdtemp()).all_steps()
+            []
+        """
+        self._raise_error(wait=True)
+        return _storage.steps(self._root)
+
+    def latest_step(self) -> int | None:
+        """The newest step with a complete checkpoint, or None.
+
+        Example:
+            >>> import tempfile, jmirror as jm
+            >>> print(jm.checkpoint.CheckpointManager(tempfile.mkdtemp()).latest_step())
+            None
+        """
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def _path(self, step: int | None, call: str) -> Any:
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(
+                    f"{call}: no checkpoint in {self._root} yet; "
+                    f"{_storage.listing(self._root)}. Save a step first."
+                )
+            step = steps[-1]
+        step = _step(step, call)
+        if step not in steps:
+            raise FileNotFoundError(
+                f"{call}: no checkpoint of step {step} in {self._root}; the saved steps are "
+                f"{steps}."
+            )
+        return self._root / str(step)
+
+    def restore(self, step: int | None = None, target: PyTree = None) -> PyTree:
+        """Restores the checkpoint of `step` (the latest when None), see `jm.checkpoint.restore`.
+
+        Raises:
+          FileNotFoundError: no such step (the message lists the saved ones).
+
+        Example:
+            >>> import tempfile, jmirror as jm
+            >>> with jm.checkpoint.CheckpointManager(tempfile.mkdtemp()) as manager:
+            ...     _ = manager.save(7, {"lr": 0.5})
+            ...     manager.restore()
+            {'lr': 0.5}
+        """
+        path = self._path(step, "CheckpointManager.restore")
+        strategy = self._strategy or get_strategy()
+        return _checkpoint.read(path, target, strategy, "CheckpointManager.restore")
+
+    def data(self, step: int | None = None) -> Any:
+        """The `data` saved with `step` (the latest when None), e.g. an input position.
+
+        Example:
+            >>> import tempfile, jmirror as jm
+            >>> with jm.checkpoint.CheckpointManager(tempfile.mkdtemp()) as manager:
+            ...     _ = manager.save(1, {}, data={"epoch": 0, "batches": 12})
+            ...     manager.data(1)
+            {'epoch': 0, 'batches': 12}
+        """
+        path = self._path(step, "CheckpointManager.data")
+        return _checkpoint.read_data(path, "CheckpointManager.data")

@@ -1,0 +1,165 @@
+"""Checkpoint directories on disk: written by orbax, replaced and deleted atomically.
+
+One checkpoint is one directory written by orbax's `Checkpointer` with a
+`CompositeCheckpointHandler` of two items, `state` (`StandardSave` of a flat dict of host
+arrays) and `jmirror` (`JsonSave` of the metadata document, see `_format`). Orbax writes into
+`<path>.orbax-checkpoint-tmp` and renames it to `<path>` when everything is written, so a
+directory named `<path>` is always complete: a process killed during a save leaves only a
+temporary directory, which is never listed or restored.
+
+Orbax stops short of what jmirror promises in two places, which this module adds:
+- replacing (`force=True`): orbax deletes the old directory before writing the new one, so a
+  kill in between loses both. Here the new checkpoint is written beside the old one and the two
+  are swapped with one `renameat2(RENAME_EXCHANGE)` (Linux); elsewhere with two renames, where a
+  kill between them leaves the new checkpoint under a hidden name and `<path>` missing.
+- deleting: a checkpoint is first renamed to a hidden name (atomically invisible), then removed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pathlib
+import re
+import shutil
+import sys
+import uuid
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jmirror.checkpoint import _format
+
+_NEW = ".jmirror-new-"
+_DELETING = ".jmirror-deleting-"
+_ORBAX_TMP = ".orbax-checkpoint-tmp"
+_STEP = re.compile(r"0|[1-9][0-9]*")
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def as_path(directory: str | os.PathLike) -> pathlib.Path:
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(
+            f"jm.checkpoint expects a directory as a str or os.PathLike, got "
+            f"{type(directory).__name__}: {directory!r}."
+        )
+    return pathlib.Path(directory).absolute()
+
+
+def write(path: pathlib.Path, arrays: dict[str, np.ndarray], doc: dict, *, force: bool) -> None:
+    """Writes a checkpoint at `path`; with `force`, atomically replaces one that exists."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        _orbax_save(path, arrays, doc)
+        return
+    if not force:
+        raise ValueError(f"{path} exists")  # the callers check first, with their own message
+    new = path.parent / f".{path.name}{_NEW}{uuid.uuid4().hex}"
+    _orbax_save(new, arrays, doc)
+    if _exchange(new, path):
+        remove(new)  # now holds the old checkpoint
+        return
+    aside = path.parent / f".{path.name}{_DELETING}{uuid.uuid4().hex}"
+    if path.exists():
+        os.rename(path, aside)
+    os.rename(new, path)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _orbax_save(path: pathlib.Path, arrays: dict[str, np.ndarray], doc: dict) -> None:
+    items: dict[str, Any] = {_format.METADATA_ITEM: ocp.args.JsonSave(doc)}
+    if arrays:
+        items[_format.STATE_ITEM] = ocp.args.StandardSave(arrays)
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        checkpointer.save(path, args=ocp.args.Composite(**items))
+
+
+def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
+    """Swaps two directories in one step (Linux `renameat2`); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
+    renameat2.argtypes += [ctypes.c_uint]
+    result = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return result == 0
+
+
+def remove(path: pathlib.Path) -> None:
+    """Deletes a checkpoint: renamed out of sight first, so it never shows half-deleted."""
+    hidden = path.parent / f".{path.name}{_DELETING}{uuid.uuid4().hex}"
+    os.rename(path, hidden)
+    shutil.rmtree(hidden)
+
+
+def clean(root: pathlib.Path) -> None:
+    """Removes what killed saves and deletions left in a manager's directory."""
+    for entry in root.iterdir():
+        name = entry.name
+        if _DELETING in name or _NEW in name or _ORBAX_TMP in name:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def steps(root: pathlib.Path) -> list[int]:
+    """The steps with a complete checkpoint under `root`, ascending."""
+    if not root.is_dir():
+        return []
+    found = [int(p.name) for p in root.iterdir() if _STEP.fullmatch(p.name) and p.is_dir()]
+    return sorted(found)
+
+
+def listing(directory: pathlib.Path) -> str:
+    """What exists at `directory`, for a `FileNotFoundError` message."""
+    if directory.is_dir():
+        names = sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
+        shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
+        return f"{directory} holds [{shown}]"
+    if directory.exists():
+        return f"{directory} is a file"
+    parent = directory.parent
+    while not parent.exists():
+        parent = parent.parent
+    return f"{directory} does not exist (the nearest existing directory is {parent})"
+
+
+def read_document(path: pathlib.Path, call: str) -> Any:
+    """The metadata document of the checkpoint at `path`, parsed as JSON only."""
+    if not (path / _format.METADATA_ITEM).is_dir():
+        if path.is_dir() and steps(path):
+            raise FileNotFoundError(
+                f"{call}: {path} is not a checkpoint but holds the checkpoints of steps "
+                f"{steps(path)}; restore one of them ({path / str(steps(path)[-1])}) or use "
+                f"jm.checkpoint.CheckpointManager({str(path)!r}).restore()."
+            )
+        what = listing(path.parent) if not path.exists() else listing(path)
+        raise FileNotFoundError(
+            f"{call}: no jmirror checkpoint at {path}; {what}. Pass the directory given to "
+            "jm.checkpoint.save."
+        )
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+            restored = checkpointer.restore(
+                path, args=ocp.args.Composite(**{_format.METADATA_ITEM: ocp.args.JsonRestore()})
+            )
+    except ValueError as error:  # JSON errors and orbax's incomplete checkpoints
+        raise _format.corrupt(str(path), f"its metadata could not be read ({error})") from error
+    return restored[_format.METADATA_ITEM]
+
+
+def read_arrays(path: pathlib.Path, specs: dict[str, jax.ShapeDtypeStruct]) -> dict:
+    """The checkpoint's arrays as numpy arrays of the given shapes and dtypes."""
+    if not specs:
+        return {}
+    abstract = {name: np.empty(spec.shape, spec.dtype) for name, spec in specs.items()}
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        restored = checkpointer.restore(
+            path,
+            args=ocp.args.Composite(**{_format.STATE_ITEM: ocp.args.StandardRestore(abstract)}),
+        )
+    return dict(restored[_format.STATE_ITEM])
