@@ -25,16 +25,26 @@ Choices the spec leaves open:
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import reprlib
 import threading
 import weakref
-from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmirror._prefetch import DistributedIterator, _Warning
+from jmirror._prefetch import (
+    POSITION_FORMAT,
+    POSITION_VERSION,
+    Control,
+    DistributedIterator,
+    _Positioned,
+    _Warning,
+    position_dict,
+)
 from jmirror._shim import put_rows
 from jmirror._values import PerReplica, PyTree
 
@@ -110,7 +120,11 @@ class InputContext:
 
 
 class _Source:
-    """Opens one pass over a dataset: calls a callable source, iterates an iterable one."""
+    """Opens one pass over a dataset: calls a callable source, iterates an iterable one.
+
+    Every call into the source's own code runs with `control.in_source` set, so that clean-up
+    knows not to wait for it, and no call is made once `control.stopped` is set.
+    """
 
     def __init__(self, call: str, open_fn: Callable[[], Any], given: Any):
         self._call = call
@@ -118,31 +132,59 @@ class _Source:
         self._given = given  # the caller's object: never closed by jmirror
         self._lock = threading.Lock()
 
-    def pull(self) -> Generator[Any, None, None]:
-        """Yields the source's elements for one pass."""
+    def describe(self) -> str:
+        """The source as warnings name it: its qualified name, or its type and id."""
+        name = getattr(self._given, "__qualname__", None)
+        if not isinstance(name, str):
+            name = f"{type(self._given).__qualname__} object at {id(self._given):#x}"
+        return f"{self._call}'s source {name}"
+
+    def pull(self, control: Control) -> Generator[Any, None, None]:
+        """Yields the source's elements for one pass, until it ends or `control` stops it."""
+        stopped = control.stopped
+        if stopped.is_set():
+            return
+        control.in_source = True
+        try:
+            it = self._open()
+        finally:
+            control.in_source = False
+        shared = it is self._given  # a one-shot iterator shared by every pass: never closed
+        try:
+            while not stopped.is_set():
+                control.in_source = True
+                try:
+                    if shared:
+                        with self._lock:
+                            element = next(it)
+                    else:
+                        element = next(it)
+                except StopIteration:
+                    return
+                finally:
+                    control.in_source = False
+                if stopped.is_set():
+                    return
+                yield element
+        finally:
+            close = None if shared else getattr(it, "close", None)
+            if callable(close):
+                control.in_source = True
+                try:
+                    close()
+                finally:
+                    control.in_source = False
+
+    def _open(self) -> Iterator[Any]:
         result = self._open_fn()
         try:
-            it = iter(result)
+            return iter(result)
         except TypeError:
             raise TypeError(
                 f"{self._call}: the dataset function returned {type(result).__name__}, which is "
                 "not iterable; return an iterable of batches (a list, a generator, a data "
                 "loader)."
             ) from None
-        if it is self._given:  # a one-shot iterator shared by every pass
-            while True:
-                with self._lock:
-                    try:
-                        element = next(it)
-                    except StopIteration:
-                        return
-                yield element
-        try:
-            yield from it
-        finally:
-            close = getattr(it, "close", None)
-            if callable(close):
-                close()
 
 
 def _source(call: str, dataset: Any) -> _Source:
@@ -173,23 +215,94 @@ def _check_prefetch(call: str, prefetch: Any) -> int:
 
 # --- placing batches -----------------------------------------------------------------------------
 
+_NUMERIC_KINDS = "biufc"  # bool, int, uint, float, complex: what a jax.Array holds
+_KIND_NAMES = {
+    "U": "strings",
+    "S": "bytes",
+    "M": "datetimes",
+    "m": "timedeltas",
+    "V": "structured records",
+}
 
-def _as_array(call: str, batch: PyTree, index: int, leaf: Any, leaf_index: int) -> Any:
+
+def _is_scalar(x: Any) -> bool:
+    return isinstance(x, numbers.Number | np.generic | str | bytes) or _is_array_list(x)
+
+
+def _is_array_list(x: Any) -> bool:
+    """A non-empty list of numbers (or of such lists) is one array-like leaf.
+
+    Any other list (of arrays, of dicts, empty) stays a pytree container, as JAX sees it.
+    """
+    return isinstance(x, list) and bool(x) and all(_is_scalar(v) for v in x)
+
+
+def _flatten(tree: PyTree) -> tuple[list[Any], Any]:
+    return jax.tree_util.tree_flatten(tree, is_leaf=_is_array_list)
+
+
+def _leaf_path(tree: PyTree, leaf_index: int, root: str = "batch") -> str:
+    path = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_array_list)[0][leaf_index][0]
+    return f"{root}{jax.tree_util.keystr(path)}"
+
+
+def _as_array(call: str, where: str, tree: PyTree, leaf: Any, leaf_index: int, root: str) -> Any:
+    """`leaf` as an array JAX can place: numeric, and 64-bit integers only where they fit."""
     if isinstance(leaf, jax.Array):
         return leaf
-    array = np.asarray(leaf)
-    if array.dtype == object:
+    try:
+        array = np.asarray(leaf)
+    except ValueError:
+        if not isinstance(leaf, list):
+            raise
         raise TypeError(
-            f"{call}: leaf {_leaf_path(batch, leaf_index)} of batch {index} is a "
-            f"{type(leaf).__name__} that does not convert to a numeric array; every leaf of a "
-            "batch must be an array-like (numpy array, jax.Array, nested lists of numbers)."
+            f"{call}: leaf {_leaf_path(tree, leaf_index, root)} of {where} is a ragged list: "
+            "its nested lists do not all have the same length, so it is no array. A list of "
+            "numbers, or nested lists of the same length, is one array-like leaf; pad the "
+            "rows to one length (with a mask), or pass a numpy array."
+        ) from None
+    kind = array.dtype.kind
+    if kind in _NUMERIC_KINDS:
+        if kind != "b" and array.dtype.itemsize == 8 and array.size:
+            _check_fits(call, where, tree, array, leaf_index, root)
+        return array
+    path = _leaf_path(tree, leaf_index, root)
+    if kind == "O":
+        found = f"a {type(leaf).__name__}"
+        if isinstance(leaf, np.ndarray):
+            found = "a numpy array of dtype object"
+        raise TypeError(
+            f"{call}: leaf {path} of {where} is {found}, which does not convert to a numeric "
+            "array. Every leaf of a batch must be an array-like of numbers: a numpy array, a "
+            "jax.Array, or a list of numbers (nested lists of the same length for more "
+            "dimensions). Convert it to numbers, or keep it out of the batch."
         )
-    return array
+    raise TypeError(
+        f"{call}: leaf {path} of {where} has dtype {array.dtype} "
+        f"({_KIND_NAMES.get(kind, 'not numbers')}), which a jax.Array cannot hold. Convert it "
+        "to a numeric dtype before it reaches the dataset (strings to integer ids through a "
+        "vocabulary, datetimes to numbers of seconds), or keep it out of the batch."
+    )
 
 
-def _leaf_path(tree: PyTree, leaf_index: int) -> str:
-    path = jax.tree_util.tree_flatten_with_path(tree)[0][leaf_index][0]
-    return f"batch{jax.tree_util.keystr(path)}"
+def _check_fits(call: str, where: str, tree: PyTree, x: np.ndarray, leaf_index: int, root: str):
+    """A 64-bit integer array must fit the 32-bit dtype JAX gives it without x64."""
+    if x.dtype.kind not in "iu":
+        return
+    target = jax.dtypes.canonicalize_dtype(x.dtype)
+    if target == x.dtype:  # 64-bit types are on
+        return
+    low, high = x.min(), x.max()
+    info = np.iinfo(target)
+    if low >= info.min and high <= info.max:
+        return
+    raise ValueError(
+        f"{call}: leaf {_leaf_path(tree, leaf_index, root)} of {where} is {x.dtype} with values "
+        f"in [{low}, {high}], outside the range [{info.min}, {info.max}] of {target}, which "
+        f"JAX makes of {x.dtype} while 64-bit types are off (its default): the values would "
+        'wrap silently. Turn them on with jax.config.update("jax_enable_x64", True) at '
+        f"start-up, or give the leaf a 32-bit dtype that holds its values."
+    )
 
 
 def _leading_size(call: str, batch: PyTree, index: int, leaves: list[Any]) -> int:
@@ -204,7 +317,8 @@ def _leading_size(call: str, batch: PyTree, index: int, leaves: list[Any]) -> in
             raise ValueError(
                 f"{call}: leaf {_leaf_path(batch, i)} of batch {index} is a scalar (shape ()), "
                 "but every leaf needs a leading batch axis. Give it one example per row, e.g. "
-                "np.full((batch_size,), value)."
+                "np.full((batch_size,), value). A list of numbers is one array-like leaf; "
+                "tuples and dicts are containers, so a tuple of numbers gives scalar leaves."
             )
         if size != sizes[0]:
             shapes = f"{np.shape(leaves[i])} vs {np.shape(leaves[0])} at {_leaf_path(batch, 0)}"
@@ -240,41 +354,111 @@ def _place(strategy: MirroredStrategy, arrays: list[Any]) -> list[jax.Array]:
     ]
 
 
-def _global_batches(strategy: MirroredStrategy, source: _Source, remainder: str) -> Iterator[Any]:
-    """Yields placed global batches (`PerReplica`, or `(PerReplica, mask)` for "pad")."""
-    pulled = source.pull()
+class _PairError(TypeError, AttributeError):
+    """A `(batch, mask)` pair used as a batch: a TypeError that `hasattr` still answers."""
+
+
+_PAIR_FIX = (
+    "with remainder='pad', every element of strategy.distribute_dataset is a (batch, mask) "
+    "pair, not a batch. Unpack it, `for batch, mask in data:` (or `batch, mask = element`), "
+    "and use `batch`; or pass remainder='drop' to get batches alone."
+)
+
+
+class PaddedBatch(NamedTuple):
+    """An element of `distribute_dataset(..., remainder="pad")`: a `(batch, mask)` pair.
+
+    A tuple (it unpacks, and JAX takes it as a pytree node, like any namedtuple); indexing it
+    with a key or asking it for a batch's attribute raises a `TypeError` that says to unpack it.
+
+    Example:
+        >>> import numpy as np, jmirror as jm
+        >>> strategy = jm.MirroredStrategy()
+        >>> n = strategy.num_replicas
+        >>> (element,) = strategy.distribute_dataset([{"image": np.zeros((n, 2))}])
+        >>> batch, mask = element
+        >>> batch.values["image"].shape == (n, 1, 2)
+        True
+        >>> element["image"]
+        Traceback (most recent call last):
+        ...
+        jmirror._input._PairError: element['image']: with remainder='pad', every element ...
+    """
+
+    batch: Any
+    mask: Any
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, str):
+            raise _PairError(f"element[{index!r}]: {_PAIR_FIX}")
+        return tuple.__getitem__(self, index)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # protocol probes (numpy, copy, IPython) get the usual answer
+            raise AttributeError(f"'PaddedBatch' object has no attribute {name!r}")
+        raise _PairError(f"element.{name}: {_PAIR_FIX}")
+
+
+def _global_batches(
+    strategy: MirroredStrategy, source: _Source, remainder: str, control: Control, skip: int
+) -> Iterator[Any]:
+    """Yields placed global batches (`PerReplica`, or `PaddedBatch` for "pad"), positioned."""
+    pulled = source.pull(control)
     try:
-        yield from _split_batches(strategy, pulled, remainder)
+        yield from _split_batches(strategy, pulled, remainder, control, skip)
     finally:
         pulled.close()
 
 
+def _global_size(call: str, n: int, size: int, remainder: str) -> tuple[int, _Warning | None]:
+    """G from the first batch's size, and the warning that "drop" gives when size < G."""
+    if size == 0:
+        raise ValueError(
+            f"{call}: the first batch has 0 examples, so there is no global batch size "
+            "to infer; the first batch sets G. Skip empty batches in the source."
+        )
+    g = -(-size // n) * n
+    if remainder != "drop" or size == g:
+        return g, None
+    return g, _Warning(
+        f"{call}(remainder='drop'): the first batch has {size} examples, not a "
+        f"multiple of the {n} replicas, so the global batch size is G={g} and every "
+        f"batch of {size} examples is incomplete and will be dropped. Use a global "
+        f"batch size divisible by {n}, or remainder='pad'."
+    )
+
+
 def _split_batches(
-    strategy: MirroredStrategy, pulled: Iterator[Any], remainder: str
+    strategy: MirroredStrategy,
+    pulled: Iterator[Any],
+    remainder: str,
+    control: Control,
+    skip: int,
 ) -> Iterator[Any]:
+    """Splits and places each batch; the first `skip` are only counted (the first sets G)."""
     call = _DATASET_CALL
     n = strategy.num_replicas
     g = 0
     first = 0
+    index = -1
     for index, batch in enumerate(pulled):
-        flat, treedef = jax.tree_util.tree_flatten(batch)
-        leaves = [_as_array(call, batch, index, x, i) for i, x in enumerate(flat)]
+        if index < skip:  # received before: neither converted nor placed
+            if index == 0:
+                flat, _ = _flatten(batch)
+                first = _leading_size(call, batch, index, flat)
+                g, warning = _global_size(call, n, first, remainder)
+                if warning is not None:
+                    yield warning
+            continue
+        flat, treedef = _flatten(batch)
+        where = f"batch {index}"
+        leaves = [_as_array(call, where, batch, x, i, "batch") for i, x in enumerate(flat)]
         size = _leading_size(call, batch, index, leaves)
         if index == 0:
-            if size == 0:
-                raise ValueError(
-                    f"{call}: the first batch has 0 examples, so there is no global batch size "
-                    "to infer; the first batch sets G. Skip empty batches in the source."
-                )
             first = size
-            g = -(-size // n) * n
-            if remainder == "drop" and size != g:
-                yield _Warning(
-                    f"{call}(remainder='drop'): the first batch has {size} examples, not a "
-                    f"multiple of the {n} replicas, so the global batch size is G={g} and every "
-                    f"batch of {size} examples is incomplete and will be dropped. Use a global "
-                    f"batch size divisible by {n}, or remainder='pad'."
-                )
+            g, warning = _global_size(call, n, size, remainder)
+            if warning is not None:
+                yield warning
         if size > g:
             raise ValueError(
                 f"{call}: batch {index} has {size} examples, more than the global batch size "
@@ -299,18 +483,25 @@ def _split_batches(
         arrays = [x.reshape((n, g // n) + tuple(x.shape[1:])) for x in leaves]
         if mask is None:
             placed = _place(strategy, arrays)
-            yield PerReplica(treedef.unflatten(placed))
+            yield _Positioned(PerReplica(treedef.unflatten(placed)), index + 1)
         else:
             placed = _place(strategy, arrays + [mask])
-            yield PerReplica(treedef.unflatten(placed[:-1])), PerReplica(placed[-1])
+            pair = PaddedBatch(PerReplica(treedef.unflatten(placed[:-1])), PerReplica(placed[-1]))
+            yield _Positioned(pair, index + 1)
+    if index + 1 < skip and not control.stopped.is_set():
+        raise ValueError(
+            f"{call}(start=...): the position says {skip} batches were received, but the source "
+            f"has only {index + 1}. Resume with a source that yields the same batches as the "
+            "one the position was taken from."
+        )
 
 
-def _dealt_batches(strategy: MirroredStrategy, source: _Source) -> Iterator[Any]:
+def _dealt_batches(strategy: MirroredStrategy, source: _Source, control: Control) -> Iterator[Any]:
     """Yields placed `PerReplica` batches, dealing N consecutive elements to replicas 0..N-1."""
     n = strategy.num_replicas
     group: list[Any] = []
     step = 0
-    pulled = source.pull()
+    pulled = source.pull(control)
     try:
         for element in pulled:
             group.append(element)
@@ -320,7 +511,7 @@ def _dealt_batches(strategy: MirroredStrategy, source: _Source) -> Iterator[Any]
                 step += 1
     finally:
         pulled.close()
-    if group:
+    if group and not control.stopped.is_set():
         yield _Warning(
             f"{_FUNCTION_CALL}: the dataset function's elements ran out after {len(group)} of "
             f"the {n} per-replica batches of the last step, so those {len(group)} per-replica "
@@ -332,21 +523,27 @@ def _dealt_batches(strategy: MirroredStrategy, source: _Source) -> Iterator[Any]
 def _stack_group(strategy: MirroredStrategy, group: list[Any], step: int) -> PerReplica:
     call = _FUNCTION_CALL
     flats = []
-    treedef = jax.tree_util.tree_structure(group[0])
+    treedef = _flatten(group[0])[1]
     for replica, element in enumerate(group):
-        flat, structure = jax.tree_util.tree_flatten(element)
+        flat, structure = _flatten(element)
         if structure != treedef:
             raise ValueError(
                 f"{call}: at step {step} the element for replica {replica} has structure "
                 f"{structure}, but replica 0's has {treedef}; every element must have the same "
                 "pytree structure."
             )
-        flats.append([np.asarray(x) for x in flat])
+        where = f"replica {replica}'s element at step {step}"
+        flats.append(
+            [
+                np.asarray(_as_array(call, where, element, x, i, "element"))
+                for i, x in enumerate(flat)
+            ]
+        )
     stacked = []
     for i, parts in enumerate(zip(*flats, strict=False)):
         for replica, part in enumerate(parts):
             if part.shape != parts[0].shape or part.dtype != parts[0].dtype:
-                path = _leaf_path(group[0], i)
+                path = _leaf_path(group[0], i, "element")
                 raise ValueError(
                     f"{call}: at step {step} leaf {path} of replica {replica}'s element has "
                     f"shape {part.shape} and dtype {part.dtype}, but replica 0's has "
@@ -379,20 +576,38 @@ class DistributedDataset:
 
     def __init__(
         self,
-        open_elements: Callable[[], Iterator[Any]],
+        open_elements: Callable[[Control, int], Iterator[Any]],
         prefetch: int,
         call: str,
         strategy: MirroredStrategy,
+        *,
+        start: int | None = None,
+        source: str = "the source",
     ):
+        # open_elements(control, skip) opens one pass; `start` is None for streams without a
+        # position, else the number of batches the first pass skips (later passes skip none).
         self._open_elements = open_elements
         self._prefetch = prefetch
         self._call = call
+        self._start = start
+        self._source = source
         # On host devices the step's compute shares the cores: see jmirror._prefetch.
         self._low_priority = strategy.devices[0].platform == "cpu"
         self._iterators: weakref.WeakSet[DistributedIterator] = weakref.WeakSet()
 
     def __iter__(self) -> DistributedIterator:
-        iterator = DistributedIterator(self._open_elements(), self._prefetch, self._low_priority)
+        control = Control()
+        start = self._start
+        if start is not None:
+            self._start = 0  # `start` applies to the first pass only
+        iterator = DistributedIterator(
+            self._open_elements(control, start or 0),
+            self._prefetch,
+            self._low_priority,
+            control,
+            position=start,
+            source=self._source,
+        )
         self._iterators.add(iterator)
         return iterator
 
@@ -426,30 +641,46 @@ class DistributedDataset:
 
 
 def distribute_dataset(
-    strategy: MirroredStrategy, dataset: Any, *, remainder: str = "pad", prefetch: int = 2
+    strategy: MirroredStrategy,
+    dataset: Any,
+    *,
+    remainder: str = "pad",
+    prefetch: int = 2,
+    start: Mapping[str, Any] | None = None,
 ) -> DistributedDataset:
     """Splits each global batch of `dataset` into per-replica shards on the devices.
 
     Args:
       strategy: the `MirroredStrategy` whose devices receive the batches.
       dataset: an iterable of global batches (pytrees of array-likes with one common leading
-        batch size), or a zero-argument callable returning one, called again per pass.
+        batch size), or a zero-argument callable returning one, called again per pass. A
+        leaf is a numpy array, a `jax.Array` or a list of numbers (nested lists of the same
+        length for more dimensions); tuples and dicts are containers.
       remainder: what to do with an incomplete batch (fewer than G examples, where G is the
         first batch's size rounded up to a multiple of N): `"pad"` pads it with zeros and
         yields `(batch, mask)` for every batch; `"drop"` skips it; `"error"` raises.
       prefetch: how many batches a background thread keeps on the devices ahead of the
         consumer; 0 runs synchronously, without a thread.
+      start: `None`, or the `.position` of an iterator of an earlier dataset over the same
+        batches (JSON round trips keep it valid): the first pass then yields exactly the
+        batches that iterator had not returned, skipping the others without converting or
+        placing them. `dataset` may be a new object (in a new process) yielding the same
+        batches: a callable or a re-iterable. Later passes start at their beginning.
 
     Returns:
       A `DistributedDataset` yielding `jm.PerReplica` batches (leaves of shape
       `(N, G/N, ...)`), or `(batch, mask)` pairs for `"pad"`, with `mask` a `PerReplica` of
-      bools of shape `(N, G/N)`, True exactly on the real examples.
+      bools of shape `(N, G/N)`, True exactly on the real examples. Its iterators have
+      `.position`.
 
     Raises:
-      ValueError: for an invalid `remainder` or `prefetch < 0`; while iterating, for a batch
-        larger than G, leaves of different leading sizes, or an incomplete batch with
-        `"error"`.
-      TypeError: when `dataset` is neither iterable nor callable, or `prefetch` is not an int.
+      ValueError: for an invalid `remainder`, `prefetch < 0` or `start`; while iterating, for
+        a batch larger than G, leaves of different leading sizes, an incomplete batch with
+        `"error"`, a 64-bit integer leaf whose values do not fit 32 bits while 64-bit types
+        are off, or a source shorter than `start`.
+      TypeError: when `dataset` is neither iterable nor callable, `prefetch` is not an int,
+        or `start` is not a position dict; while iterating, for a leaf that is not numbers
+        (strings, datetimes, objects, ragged lists).
 
     Example:
         >>> import numpy as np, jmirror as jm
@@ -459,6 +690,14 @@ def distribute_dataset(
         >>> masks = [mask for _, mask in strategy.distribute_dataset(batches)]
         >>> [int(np.sum(strategy.gather(m))) for m in masks] == [4 * n, n]
         True
+
+        Resuming where an iterator stood:
+
+        >>> it = iter(strategy.distribute_dataset(batches))
+        >>> _ = next(it)
+        >>> rest = strategy.distribute_dataset(batches, start=it.position)
+        >>> [int(np.sum(strategy.gather(m))) for _, m in rest] == [n]
+        True
     """
     if remainder not in _REMAINDERS:
         raise ValueError(
@@ -467,10 +706,48 @@ def distribute_dataset(
             "or 'error' (raise on an incomplete batch)."
         )
     prefetch = _check_prefetch(_DATASET_CALL, prefetch)
+    skip = _check_start(start)
     source = _source(_DATASET_CALL, dataset)
     return DistributedDataset(
-        lambda: _global_batches(strategy, source, remainder), prefetch, _DATASET_CALL, strategy
+        lambda control, skip: _global_batches(strategy, source, remainder, control, skip),
+        prefetch,
+        _DATASET_CALL,
+        strategy,
+        start=skip,
+        source=source.describe(),
     )
+
+
+def _check_start(start: Any) -> int:
+    """The number of batches a valid `start` position says were received (0 for None)."""
+    call = _DATASET_CALL
+    if start is None:
+        return 0
+    example = position_dict(0)
+    if not isinstance(start, Mapping):
+        raise TypeError(
+            f"{call}(start=...) expects None or a position dict taken from an iterator's "
+            f"`.position` (like {example}), got {type(start).__name__}: {reprlib.repr(start)}."
+        )
+    if start.get("format") != POSITION_FORMAT:
+        raise ValueError(
+            f"{call}(start={reprlib.repr(start)}) is not a jmirror input position: expected "
+            f"the dict an iterator's `.position` gives, like {example}."
+        )
+    version = start.get("version")
+    if version != POSITION_VERSION:
+        raise ValueError(
+            f"{call}(start=...) is a position of format version {version!r}, but this "
+            f"jmirror reads version {POSITION_VERSION}; take the position with the jmirror "
+            "version that resumes it."
+        )
+    batches = start.get("batches")
+    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 0:
+        raise ValueError(
+            f"{call}(start=...): the position's 'batches' must be an int >= 0 (the global "
+            f"batches received), got {batches!r}. Pass `.position` unchanged."
+        )
+    return batches
 
 
 def distribute_datasets_from_function(
@@ -491,7 +768,8 @@ def distribute_datasets_from_function(
         consumer; 0 runs synchronously, without a thread.
 
     Returns:
-      A `DistributedDataset` yielding one `jm.PerReplica` per step.
+      A `DistributedDataset` yielding one `jm.PerReplica` per step. Its iterators have no
+      `.position` (an `AttributeError` says so): resume such input in `dataset_fn`.
 
     Raises:
       ValueError: for `prefetch < 0`; while iterating, when the elements of a step differ in
@@ -520,5 +798,9 @@ def distribute_datasets_from_function(
     )
     source = _Source(_FUNCTION_CALL, lambda: dataset_fn(context), dataset_fn)
     return DistributedDataset(
-        lambda: _dealt_batches(strategy, source), prefetch, _FUNCTION_CALL, strategy
+        lambda control, skip: _dealt_batches(strategy, source, control),
+        prefetch,
+        _FUNCTION_CALL,
+        strategy,
+        source=source.describe(),
     )

@@ -13,6 +13,15 @@ it runs) takes the lowest CPU priority, niceness 19 (Linux; elsewhere it is left
 runs in the gaps the step leaves (measured in benchmarks/RESULTS.md). Threads and processes the
 source starts from that thread inherit the niceness, as Linux does. On accelerators the step
 does not run on the host's cores, and the thread keeps its priority.
+
+Clean-up never waits on the source. A thread blocked inside the source's own `next()` cannot be
+interrupted, so `close()`, garbage collection, a `break` and interpreter exit set the pass's
+`Control.stopped` and wait for the thread only while it runs jmirror's own code (placing a
+batch, which is bounded); while it is inside the source (`Control.in_source`) they return at
+once. The thread, a daemon, then asks the source for nothing more, closes the iterator jmirror
+opened, and ends when the blocked call returns. A watcher thread warns (`ResourceWarning`,
+naming the source) if it has not ended `STALLED_SOURCE_WARNING_S` seconds after the stop; the
+watcher ends as soon as the thread does, or after warning.
 """
 
 from __future__ import annotations
@@ -37,7 +46,32 @@ class _Warning:
     message: str
 
 
+@dataclasses.dataclass(frozen=True)
+class _Positioned:
+    """A batch and the input position the consumer stands at once it has received it."""
+
+    value: Any
+    position: int
+
+
+class Control:
+    """What one pass shares between its consumer, its prefetch thread and its source.
+
+    `stopped` is set when the pass is closed: the source is asked for nothing more after it.
+    `in_source` is True while some thread runs the source's own code (opening it, `next()`,
+    closing it), which nothing may wait on.
+    """
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+        self.in_source = False
+
+
 _BACKGROUND_NICENESS = 19
+# Seconds after a stop before a prefetch thread still blocked in the source is reported.
+STALLED_SOURCE_WARNING_S = 10.0
+# How often a stop looks again whether the thread is still busy with jmirror's own work.
+_JOIN_POLL_S = 0.005
 
 
 def _lower_priority() -> None:
@@ -54,26 +88,32 @@ def _produce(
     elements: Iterator[Any],
     results: queue.SimpleQueue,
     slots: queue.SimpleQueue,
-    stop: threading.Event,
+    control: Control,
     low_priority: bool,
 ) -> None:
     """The prefetch thread: one slot per element, each element on the devices before queued."""
+    stopped = control.stopped
     if low_priority:
         _lower_priority()
     try:
         while True:
             slots.get()
-            if stop.is_set():
+            if stopped.is_set():
                 return
             try:
                 value = next(elements)
-                if not isinstance(value, _Warning):
+                if stopped.is_set():
+                    return
+                if isinstance(value, _Positioned):
+                    jax.block_until_ready(value.value)
+                elif not isinstance(value, _Warning):
                     jax.block_until_ready(value)
             except StopIteration:
                 results.put(("end", None))
                 return
             except BaseException as e:  # noqa: BLE001 - every error goes to the consumer
-                results.put(("error", e))
+                if not stopped.is_set():
+                    results.put(("error", e))
                 return
             results.put(("item", value))
     finally:
@@ -82,20 +122,43 @@ def _produce(
             close()
 
 
+def _watch(thread: threading.Thread, source: str, timeout: float) -> None:
+    """Warns if the stopped prefetch `thread` is still blocked in `source` after `timeout` s."""
+    thread.join(timeout)
+    if thread.is_alive():
+        warnings.warn(
+            f"jmirror: the prefetch thread of {source} is still blocked inside the source "
+            f"{timeout:g} s after its pass was closed. The thread is a daemon that asks the "
+            "source for nothing more and ends when that call returns; until then it holds the "
+            "source's resources. Give the source's reads a timeout, or make its next() return "
+            "when your program stops it.",
+            ResourceWarning,
+            stacklevel=1,
+        )
+
+
 class _Prefetcher:
     """The prefetch thread and its queue; holds no reference to the iterator using it."""
 
-    def __init__(self, elements: Iterator[Any], prefetch: int, low_priority: bool):
+    def __init__(
+        self,
+        elements: Iterator[Any],
+        prefetch: int,
+        low_priority: bool,
+        control: Control,
+        source: str,
+    ):
+        self._control = control
+        self._source = source
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         # Free slots as tokens in a SimpleQueue, implemented in C: a get and a put took 59 ns
         # against 774 ns for a threading.Semaphore's acquire and release (Python code).
         self._slots: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(prefetch):
             self._slots.put(None)
-        self._stop = threading.Event()
         self._thread = threading.Thread(
             target=_produce,
-            args=(elements, self._results, self._slots, self._stop, low_priority),
+            args=(elements, self._results, self._slots, control, low_priority),
             name="jmirror-prefetch",
             daemon=True,
         )
@@ -107,16 +170,43 @@ class _Prefetcher:
         return kind, value
 
     def stop(self) -> None:
-        self._stop.set()
+        """Stops the thread, waiting only while it runs jmirror's code, never the source's."""
+        control, thread = self._control, self._thread
+        control.stopped.set()
         self._slots.put(None)  # wakes the thread if it waits for a slot
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
+        if threading.current_thread() is not thread:
+            while thread.is_alive() and not control.in_source:
+                thread.join(_JOIN_POLL_S)
             while not self._results.empty():  # drop prefetched batches now
                 self._results.get_nowait()
+            if thread.is_alive():
+                self._watch()
         self._results.put(("closed", None))  # wakes a consumer waiting in another thread
 
+    def _watch(self) -> None:
+        watcher = threading.Thread(
+            target=_watch,
+            args=(self._thread, self._source, STALLED_SOURCE_WARNING_S),
+            name="jmirror-prefetch-watch",
+            daemon=True,
+        )
+        try:
+            watcher.start()
+        except RuntimeError:  # at interpreter exit no thread starts, and none needs to
+            pass
 
-def _shutdown(elements: Iterator[Any], prefetcher: _Prefetcher | None) -> None:
+
+POSITION_FORMAT = "jmirror.input"
+POSITION_VERSION = 1
+
+
+def position_dict(batches: int) -> dict[str, Any]:
+    """The public, JSON-able form of an input position: `batches` global batches received."""
+    return {"format": POSITION_FORMAT, "version": POSITION_VERSION, "batches": batches}
+
+
+def _shutdown(elements: Iterator[Any], prefetcher: _Prefetcher | None, control: Control) -> None:
+    control.stopped.set()  # the source is asked for nothing more
     if prefetcher is not None:
         prefetcher.stop()  # the thread closes `elements` itself
     else:
@@ -129,7 +219,9 @@ class DistributedIterator:
     """One pass over a `DistributedDataset`, possibly prefetching in a background thread.
 
     Supports `next()`, `close()` and `with`. The prefetch thread stops on `close()`, on
-    exhaustion, on an error, and when the iterator is garbage collected.
+    exhaustion, on an error, and when the iterator is garbage collected; none of these waits
+    for a source blocked in its `next()` (see `jmirror._prefetch`). Iterators of
+    `strategy.distribute_dataset` also have `position`.
 
     Example:
         >>> import numpy as np, jmirror as jm
@@ -142,12 +234,24 @@ class DistributedIterator:
         True
     """
 
-    def __init__(self, elements: Iterator[Any], prefetch: int, low_priority: bool):
+    def __init__(
+        self,
+        elements: Iterator[Any],
+        prefetch: int,
+        low_priority: bool,
+        control: Control,
+        *,
+        position: int | None = None,
+        source: str = "the source",
+    ):
         self._elements = elements
-        self._prefetcher = _Prefetcher(elements, prefetch, low_priority) if prefetch > 0 else None
+        self._prefetcher = (
+            _Prefetcher(elements, prefetch, low_priority, control, source) if prefetch > 0 else None
+        )
         self._done = False
+        self._position = position
         # The finalizer holds the thread's state, never `self`: dropping the iterator stops it.
-        self._finalizer = weakref.finalize(self, _shutdown, elements, self._prefetcher)
+        self._finalizer = weakref.finalize(self, _shutdown, elements, self._prefetcher, control)
 
     def __iter__(self) -> DistributedIterator:
         return self
@@ -157,7 +261,46 @@ class DistributedIterator:
         while isinstance(value, _Warning):
             warnings.warn(value.message, UserWarning, stacklevel=2)
             value = self._next_value()
+        if isinstance(value, _Positioned):
+            self._position = value.position
+            return value.value
         return value
+
+    @property
+    def position(self) -> dict[str, Any]:
+        """Where the consumer stands: pass it as `distribute_dataset(..., start=position)`.
+
+        A small JSON-able dict whose content is jmirror's own (treat it as opaque). It counts
+        the global batches this iterator has returned, the batches that `remainder="drop"`
+        skipped before them included, never those only prefetched.
+
+        Raises:
+          AttributeError: for iterators of `distribute_datasets_from_function`, which have no
+            position (`hasattr(iterator, "position")` is False there).
+
+        Example:
+            >>> import json, numpy as np, jmirror as jm
+            >>> strategy = jm.MirroredStrategy()
+            >>> n = strategy.num_replicas
+            >>> batches = [np.full((n,), i) for i in range(4)]
+            >>> it = iter(strategy.distribute_dataset(batches, remainder="drop"))
+            >>> first = next(it)
+            >>> saved = json.dumps(it.position)  # e.g. into a checkpoint
+            >>> it.close()
+            >>> rest = strategy.distribute_dataset(batches, remainder="drop",
+            ...                                    start=json.loads(saved))
+            >>> [int(batch.values[0, 0]) for batch in rest]
+            [1, 2, 3]
+        """
+        if self._position is None:
+            raise AttributeError(
+                "This iterator of strategy.distribute_datasets_from_function has no position: "
+                "jmirror does not know how the per-replica elements of dataset_fn map to a "
+                "place in your data. Resume such input in dataset_fn itself (for example, skip "
+                "the steps already trained), or use strategy.distribute_dataset, whose "
+                "iterators have .position."
+            )
+        return position_dict(self._position)
 
     def _next_value(self) -> Any:
         if self._done:
@@ -177,7 +320,10 @@ class DistributedIterator:
         return value
 
     def close(self) -> None:
-        """Stops the pass: joins the prefetch thread and closes the source it opened.
+        """Stops the pass: stops the prefetch thread and closes the source iterator it opened.
+
+        It returns at once even when the source is blocked in its `next()`: the thread then
+        closes that iterator and ends when the call returns (see `jmirror._prefetch`).
 
         Example:
             >>> import numpy as np, jmirror as jm

@@ -231,10 +231,13 @@ class MirroredStrategy(_Placement, _Reading):
 
     # --- input ---------------------------------------------------------------------------------
 
-    def distribute_dataset(self, dataset: Any, *, remainder: str = "pad", prefetch: int = 2):
+    def distribute_dataset(
+        self, dataset: Any, *, remainder: str = "pad", prefetch: int = 2, start: Any = None
+    ):
         """Splits each global batch of `dataset` into per-replica shards on the devices.
 
-        See `jmirror._input.distribute_dataset` (SPEC section 7) for the full contract.
+        See `jmirror._input.distribute_dataset` (SPEC section 7) for the full contract;
+        `start=iterator.position` resumes where an iterator stood.
 
         Example:
             >>> import numpy as np, jmirror as jm
@@ -248,7 +251,9 @@ class MirroredStrategy(_Placement, _Reading):
         """
         from jmirror._input import distribute_dataset
 
-        return distribute_dataset(self, dataset, remainder=remainder, prefetch=prefetch)
+        return distribute_dataset(
+            self, dataset, remainder=remainder, prefetch=prefetch, start=start
+        )
 
     def distribute_datasets_from_function(
         self, dataset_fn: Callable[..., Any], *, prefetch: int = 2

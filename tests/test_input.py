@@ -346,7 +346,10 @@ def test_prefetch_thread_keeps_its_priority_for_accelerator_steps():
         yield os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     gpu_strategy = SimpleNamespace(devices=[SimpleNamespace(platform="gpu")])
-    data = DistributedDataset(source, 2, "test", gpu_strategy)  # type: ignore[arg-type]
+    def open_elements(control, skip):  # one pass, as jmirror._input opens them
+        return source()
+
+    data = DistributedDataset(open_elements, 2, "test", gpu_strategy)  # type: ignore[arg-type]
     assert list(data) == [os.getpriority(os.PRIO_PROCESS, threading.get_native_id())]
 
 
