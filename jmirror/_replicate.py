@@ -89,8 +89,9 @@ class Replicated:
         self._strategy = strategy
         self._donate = donate_argnums
         self._static = static_argnums
-        self._traces = 0  # every trace of the step: plain calls, .lower(), outer transforms
-        self._compilations = 0  # input signatures compiled by plain calls
+        # The input signatures traced by calls, plain or under an outer transformation
+        # (never by .lower()): what `num_compilations` counts.
+        self._signatures: set[tuple] = set()
         # For each output structure, the flat index of its smallest array: what the bound on
         # steps in flight keeps alive to wait on (never the large outputs).
         self._token_index: dict[Any, int] = {}
@@ -138,7 +139,7 @@ class Replicated:
         if donate:
             _dispatch.check_donated(repr(self), args, kwargs, self._donate)
         strategy._in_flight.wait_for_room(strategy.max_in_flight)
-        traces = self._traces
+        signatures = len(self._signatures)
         jitted = self._jitted_by_donation[donate]
         try:
             result, token = jitted(strategy, *args, **kwargs)
@@ -156,8 +157,8 @@ class Replicated:
             # dispatches it, so there is nothing to bound and no compilation of ours to count.
             return result
         strategy._in_flight.track(token)
-        if self._traces != traces:
-            self._compiled(strategy, args, kwargs)
+        if len(self._signatures) != signatures:
+            self._check_new_signature(strategy, args, kwargs)
         return result
 
     def _token(self, result: Any) -> Any:
@@ -176,39 +177,30 @@ class Replicated:
             self._token_index[treedef] = i
         return leaves[i]
 
-    def _compiled(self, strategy: Any, args: tuple, kwargs: dict) -> None:
-        """Bookkeeping after a plain call compiled a new input signature."""
-        self._compilations += 1
+    def _check_new_signature(self, strategy: Any, args: tuple, kwargs: dict) -> None:
+        """Warns of host batches broadcast every call, and of a step that keeps retracing."""
         dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
         nodes = jax.tree_util.tree_flatten_with_path((dynamic, kwargs), is_leaf=is_distributed)[0]
+        n = strategy.num_replicas
         for path, node in nodes:
-            where = _argument_path(path, self._static)
-            if (
-                isinstance(node, np.ndarray)
-                and node.ndim
-                and node.shape[0] == strategy.num_replicas
-            ):
-                self._warn_once(
-                    "host batch",
-                    _HOST_BATCH.format(
-                        fn=self, shape=node.shape, path=where, n=strategy.num_replicas
-                    ),
-                )
-            for inner, leaf in jax.tree_util.tree_flatten_with_path(node)[0]:
-                signature = (tuple(np.shape(leaf)), str(jnp.result_type(leaf)))
-                self._seen.setdefault(where + jax.tree_util.keystr(inner), set()).add(signature)
-        if self._compilations > _RETRACE_WARNING_AT:
-            changing = [(p, sorted(s)) for p, s in self._seen.items() if len(s) > 1]
+            if isinstance(node, np.ndarray) and node.ndim and node.shape[0] == n:
+                where = _argument_path(path, self._static)
+                message = _HOST_BATCH.format(fn=self, shape=node.shape, path=where, n=n)
+                self._warn_once("host batch", message)
+        if len(self._signatures) > _RETRACE_WARNING_AT:
+            seen: dict[str, set[tuple]] = {}
+            for signature in self._signatures:
+                for where, shape, dtype in signature[1]:
+                    seen.setdefault(where, set()).add((shape, dtype))
+            changing = [(p, sorted(s)) for p, s in seen.items() if len(s) > 1]
             shown = "; ".join(
                 f"{p}: " + ", ".join(f"{shape} {dtype}" for shape, dtype in s[:4])
                 for p, s in changing[:5]
             )
-            self._warn_once(
-                "retrace",
-                _RETRACING.format(
-                    fn=self, k=self._compilations, changing=shown or "(the tree structure changes)"
-                ),
+            message = _RETRACING.format(
+                fn=self, k=len(self._signatures), changing=shown or "(the tree structure changes)"
             )
+            self._warn_once("retrace", message)
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
@@ -254,7 +246,7 @@ class Replicated:
     def num_compilations(self) -> int:
         """How many input signatures calls have compiled so far (`.lower()` and calls traced
         by an outer transformation do not count)."""
-        return self._compilations
+        return len(self._signatures)
 
     def _check_call(self, args: tuple) -> Any:
         if _context.in_replica_context() or _context.merge_context() is not None:
@@ -275,11 +267,26 @@ class Replicated:
 
     def _entry_result(self, strategy: Any, *args: Any, **kwargs: Any) -> Any:
         """The step as `.lower()` exposes it: the result only."""
-        return self._entry(strategy, *args, **kwargs)[0]
+        return self._step(strategy, *args, **kwargs)[0]
 
     def _entry(self, strategy: Any, *args: Any, **kwargs: Any) -> tuple[Any, jax.Array | None]:
+        """The step as calls trace it, recording the input signature."""
+        statics = tuple(args[i] for i in self._static)
+        dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
+        leaves = jax.tree_util.tree_flatten_with_path((dynamic, kwargs))[0]
+        self._signatures.add(
+            (
+                statics,
+                tuple(
+                    (_argument_path(p, self._static), jnp.shape(x), str(jnp.result_type(x)))
+                    for p, x in leaves
+                ),
+            )
+        )
+        return self._step(strategy, *args, **kwargs)
+
+    def _step(self, strategy: Any, *args: Any, **kwargs: Any) -> tuple[Any, jax.Array | None]:
         """The traced step: the result, and a token to wait on when no output can serve."""
-        self._traces += 1
         statics = tuple(args[i] for i in self._static)
         dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
         top, treedef = jax.tree_util.tree_flatten((dynamic, kwargs), is_leaf=is_distributed)
