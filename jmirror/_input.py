@@ -19,7 +19,25 @@ Choices the spec leaves open:
 - Iterators jmirror opened (by calling a callable source, or `iter()` of a re-iterable one)
   are closed with their pass; a one-shot iterator passed in is never closed, and concurrent
   passes over it take turns through a lock. `close()` on a dataset stops its running passes;
-  the dataset stays re-iterable.
+  the dataset stays re-iterable. No clean-up waits for a source blocked in `next()`: see
+  `jmirror._prefetch`.
+- Leaves: a numpy array, a `jax.Array`, or a non-empty list of numbers (nested lists of the
+  same length for more dimensions) is one leaf; any other list stays a pytree container, as
+  JAX sees it. Leaves that are not numbers (strings, bytes, datetimes, objects, ragged lists)
+  are a `TypeError` naming the leaf. Without x64, 64-bit integer leaves are checked with one
+  min and max each and must fit 32 bits (`ValueError`); 64-bit floats become 32-bit silently,
+  as everywhere in JAX.
+- `remainder="pad"` yields `PaddedBatch(batch, mask)`, a namedtuple: it unpacks and is a
+  pytree like a plain pair, and `element["image"]` or `element.keys()` on it is a `TypeError`
+  that says to unpack it.
+- Position: iterators of `distribute_dataset` count the source batches up to and including
+  the last one they returned (`.position`, a JSON-able dict). `start=` skips that many source
+  batches on the first pass: the first is looked at only for its leading size (it sets G, for
+  this run's N), the others are not even converted. A source shorter than the position is a
+  `ValueError`. Batches are counted, never examples, so a position stays valid on another
+  replica count when the global batch size does not change.
+  `distribute_datasets_from_function` has no position: its `.position` is an
+  `AttributeError`.
 """
 
 from __future__ import annotations
@@ -225,7 +243,7 @@ _KIND_NAMES = {
 }
 
 
-def _is_scalar(x: Any) -> bool:
+def _is_array_item(x: Any) -> bool:
     return isinstance(x, numbers.Number | np.generic | str | bytes) or _is_array_list(x)
 
 
@@ -234,7 +252,7 @@ def _is_array_list(x: Any) -> bool:
 
     Any other list (of arrays, of dicts, empty) stays a pytree container, as JAX sees it.
     """
-    return isinstance(x, list) and bool(x) and all(_is_scalar(v) for v in x)
+    return isinstance(x, list) and bool(x) and all(_is_array_item(v) for v in x)
 
 
 def _flatten(tree: PyTree) -> tuple[list[Any], Any]:
@@ -285,6 +303,9 @@ def _as_array(call: str, where: str, tree: PyTree, leaf: Any, leaf_index: int, r
     )
 
 
+_IINFO: dict[np.dtype, np.iinfo] = {}
+
+
 def _check_fits(call: str, where: str, tree: PyTree, x: np.ndarray, leaf_index: int, root: str):
     """A 64-bit integer array must fit the 32-bit dtype JAX gives it without x64."""
     if x.dtype.kind not in "iu":
@@ -293,7 +314,7 @@ def _check_fits(call: str, where: str, tree: PyTree, x: np.ndarray, leaf_index: 
     if target == x.dtype:  # 64-bit types are on
         return
     low, high = x.min(), x.max()
-    info = np.iinfo(target)
+    info = _IINFO.get(target) or _IINFO.setdefault(target, np.iinfo(target))
     if low >= info.min and high <= info.max:
         return
     raise ValueError(
@@ -379,10 +400,11 @@ class PaddedBatch(NamedTuple):
         >>> batch, mask = element
         >>> batch.values["image"].shape == (n, 1, 2)
         True
-        >>> element["image"]
-        Traceback (most recent call last):
-        ...
-        jmirror._input._PairError: element['image']: with remainder='pad', every element ...
+        >>> try:
+        ...     element["image"]
+        ... except TypeError as e:
+        ...     print(e)
+        element['image']: with remainder='pad', every element of ... a (batch, mask) pair, ...
     """
 
     batch: Any

@@ -14,14 +14,15 @@ runs in the gaps the step leaves (measured in benchmarks/RESULTS.md). Threads an
 source starts from that thread inherit the niceness, as Linux does. On accelerators the step
 does not run on the host's cores, and the thread keeps its priority.
 
-Clean-up never waits on the source. A thread blocked inside the source's own `next()` cannot be
-interrupted, so `close()`, garbage collection, a `break` and interpreter exit set the pass's
-`Control.stopped` and wait for the thread only while it runs jmirror's own code (placing a
-batch, which is bounded); while it is inside the source (`Control.in_source`) they return at
-once. The thread, a daemon, then asks the source for nothing more, closes the iterator jmirror
-opened, and ends when the blocked call returns. A watcher thread warns (`ResourceWarning`,
-naming the source) if it has not ended `STALLED_SOURCE_WARNING_S` seconds after the stop; the
-watcher ends as soon as the thread does, or after warning.
+Clean-up never waits for a blocked source. A thread blocked inside the source's own `next()`
+cannot be interrupted, so `close()`, garbage collection, a `break` and interpreter exit set
+the pass's `Control.stopped` and wait for the thread while it runs jmirror's own code (placing
+a batch, which is bounded); while it is inside the source (`Control.in_source`) they wait at
+most `_SOURCE_GRACE_S` (0.2 s, for a fast source call to return, so that no thread outlives a
+stop after it) and then return. The thread, a daemon, asks the source for nothing more,
+closes the iterator jmirror opened, and ends when the blocked call returns. A watcher thread
+warns (`ResourceWarning`, naming the source) if it has not ended `STALLED_SOURCE_WARNING_S`
+seconds after the stop; the watcher ends as soon as the thread does, or after warning.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import os
 import queue
 import sys
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -72,6 +74,9 @@ _BACKGROUND_NICENESS = 19
 STALLED_SOURCE_WARNING_S = 10.0
 # How often a stop looks again whether the thread is still busy with jmirror's own work.
 _JOIN_POLL_S = 0.005
+# How long a stop lets a source call in progress return (most do at once) before leaving the
+# thread to end on its own: stops then leave no thread behind after a fast source.
+_SOURCE_GRACE_S = 0.2
 
 
 def _lower_priority() -> None:
@@ -175,7 +180,10 @@ class _Prefetcher:
         control.stopped.set()
         self._slots.put(None)  # wakes the thread if it waits for a slot
         if threading.current_thread() is not thread:
-            while thread.is_alive() and not control.in_source:
+            grace_ends = time.monotonic() + _SOURCE_GRACE_S
+            while thread.is_alive():
+                if control.in_source and time.monotonic() >= grace_ends:
+                    break  # blocked in the source: the thread ends on its own
                 thread.join(_JOIN_POLL_S)
             while not self._results.empty():  # drop prefetched batches now
                 self._results.get_nowait()
@@ -322,8 +330,9 @@ class DistributedIterator:
     def close(self) -> None:
         """Stops the pass: stops the prefetch thread and closes the source iterator it opened.
 
-        It returns at once even when the source is blocked in its `next()`: the thread then
-        closes that iterator and ends when the call returns (see `jmirror._prefetch`).
+        It returns promptly (within 0.2 s) even when the source is blocked in its `next()`:
+        the thread then closes that iterator and ends when the call returns (see
+        `jmirror._prefetch`).
 
         Example:
             >>> import numpy as np, jmirror as jm
