@@ -1,0 +1,390 @@
+"""Several processes on JAX's own multi-controller runtime: `jm.distributed.initialize`.
+
+jmirror adds no transport of its own. `initialize` starts `jax.distributed` (a coordination
+service in process 0 that every process connects to, heartbeats and a key-value store) with
+CPU collectives through gloo, from one of three sources, in this order:
+
+1. the arguments given to `initialize`;
+2. the environment set by `python -m jmirror.launch` (or by any launcher of yours):
+   `JMIRROR_COORDINATOR` (`host:port` of process 0's coordination service),
+   `JMIRROR_NUM_PROCESSES`, `JMIRROR_PROCESS_ID` and, optionally,
+   `JMIRROR_DEVICES_PER_PROCESS` (the number of XLA:CPU host devices of each process);
+3. JAX's own cluster detection, used only when a cluster is detected: a SLURM job step of
+   several tasks, an Open MPI job of several ranks, or a Kubernetes Indexed Job or JobSet.
+
+With none of them it is one process and `initialize` does nothing.
+
+Lost processes: JAX's coordination service ends every process of the run when one stops
+sending heartbeats for `heartbeat_timeout_s` seconds. jmirror sets 10 s instead of JAX's
+100 s so that a process killed while the others wait in a collective ends them within about
+10 s: measured with JAX 0.10.2 (2 or 3 processes × 4 host devices in a loop of cross-process
+sums, one SIGKILLed), every survivor ended by itself in 9-10 s, with SIGABRT (exit code 134),
+printing JAX's `Terminating process because the JAX distributed service detected fatal
+errors` and `The following tasks are unhealthy (stopped sending heartbeats):` followed by the
+lost process's index (JAX's task number is the process index). When the lost process is
+process 0, which runs the coordination service, the others end within about a second and
+the message says the leader task (process 0) died. A gloo collective waiting for the lost
+peer does not end by itself; the coordination service's abort is what ends it.
+
+Security: the coordination service and gloo have no authentication and no encryption. Anyone
+who can reach their ports can join or disrupt the run: run several machines on a private
+network only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import ipaddress
+import os
+
+import jax
+
+__all__ = [
+    "ENV_COORDINATOR",
+    "ENV_DEVICES_PER_PROCESS",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "check_initialized",
+    "initialize",
+    "is_initialized",
+]
+
+ENV_COORDINATOR = "JMIRROR_COORDINATOR"
+ENV_NUM_PROCESSES = "JMIRROR_NUM_PROCESSES"
+ENV_PROCESS_ID = "JMIRROR_PROCESS_ID"
+ENV_DEVICES_PER_PROCESS = "JMIRROR_DEVICES_PER_PROCESS"
+
+_TOO_LATE = (
+    "jm.distributed.initialize() must run before anything touches a device, but JAX's backends "
+    "are already initialized (by a computation, an array, jax.devices(), ...). Found: {what}. "
+    "Call jm.distributed.initialize() first thing in the program, right after the imports."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """What one call of `initialize` asked for, after the launcher's environment is read."""
+
+    source: str  # "arguments", "launcher", "cluster" or "one process"
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+    heartbeat_timeout_s: int
+    devices_per_process: int | None
+    cluster: str | None
+
+
+_initialized: _Request | None = None
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    heartbeat_timeout_s: int = 10,
+) -> None:
+    """Start JAX's multi-process runtime for this process, or do nothing when it is alone.
+
+    Takes each of `coordinator_address`, `num_processes` and `process_id` from the arguments,
+    else from the environment set by `python -m jmirror.launch` (`JMIRROR_*`, see the module
+    docstring), else lets JAX detect them when a SLURM, Open MPI or Kubernetes cluster is
+    detected. It then selects gloo for CPU collectives and calls `jax.distributed.initialize`.
+    With no arguments, no launcher and no cluster it is one process and returns at once.
+
+    Every process of the run must call it, before anything touches a device. Calling it again
+    with the same configuration does nothing.
+
+    A coordinator on a loopback address (`127.0.0.1:port`, `localhost:port`) binds that address
+    only; any other binds every interface of process 0 on its port (JAX's default; set
+    `JAX_COORDINATOR_BIND_ADDRESS` to narrow it). The runtime has no authentication: run it on
+    a private network.
+
+    Args:
+      coordinator_address: `host:port` of process 0's coordination service, which process 0
+        starts and every process connects to.
+      num_processes: how many processes the run has.
+      process_id: this process's index, `0 <= process_id < num_processes`.
+      heartbeat_timeout_s: seconds after which a process that stopped sending heartbeats is
+        declared lost, and JAX's coordination service ends every other process with an error
+        naming it. 10 (JAX's default is 100) so that a killed process never leaves the others
+        waiting in a collective for long; raise it if a process may legitimately stall longer
+        (a very slow first compilation on an overloaded machine, swapping).
+
+    Raises:
+      RuntimeError: JAX's backends are already initialized (something touched a device
+        first), or `initialize` already ran with another configuration, or
+        `jax.distributed.initialize` was already called directly.
+      ValueError: an argument or a `JMIRROR_*` variable is out of range or malformed, or only
+        some of the three were given outside a cluster.
+      TypeError: an argument has the wrong type.
+
+    Example:
+      Alone (no arguments, no launcher, no cluster), it does nothing:
+
+      >>> import jmirror as jm
+      >>> jm.distributed.initialize()
+      >>> jm.distributed.is_initialized(), jax.process_count()
+      (True, 1)
+
+      Each process of a run on two machines calls, with its own `process_id`:
+
+      >>> jm.distributed.initialize("10.0.0.1:1234", 2, process_id=0)  # doctest: +SKIP
+    """
+    global _initialized
+    request = _request(coordinator_address, num_processes, process_id, heartbeat_timeout_s)
+    if _initialized is not None:
+        if request == _initialized:
+            return
+        raise RuntimeError(
+            "jm.distributed.initialize() was already called with another configuration: "
+            f"first {_describe(_initialized)}, now {_describe(request)}. Call it once, first "
+            "thing in the program, with the same arguments on every call."
+        )
+    if request.source == "one process":
+        _initialized = request
+        return
+    if jax.distributed.is_initialized():
+        raise RuntimeError(
+            "jm.distributed.initialize() found JAX's distributed runtime already started by a "
+            "direct call of jax.distributed.initialize(). Call one of them, not both: "
+            "jm.distributed.initialize() also selects gloo and a short heartbeat timeout."
+        )
+    _check_backends_not_initialized(_describe(request))
+    if request.devices_per_process is not None:
+        jax.config.update("jax_num_cpu_devices", request.devices_per_process)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        request.coordinator_address,
+        request.num_processes,
+        request.process_id,
+        heartbeat_timeout_seconds=request.heartbeat_timeout_s,
+        coordinator_bind_address=_bind_address(request.coordinator_address),
+    )
+    _initialized = request
+
+
+def is_initialized() -> bool:
+    """Whether this process is ready for several processes (or knows it is alone).
+
+    True once `jm.distributed.initialize` has returned (also when it found one process and did
+    nothing), or when `jax.distributed.initialize` was called directly. Unlike
+    `jax.distributed.is_initialized`, it is also True for a process that is alone.
+
+    Returns:
+      True if `initialize` ran or JAX's distributed runtime is up.
+
+    Example:
+      >>> import jmirror as jm
+      >>> jm.distributed.initialize()
+      >>> jm.distributed.is_initialized()
+      True
+    """
+    return _initialized is not None or jax.distributed.is_initialized()
+
+
+def check_initialized(call: str) -> None:
+    """Raise if this process was started as one of several but the runtime was not started.
+
+    A process started by `python -m jmirror.launch` (or with the `JMIRROR_*` variables set for
+    several processes) that never called `jm.distributed.initialize` sees only its own devices
+    and would silently train alone. Multi-process entry points call this first.
+
+    Args:
+      call: the call that needs the runtime, named in the error, e.g.
+        `"jm.MultiWorkerMirroredStrategy()"`.
+
+    Raises:
+      RuntimeError: the `JMIRROR_*` variables ask for several processes and JAX's distributed
+        runtime is not initialized.
+
+    Example:
+      >>> import jmirror as jm
+      >>> jm.distributed.check_initialized("my_entry_point()")  # alone: nothing to check
+    """
+    count = os.environ.get(ENV_NUM_PROCESSES)
+    if count is None or jax.distributed.is_initialized():
+        return
+    if _int_from_env(ENV_NUM_PROCESSES, 1) > 1:
+        raise RuntimeError(
+            f"{call} runs in a process started for {count} processes ({ENV_NUM_PROCESSES}="
+            f"{count}, e.g. by python -m jmirror.launch), but JAX's distributed runtime is not "
+            "initialized, so this process would see only its own devices. Call "
+            "jm.distributed.initialize() first thing in the program, right after the imports."
+        )
+
+
+def _request(
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    heartbeat_timeout_s: int,
+) -> _Request:
+    """Resolve the arguments, the launcher's environment and cluster detection into a request."""
+    _check_arguments(coordinator_address, num_processes, process_id, heartbeat_timeout_s)
+    given = (coordinator_address, num_processes, process_id)
+    launcher = os.environ.get(ENV_COORDINATOR) is not None
+    if launcher:
+        coordinator_address = coordinator_address or os.environ[ENV_COORDINATOR]
+        if num_processes is None:
+            num_processes = _int_from_env(ENV_NUM_PROCESSES, 1)
+        if process_id is None:
+            process_id = _int_from_env(ENV_PROCESS_ID, 0)
+    devices = None
+    if launcher and os.environ.get(ENV_DEVICES_PER_PROCESS) is not None:
+        devices = _int_from_env(ENV_DEVICES_PER_PROCESS, 1)
+    resolved = (coordinator_address, num_processes, process_id)
+    complete = None not in resolved
+    source = "arguments" if None not in given else "launcher" if launcher else "cluster"
+    cluster = None if complete else _detect_cluster()
+    if num_processes is not None and process_id is not None:
+        _check_range(num_processes, process_id, f"from the {source}")
+    if not complete and cluster is None:
+        if given == (None, None, None):
+            return _Request("one process", None, None, None, heartbeat_timeout_s, None, None)
+        missing = [n for n, v in zip(_NAMES, resolved) if v is None]
+        raise ValueError(
+            "jm.distributed.initialize() needs coordinator_address, num_processes and "
+            f"process_id outside a cluster; got {_format(resolved)}, missing "
+            f"{', '.join(missing)}. Pass all three (or none, to run one process), or start the "
+            "program with python -m jmirror.launch."
+        )
+    return _Request(source, *resolved, heartbeat_timeout_s, devices, cluster)
+
+
+_NAMES = ("coordinator_address", "num_processes", "process_id")
+
+
+def _format(values: tuple[object, ...]) -> str:
+    return ", ".join(f"{name}={value!r}" for name, value in zip(_NAMES, values))
+
+
+def _describe(request: _Request) -> str:
+    values = (request.coordinator_address, request.num_processes, request.process_id)
+    where = f" ({request.cluster})" if request.cluster else ""
+    devices = request.devices_per_process
+    return (
+        f"{request.source}{where}: {_format(values)}, "
+        f"heartbeat_timeout_s={request.heartbeat_timeout_s}"
+        + (f", {devices} host devices per process" if devices is not None else "")
+    )
+
+
+def _check_arguments(
+    coordinator_address: object, num_processes: object, process_id: object, heartbeat: object
+) -> None:
+    if coordinator_address is not None:
+        if not isinstance(coordinator_address, str):
+            raise TypeError(
+                "jm.distributed.initialize(coordinator_address=...) expects a 'host:port' "
+                f"string; got {coordinator_address!r} of type {type(coordinator_address).__name__}."
+            )
+        _check_address(coordinator_address, "coordinator_address")
+    for name, value in (("num_processes", num_processes), ("process_id", process_id)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise TypeError(
+                f"jm.distributed.initialize({name}=...) expects an int or None; got {value!r} "
+                f"of type {type(value).__name__}."
+            )
+    if not isinstance(heartbeat, int) or isinstance(heartbeat, bool) or heartbeat < 1:
+        raise ValueError(
+            "jm.distributed.initialize(heartbeat_timeout_s=...) expects a whole number of seconds "
+            f">= 1; got {heartbeat!r}. The default, 10, ends the other processes about 10 s "
+            "after one is lost."
+        )
+
+
+def _check_address(address: str, where: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"jm.distributed.initialize() expects {where} as 'host:port' with a port in "
+            f"1-65535, e.g. '10.0.0.1:1234'; got {address!r}."
+        )
+
+
+def _check_range(num_processes: int, process_id: int, where: str) -> None:
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+        raise ValueError(
+            "jm.distributed.initialize() expects num_processes >= 1 and "
+            f"0 <= process_id < num_processes; got num_processes={num_processes}, "
+            f"process_id={process_id} ({where}). Number the processes 0 to num_processes - 1."
+        )
+
+
+def _int_from_env(name: str, minimum: int) -> int:
+    text = os.environ[name]
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ValueError(
+            f"jm.distributed.initialize() reads {name} as an integer >= {minimum}; found "
+            f"{name}={text!r}. Fix or unset it (python -m jmirror.launch sets it)."
+        )
+    return value
+
+
+def _detect_cluster() -> str | None:
+    """The cluster JAX would detect, only when it runs several processes; else None.
+
+    Checked from environment variables only, as JAX's own detection does for SLURM and Open MPI.
+    A single SLURM task or MPI rank is one process. `KUBERNETES_SERVICE_HOST` is set in every
+    Kubernetes pod, so a pod counts only as a member of an Indexed Job (`JOB_COMPLETION_INDEX`),
+    which is what JAX's Kubernetes detection expects (a JobSet's pods are Indexed Jobs too).
+    """
+    env = os.environ
+    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+    if all(name in env for name in slurm):
+        return "SLURM" if env["SLURM_NTASKS"] != "1" else None
+    if "OMPI_MCA_orte_hnp_uri" in env:
+        return "Open MPI" if env.get("OMPI_COMM_WORLD_SIZE", "2") != "1" else None
+    if "KUBERNETES_SERVICE_HOST" in env and "JOB_COMPLETION_INDEX" in env:
+        if importlib.util.find_spec("kubernetes") is None:
+            raise RuntimeError(
+                "jm.distributed.initialize() found a Kubernetes Indexed Job "
+                "(KUBERNETES_SERVICE_HOST and JOB_COMPLETION_INDEX are set), but JAX's "
+                "Kubernetes detection needs the kubernetes package, which is not installed. "
+                "Install it (pip install 'jax[k8s]') or pass coordinator_address, "
+                "num_processes and process_id."
+            )
+        return "Kubernetes"
+    return None
+
+
+def _bind_address(coordinator_address: str | None) -> str | None:
+    """Bind a loopback coordinator to that address only; otherwise keep JAX's default."""
+    if coordinator_address is None:
+        return None
+    host, _, port = coordinator_address.rpartition(":")
+    host = host.strip("[]")
+    if host == "localhost":
+        return f"127.0.0.1:{port}"
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return None
+    return coordinator_address if loopback else None
+
+
+def _check_backends_not_initialized(what: str) -> None:
+    if _backends_are_initialized():
+        raise RuntimeError(_TOO_LATE.format(what=what))
+
+
+def _backends_are_initialized() -> bool:
+    """Whether JAX's backends have started, asked with public calls only.
+
+    JAX answers this only internally. Its config refuses a new `jax_num_cpu_devices` with
+    `RuntimeError` once the backends have started (the value is read when the CPU backend is
+    made), and accepts it before; setting another value and restoring the old one asks that.
+    """
+    current = getattr(jax.config, "jax_num_cpu_devices")  # noqa: B009 (untyped for pyright)
+    try:
+        jax.config.update("jax_num_cpu_devices", current + 1)
+    except RuntimeError:
+        return True
+    jax.config.update("jax_num_cpu_devices", current)
+    return False
