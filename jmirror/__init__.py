@@ -1,6 +1,7 @@
 """jmirror: synchronous data parallelism on the devices of one machine, the JAX way."""
 
 from jmirror import checkpoint as checkpoint  # jm.checkpoint.save, ...
+from jmirror import distributed as distributed  # jm.distributed.initialize, ...
 from jmirror import metrics as metrics  # noqa: E402  (jm.metrics.Mean, ...)
 from jmirror._context import ReplicaContext as ReplicaContext
 from jmirror._context import all_gather as all_gather
