@@ -8,6 +8,7 @@ with it, it sets 4 host devices and passes the three arguments. Then MODE:
 - `sum`: print this process's index and a cross-process sum, and exit 0.
 - `loop`: print its pid, then sum across processes forever, printing `step K` now and then.
 - `exit CODE`: process 1 exits with CODE after one sum; the others go on summing forever.
+- `raise`: process 1 raises an uncaught exception after one sum; the others go on summing.
 """
 
 import argparse
@@ -21,7 +22,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--coordinator")
 parser.add_argument("--num-processes", type=int)
 parser.add_argument("--process-id", type=int)
-parser.add_argument("mode", choices=["sum", "loop", "exit"])
+parser.add_argument("mode", choices=["sum", "loop", "exit", "raise"])
 parser.add_argument("code", nargs="?", type=int, default=0)
 options = parser.parse_args()
 
@@ -61,6 +62,8 @@ if options.mode == "sum":
 if options.mode == "exit" and index == 1:
     print("process 1: exiting", file=sys.stderr)
     sys.exit(options.code)
+if options.mode == "raise" and index == 1:
+    raise RuntimeError("process 1 fails on purpose")
 k = 0
 while True:
     step()

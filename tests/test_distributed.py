@@ -1,0 +1,252 @@
+"""`jm.distributed`: where initialize takes its configuration, its errors, and lost processes.
+
+The tests that start processes run in the 8-device pass only (the suite runs twice).
+"""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "multiprocess"))
+import harness  # noqa: E402
+
+import jmirror as jm  # noqa: E402
+from jmirror import distributed  # noqa: E402
+
+starts_processes = pytest.mark.skipif(
+    os.environ.get("JMIRROR_TEST_DEVICES", "8") != "8",
+    reason="starts processes: runs once, in the 8-device pass",
+)
+STARTUP_S = 60
+LOST_PEER_S = 30  # SPEC: the survivors end within 30 s, naming the lost process
+
+CLUSTER_VARIABLES = (
+    "JMIRROR_COORDINATOR",
+    "JMIRROR_NUM_PROCESSES",
+    "JMIRROR_PROCESS_ID",
+    "JMIRROR_DEVICES_PER_PROCESS",
+    "SLURM_JOB_ID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "OMPI_MCA_orte_hnp_uri",
+    "OMPI_COMM_WORLD_SIZE",
+    "KUBERNETES_SERVICE_HOST",
+    "JOB_COMPLETION_INDEX",
+)
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """No configuration yet, and none of the launcher's or a cluster's variables."""
+    monkeypatch.setattr(distributed, "_initialized", None)
+    for name in CLUSTER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_alone_it_does_nothing_and_a_second_call_too(fresh):
+    jm.distributed.initialize()
+    jm.distributed.initialize()
+    assert jm.distributed.is_initialized()
+    assert not jax.distributed.is_initialized()
+    assert jax.process_count() == 1
+
+
+def test_another_configuration_later_is_an_error(fresh):
+    jm.distributed.initialize()
+    with pytest.raises(RuntimeError, match="already called with another configuration"):
+        jm.distributed.initialize("127.0.0.1:1234", 2, 0)
+
+
+def test_after_a_device_was_touched_it_is_an_error(fresh):
+    jax.devices()
+    with pytest.raises(RuntimeError, match="must run before anything touches a device"):
+        jm.distributed.initialize("127.0.0.1:1234", 2, 0)
+    assert not jm.distributed.is_initialized()
+
+
+def test_launcher_variables_are_read_and_checked(fresh):
+    fresh.setenv("JMIRROR_COORDINATOR", "127.0.0.1:1234")
+    fresh.setenv("JMIRROR_NUM_PROCESSES", "two")
+    fresh.setenv("JMIRROR_PROCESS_ID", "0")
+    with pytest.raises(ValueError, match="JMIRROR_NUM_PROCESSES='two'"):
+        jm.distributed.initialize()
+    fresh.setenv("JMIRROR_NUM_PROCESSES", "2")
+    fresh.setenv("JMIRROR_PROCESS_ID", "2")
+    with pytest.raises(ValueError, match="process_id=2 .from the launcher"):
+        jm.distributed.initialize()
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, message",
+    [
+        (("127.0.0.1:1234", "2", 0), {}, TypeError, "num_processes=.... expects an int"),
+        ((1234, 2, 0), {}, TypeError, "expects a 'host:port' string"),
+        (("127.0.0.1", 2, 0), {}, ValueError, "as 'host:port'"),
+        (("127.0.0.1:1234", 2, 2), {}, ValueError, "0 <= process_id < num_processes"),
+        (("127.0.0.1:1234", 0, 0), {}, ValueError, "num_processes >= 1"),
+        ((), {"heartbeat_timeout_s": 0}, ValueError, "heartbeat_timeout_s=.... expects"),
+        ((), {"heartbeat_timeout_s": 2.5}, ValueError, "whole number of seconds"),
+        (("127.0.0.1:1234",), {}, ValueError, "missing num_processes, process_id"),
+    ],
+)
+def test_bad_arguments(fresh, args, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        jm.distributed.initialize(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, None),
+        ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2",
+          "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, "SLURM"),
+        ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n1", "SLURM_NTASKS": "1",
+          "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, None),
+        ({"SLURM_JOB_ID": "7"}, None),  # an allocation, not a job step
+        ({"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1", "OMPI_COMM_WORLD_SIZE": "4"},
+         "Open MPI"),
+        ({"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1", "OMPI_COMM_WORLD_SIZE": "1"}, None),
+        ({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, None),  # any pod: not a cluster by itself
+    ],
+)  # fmt: skip
+def test_a_cluster_is_detected_only_when_it_runs_several_processes(fresh, env, expected):
+    for name, value in env.items():
+        fresh.setenv(name, value)
+    assert distributed._detect_cluster() == expected
+
+
+def test_a_kubernetes_job_without_the_kubernetes_package_is_explained(fresh):
+    fresh.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    fresh.setenv("JOB_COMPLETION_INDEX", "0")
+    fresh.setattr(distributed.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match=r"pip install 'jax\[k8s\]'"):
+        jm.distributed.initialize()
+
+
+@pytest.mark.parametrize(
+    "address, bind",
+    [
+        ("127.0.0.1:1234", "127.0.0.1:1234"),
+        ("localhost:1234", "127.0.0.1:1234"),
+        ("[::1]:1234", "[::1]:1234"),
+        ("10.0.0.1:1234", None),  # JAX's default: every interface
+        ("node-0.example:1234", None),
+    ],
+)
+def test_a_loopback_coordinator_binds_loopback_only(address, bind):
+    assert distributed._bind_address(address) == bind
+
+
+def test_check_initialized_catches_a_launched_process_that_did_not_initialize(fresh):
+    distributed.check_initialized("f()")  # alone
+    fresh.setenv("JMIRROR_NUM_PROCESSES", "1")
+    distributed.check_initialized("f()")
+    fresh.setenv("JMIRROR_NUM_PROCESSES", "2")
+    with pytest.raises(RuntimeError, match=r"f\(\) runs in a process started for 2 processes"):
+        distributed.check_initialized("f()")
+
+
+def test_backends_probe_answers_and_leaves_the_device_count_alone():
+    # In a fresh interpreter: before and after the first device is touched.
+    code = textwrap.dedent("""
+        import jax
+        from jmirror import distributed
+        jax.config.update("jax_num_cpu_devices", 3)
+        before = distributed._backends_are_initialized()
+        devices = len(jax.devices())
+        print(before, distributed._backends_are_initialized(), devices,
+              jax.config.jax_num_cpu_devices)
+    """)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert result.stdout.split() == ["False", "True", "3", "3"], result.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_two(tmp_path, how: str, mode: str = "loop"):
+    """Two worker processes × 4 host devices started by the test itself, no launcher."""
+    coordinator = f"127.0.0.1:{_free_port()}"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    workers = []
+    for index in (0, 1):
+        if how == "arguments":
+            args = ["--coordinator", coordinator, "--num-processes", "2", "--process-id"]
+            args += [str(index), mode]
+            worker_env = env
+        else:  # the variables python -m jmirror.launch would set
+            args = [mode]
+            worker_env = {
+                **env,
+                "JMIRROR_COORDINATOR": coordinator,
+                "JMIRROR_NUM_PROCESSES": "2",
+                "JMIRROR_PROCESS_ID": str(index),
+                "JMIRROR_DEVICES_PER_PROCESS": "4",
+            }
+        name = f"process{index}"
+        workers.append(harness.Background([str(harness.WORKER), *args], tmp_path, name, worker_env))
+    return workers
+
+
+# JAX's coordination service names a lost process by its index ("task"); a lost process 0
+# (which runs the service) is named as the leader.
+NAMES_LOST = {
+    1: r"tasks are unhealthy \(stopped sending heartbeats\):\s*1\s",
+    0: r"the leader task was preempted/died",
+}
+
+
+@starts_processes
+@pytest.mark.parametrize("how, lost", [("arguments", 1), ("environment", 0)])
+def test_a_killed_process_ends_the_survivor_naming_it(tmp_path, how, lost):
+    workers = _start_two(tmp_path, how)
+    survivor = workers[1 - lost]
+    try:
+        survivor.wait_for(r"^step", STARTUP_S)
+        workers[lost].wait_for(r"^step", STARTUP_S)
+        os.kill(workers[lost].popen.pid, signal.SIGKILL)
+        code, lost_s = survivor.wait(LOST_PEER_S + 10)
+    finally:
+        for worker in workers:
+            worker.kill()
+    print(f"process {1 - lost} ended {lost_s:.1f} s after process {lost} was SIGKILLed")
+    assert code != 0
+    assert lost_s < LOST_PEER_S
+    assert re.search(NAMES_LOST[lost], survivor.output()), survivor.output()
+
+
+@starts_processes
+def test_an_uncaught_exception_ends_its_process_and_then_the_others(tmp_path):
+    workers = _start_two(tmp_path, "arguments", "raise")
+    try:
+        workers[1].wait_for("process 1 fails on purpose", STARTUP_S)
+        failed_at = time.monotonic()
+        code, _ = workers[1].wait(10)
+        assert code == 1, workers[1].output()
+        code, _ = workers[0].wait(LOST_PEER_S + 10)
+        lost_s = time.monotonic() - failed_at
+    finally:
+        for worker in workers:
+            worker.kill()
+    print(f"process 0 ended {lost_s:.1f} s after process 1 raised")
+    assert code != 0
+    assert lost_s < LOST_PEER_S
+    assert re.search(NAMES_LOST[1], workers[0].output()), workers[0].output()
