@@ -467,6 +467,26 @@ def test_async_save_writes_the_state_as_it_was_at_the_call(backend, tmp_path):
     assert _worker_threads() == []
 
 
+def test_restored_state_owns_its_buffers_and_can_be_donated(backend, tmp_path):
+    strategy = jm.MirroredStrategy(backend=backend, donation="always")
+    # 1 MiB leaves: restoring may hand the devices zero-copy host buffers (XLA:CPU).
+    w = np.arange(512 * 512, dtype=np.float32).reshape(512, 512)
+    state = {"w": strategy.mirror(w), "n": strategy.sync_on_read(np.float32(1.0), "sum")}
+    jm.checkpoint.save(tmp_path / "c", state, strategy=strategy)
+    out = jm.checkpoint.restore(tmp_path / "c", strategy=strategy)
+
+    @jm.replicate(strategy=strategy, donate_argnums=0)
+    def step(state):
+        w = state["w"] * 2 + jm.replica_id().astype(jnp.float32)  # differs per replica
+        return {"w": jm.all_reduce("max", w), "n": state["n"].replace(state["n"].value * 2)}
+
+    new = step(out)
+    assert out["w"].is_deleted()
+    for copy in strategy.local_results(new["w"]):
+        np.testing.assert_array_equal(copy, w * 2 + strategy.num_replicas - 1)
+    assert float(strategy.read(new["n"])) == 2.0 * strategy.num_replicas
+
+
 def test_a_background_write_error_is_raised_by_the_next_call(tmp_path, monkeypatch):
     from jmirror.checkpoint import _storage
 

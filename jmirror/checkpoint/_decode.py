@@ -256,29 +256,24 @@ def place(tree: Tree, arrays: dict[str, np.ndarray], strategy: Any, target: Any)
 def _place_leaves(leaves: list[Leaf], arrays: dict[str, np.ndarray], strategy: Any) -> list:
     n = strategy.num_replicas
     out: list[Any] = [None] * len(leaves)
-    mirrored: list[int] = []
-    stacked: list[int] = []
+    placed: dict[str, list[int]] = {"mirrored": [], "stacked": []}
     for i, leaf in enumerate(leaves):
         host = arrays[leaf.array]
-        if leaf.kind == "mirrored":
-            mirrored.append(i)
-            out[i] = host
-        elif leaf.kind == "numpy":
-            out[i] = host[()] if leaf.scalar else host
+        if leaf.kind == "numpy":  # the caller's own, writable copy
+            out[i] = host[()] if leaf.scalar else np.array(host)
         elif leaf.kind == "python":
             out[i] = _format.PYTHON_TYPES[leaf.python](host.item())  # type: ignore[index]
         else:
-            stacked.append(i)
-            out[i] = host if leaf.kind == "stacked" else _components(leaf, host, n)
-    if mirrored:
-        placed = strategy.mirror([out[i] for i in mirrored])
-        for i, x in zip(mirrored, placed):
-            out[i] = x
-    if stacked:
-        sharding = NamedSharding(strategy.mesh, P(strategy.axis_name))
-        placed = jax.device_put([out[i] for i in stacked], [sharding] * len(stacked))
-        for i, x in zip(stacked, placed):
-            out[i] = x
+            placed["mirrored" if leaf.kind == "mirrored" else "stacked"].append(i)
+            out[i] = _components(leaf, host, n) if leaf.kind == "aggregated" else host
+    specs = {"mirrored": P(), "stacked": P(strategy.axis_name)}
+    for kind, indices in placed.items():
+        if indices:
+            sharding = NamedSharding(strategy.mesh, specs[kind])
+            # The host arrays are private to this restore, so device_put may reuse them.
+            values = jax.device_put([out[i] for i in indices], [sharding] * len(indices))
+            for i, x in zip(indices, values):
+                out[i] = x
     for i, leaf in enumerate(leaves):
         if leaf.key_impl is not None:
             out[i] = jax.random.wrap_key_data(out[i], impl=leaf.key_impl)

@@ -153,13 +153,28 @@ def read_document(path: pathlib.Path, call: str) -> Any:
 
 
 def read_arrays(path: pathlib.Path, specs: dict[str, jax.ShapeDtypeStruct]) -> dict:
-    """The checkpoint's arrays as numpy arrays of the given shapes and dtypes."""
+    """The checkpoint's arrays as host numpy arrays of the given shapes and dtypes.
+
+    orbax reads them as `jax.Array`s on the host CPU device (its faster path than reading
+    numpy arrays); dtypes JAX cannot hold as they are (64-bit ones without
+    `jax_enable_x64`) are read as numpy arrays.
+    """
     if not specs:
         return {}
-    abstract = {name: np.empty(spec.shape, spec.dtype) for name, spec in specs.items()}
+    try:
+        host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    except RuntimeError:  # no CPU backend (JAX_PLATFORMS excludes it)
+        host = None
+
+    def abstract(spec: jax.ShapeDtypeStruct) -> Any:
+        if host is None or jax.dtypes.canonicalize_dtype(spec.dtype) != spec.dtype:
+            return np.empty(spec.shape, spec.dtype)
+        return jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=host)
+
+    targets = {name: abstract(spec) for name, spec in specs.items()}
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         restored = checkpointer.restore(
             path,
-            args=ocp.args.Composite(**{_format.STATE_ITEM: ocp.args.StandardRestore(abstract)}),
+            args=ocp.args.Composite(**{_format.STATE_ITEM: ocp.args.StandardRestore(targets)}),
         )
-    return dict(restored[_format.STATE_ITEM])
+    return {name: np.asarray(x) for name, x in restored[_format.STATE_ITEM].items()}
