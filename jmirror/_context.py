@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import jax
 import jax.core
@@ -22,6 +22,31 @@ import numpy as np
 from jax import lax
 
 from jmirror._values import Aggregation, PerReplica, PyTree, ReduceOp, SyncOnRead
+
+if TYPE_CHECKING:
+    from jmirror._dispatch import Dispatch
+    from jmirror._topology import Topology
+
+
+class Runner(Protocol):
+    """What running replica functions needs of a strategy: the internal interface that
+    `jm.replicate` and the replica context use (`MirroredStrategy` provides it)."""
+
+    @property
+    def topology(self) -> Topology: ...
+
+    @property
+    def dispatch(self) -> Dispatch: ...
+
+    @property
+    def backend(self) -> str: ...
+
+    @property
+    def axis_name(self) -> str: ...
+
+    @property
+    def num_replicas(self) -> int: ...
+
 
 MARKER_PREFIX = "jmirror_marker_"
 
@@ -114,12 +139,12 @@ class ReplicaContext:
         True
     """
 
-    def __init__(self, strategy: Any, trace: TraceRound):
+    def __init__(self, strategy: Runner, trace: TraceRound):
         self._strategy = strategy
         self._trace = trace
 
     @property
-    def strategy(self) -> Any:
+    def strategy(self) -> Any:  # the strategy object itself (a MirroredStrategy)
         """The `MirroredStrategy` running this replica."""
         return self._strategy
 
@@ -150,9 +175,7 @@ class ReplicaContext:
           `all_reduce(SUM, x) * c` with respect to `x` is the all-reduce of `c`.
         """
         op = ReduceOp(op)
-        return self._identical(
-            jax.tree.map(lambda x: _all_reduce_leaf(op, x, self.axis_name), tree)
-        )
+        return self._identical(jax.tree.map(lambda x: all_reduce_leaf(op, x, self.axis_name), tree))
 
     def _identical(self, tree: PyTree) -> PyTree:
         """Notes that every leaf of `tree` is identical on every replica; returns `tree`."""
@@ -209,14 +232,14 @@ class ReplicaContext:
             return x
         if aggregation is Aggregation.SUM:
             return (
-                _all_reduce_leaf(ReduceOp.SUM, x, self.axis_name)
+                all_reduce_leaf(ReduceOp.SUM, x, self.axis_name)
                 if varying
                 else (x * jnp.asarray(self.num_replicas, jnp.result_type(x)))
             )
         if not varying:
             return x
         if aggregation is Aggregation.MEAN:
-            return _all_reduce_leaf(ReduceOp.MEAN, x, self.axis_name)
+            return all_reduce_leaf(ReduceOp.MEAN, x, self.axis_name)
         # ONLY_FIRST_REPLICA: every other replica contributes an exact zero.
         x = jnp.asarray(x)
         wide = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
@@ -256,7 +279,7 @@ class ReplicaContext:
             "jm.merge_call", [leaves[i] for i in plain], [paths[i] for i in plain]
         )
         for i, x, v in zip(plain, marked, varying):
-            leaves[i] = PerReplica._from_local(x) if v else x
+            leaves[i] = merge_per_replica(x, self.axis_name) if v else x
         args, kwargs = cast(tuple[tuple, dict[str, Any]], jax.tree.unflatten(treedef, leaves))
         _STACK.frames.append(_MergeFrame(self))
         try:
@@ -271,7 +294,7 @@ class ReplicaContext:
     def _own_component(self, path: tuple, x: Any) -> Any:
         if not isinstance(x, PerReplica):
             return x
-        if x._local:
+        if x.is_component:
             return x._values
         n = self.num_replicas
 
@@ -296,6 +319,27 @@ class ReplicaContext:
 
 
 @dataclasses.dataclass(frozen=True)
+class AllGather:
+    """All-gathers a merge_fn `PerReplica`'s components over `axis_name` (see `merge_call`)."""
+
+    axis_name: str
+
+    def __call__(self, tree: PyTree) -> PyTree:
+        if merge_context() is None:
+            raise RuntimeError(
+                "This PerReplica belongs to a merge_call's merge_fn and cannot be read after "
+                "merge_fn returns; return it from merge_fn (each replica receives its "
+                "component)."
+            )
+        return jax.tree.map(lambda x: lax.all_gather(x, self.axis_name), tree)
+
+
+def merge_per_replica(component: PyTree, axis_name: str) -> PerReplica:
+    """A `PerReplica` seen inside `merge_fn`, holding this replica's own component."""
+    return PerReplica._of_component(component, AllGather(axis_name))
+
+
+@dataclasses.dataclass(frozen=True)
 class _MergeFrame:
     context: ReplicaContext
 
@@ -308,6 +352,8 @@ class _Stack(threading.local):
 
 _STACK = _Stack()
 _DEFAULT: list[Any] = []
+# Makes the default strategy: set by `jmirror._strategy`, which sits above this module.
+_DEFAULT_FACTORY: list[Callable[[], Any]] = []
 
 
 def _is_array_like(x: Any) -> bool:
@@ -326,7 +372,8 @@ def check_identical(call: str, paths: Sequence[str], varying: Sequence[bool]) ->
             )
 
 
-def _all_reduce_leaf(op: ReduceOp, x: Any, axis_name: str) -> Any:
+def all_reduce_leaf(op: ReduceOp, x: Any, axis_name: str) -> Any:
+    """`psum` / `pmean` / `pmax` / `pmin` of one array over `axis_name`."""
     if op is ReduceOp.SUM:
         return lax.psum(x, axis_name)
     if op is ReduceOp.MAX:
@@ -388,6 +435,11 @@ def replica_context(call: str = "jm.replica_context()") -> ReplicaContext:
     raise RuntimeError(_NOT_IN_REPLICA.format(call=call, where=where))
 
 
+def set_default_factory(factory: Callable[[], Any]) -> None:
+    """Registers how `current_strategy` makes the default strategy (once, on first use)."""
+    _DEFAULT_FACTORY[:] = [factory]
+
+
 def push_strategy(strategy: Any) -> None:
     _STACK.strategies.append(strategy)
 
@@ -396,12 +448,12 @@ def pop_strategy() -> None:
     _STACK.strategies.pop()
 
 
-def current_strategy(default_factory: Callable[[], Any]) -> Any:
+def current_strategy() -> Any:
     """The innermost strategy in scope, else the default one (created once)."""
     if _STACK.strategies:
         return _STACK.strategies[-1]
     if not _DEFAULT:
-        _DEFAULT.append(default_factory())
+        _DEFAULT.append(_DEFAULT_FACTORY[0]())
     return _DEFAULT[0]
 
 
@@ -490,35 +542,3 @@ def merge_call(
         True
     """
     return replica_context("jm.merge_call").merge_call(merge_fn, args, kwargs)
-
-
-# --- cross-replica operations inside merge_fn ------------------------------------------------
-
-
-def gather_local_components(tree: PyTree) -> PyTree:
-    """All components of a `PerReplica` seen inside `merge_fn`, stacked on axis 0."""
-    context = merge_context()
-    if context is None:
-        raise RuntimeError(
-            "This PerReplica belongs to a merge_call's merge_fn and cannot be read after "
-            "merge_fn returns; return it from merge_fn (each replica receives its component)."
-        )
-    return jax.tree.map(lambda x: lax.all_gather(x, context.axis_name), tree)
-
-
-def merge_reduce(context: ReplicaContext, op: ReduceOp, tree: PyTree, axis: int | None):
-    def one(x):
-        if axis is not None:
-            x = REDUCERS[op](jnp.asarray(x), axis=axis)
-        return _all_reduce_leaf(op, x, context.axis_name)
-
-    return jax.tree.map(one, tree)
-
-
-# The reduction of each op within one array (over an axis); shared with `_reading.py`.
-REDUCERS = {
-    ReduceOp.SUM: jnp.sum,
-    ReduceOp.MEAN: jnp.mean,
-    ReduceOp.MAX: jnp.max,
-    ReduceOp.MIN: jnp.min,
-}

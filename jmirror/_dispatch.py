@@ -19,11 +19,14 @@ buffer passed twice), with a `ValueError` instead of the process dying.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+
+from jmirror._topology import Topology
 
 DONATIONS = ("auto", "always")
 # Steps in flight by platform: XLA:CPU host devices abort in their collective rendezvous when
@@ -107,6 +110,37 @@ class InFlight:
         if isinstance(token, jax.Array) and not isinstance(token, jax.core.Tracer):
             with self._lock:
                 self._queue.append(token)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Dispatch:
+    """How a strategy dispatches steps: its bound on the shared queue, and its donation policy.
+
+    Make one with `Dispatch.create(topology, max_in_flight, donation)`.
+    """
+
+    max_in_flight: int
+    donation: str
+    topology: Topology
+    in_flight: InFlight
+
+    @classmethod
+    def create(cls, topology: Topology, max_in_flight: Any, donation: Any, call: str) -> Dispatch:
+        platform = topology.platform
+        bound = check_max_in_flight(max_in_flight, platform, topology.num_devices, call)
+        return cls(bound, check_donation(donation, call), topology, in_flight_for(platform))
+
+    def donates(self, donated: Sequence[Any]) -> bool:
+        """Whether a step donates the arguments `donated` under this policy."""
+        return donates(self.donation, self.topology.platform, self.topology.num_devices, donated)
+
+    def wait_for_room(self) -> None:
+        """Blocks until fewer than `max_in_flight` steps are queued on the platform."""
+        self.in_flight.wait_for_room(self.max_in_flight)
+
+    def track(self, token: Any) -> None:
+        """Records a dispatched step by one of its outputs."""
+        self.in_flight.track(token)
 
 
 _BOUNDS: dict[str, InFlight] = {}

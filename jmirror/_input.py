@@ -368,7 +368,7 @@ def _place(strategy: MirroredStrategy, arrays: list[Any]) -> list[jax.Array]:
     while the step keeps the cores busy); arrays already on devices go through one
     `jax.device_put`.
     """
-    sharding = strategy._stacked
+    sharding = strategy.topology.stacked
     return [
         put_rows(x, sharding) if isinstance(x, np.ndarray) else jax.device_put(x, sharding)
         for x in arrays

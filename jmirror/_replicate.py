@@ -22,12 +22,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from jmirror import _context, _dispatch
+from jmirror._backends import BACKENDS
+from jmirror._context import Runner
 from jmirror._proof import prove
 from jmirror._values import PerReplica, SyncOnRead, is_distributed
 
@@ -81,7 +81,7 @@ class Replicated:
     def __init__(
         self,
         fn: Callable[..., Any],
-        strategy: Any,
+        strategy: Runner | None,
         donate_argnums: tuple[int, ...],
         static_argnums: tuple[int, ...],
     ):
@@ -116,11 +116,11 @@ class Replicated:
         self._lowerable_by_donation = jitted(self._entry_result)
         functools.update_wrapper(self, fn)
 
-    def _donates(self, strategy: Any, args: tuple) -> bool:
+    def _donates(self, strategy: Runner, args: tuple) -> bool:
         """Whether this call donates `donate_argnums`, under the strategy's donation policy."""
         if not self._donate:
             return False
-        return strategy._donates([args[i] for i in self._donate if i < len(args)])
+        return strategy.dispatch.donates([args[i] for i in self._donate if i < len(args)])
 
     def __repr__(self) -> str:
         name = getattr(self._fn, "__qualname__", repr(self._fn))
@@ -138,7 +138,7 @@ class Replicated:
         donate = self._donates(strategy, args)
         if donate:
             _dispatch.check_donated(repr(self), args, kwargs, self._donate)
-        strategy._in_flight.wait_for_room(strategy.max_in_flight)
+        strategy.dispatch.wait_for_room()
         signatures = len(self._signatures)
         jitted = self._jitted_by_donation[donate]
         try:
@@ -156,7 +156,7 @@ class Replicated:
             # Traced by the caller's own transformation (jit, grad, vmap, scan, ...): JAX
             # dispatches it, so there is nothing to bound and no compilation of ours to count.
             return result
-        strategy._in_flight.track(token)
+        strategy.dispatch.track(token)
         if len(self._signatures) != signatures:
             self._check_new_signature(strategy, args, kwargs)
         return result
@@ -177,7 +177,7 @@ class Replicated:
             self._token_index[treedef] = i
         return leaves[i]
 
-    def _check_new_signature(self, strategy: Any, args: tuple, kwargs: dict) -> None:
+    def _check_new_signature(self, strategy: Runner, args: tuple, kwargs: dict) -> None:
         """Warns of host batches broadcast every call, and of a step that keeps retracing."""
         dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
         nodes = jax.tree_util.tree_flatten_with_path((dynamic, kwargs), is_leaf=is_distributed)[0]
@@ -207,20 +207,21 @@ class Replicated:
             self._warned.add(kind)
             warnings.warn(message, UserWarning, stacklevel=4)
 
-    def _place(self, strategy: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def _place(self, strategy: Runner, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Arguments with arrays on other devices moved onto the strategy's; None if none are."""
         moved = []
+        topology = strategy.topology
 
         def place(x: Any, sharding: Any) -> Any:
-            if isinstance(x, jax.Array) and x.sharding.device_set != strategy._device_set:
+            if isinstance(x, jax.Array) and not topology.is_placed(x):
                 moved.append(x)
                 return jax.device_put(x, sharding)
             return x
 
         def node(x: Any) -> Any:
             if is_distributed(x):
-                return jax.tree.map(lambda v: place(v, strategy._stacked), x)
-            return place(x, strategy._replicated)
+                return jax.tree.map(lambda v: place(v, topology.stacked), x)
+            return place(x, topology.mirrored)
 
         new_args = tuple(
             a if i in self._static else jax.tree.map(node, a, is_leaf=is_distributed)
@@ -261,15 +262,15 @@ class Replicated:
             )
         if self._strategy is not None:
             return self._strategy
-        return _context.current_strategy(_default_strategy)
+        return _context.current_strategy()
 
     # --- tracing: once per input signature, inside jax.jit -------------------------------------
 
-    def _entry_result(self, strategy: Any, *args: Any, **kwargs: Any) -> Any:
+    def _entry_result(self, strategy: Runner, *args: Any, **kwargs: Any) -> Any:
         """The step as `.lower()` exposes it: the result only."""
         return self._step(strategy, *args, **kwargs)[0]
 
-    def _entry(self, strategy: Any, *args: Any, **kwargs: Any) -> tuple[Any, jax.Array | None]:
+    def _entry(self, strategy: Runner, *args: Any, **kwargs: Any) -> tuple[Any, jax.Array | None]:
         """The step as calls trace it, recording the input signature."""
         statics = tuple(args[i] for i in self._static)
         dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
@@ -285,7 +286,7 @@ class Replicated:
         )
         return self._step(strategy, *args, **kwargs)
 
-    def _step(self, strategy: Any, *args: Any, **kwargs: Any) -> tuple[Any, jax.Array | None]:
+    def _step(self, strategy: Runner, *args: Any, **kwargs: Any) -> tuple[Any, jax.Array | None]:
         """The traced step: the result, and a token to wait on when no output can serve."""
         statics = tuple(args[i] for i in self._static)
         dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
@@ -307,7 +308,7 @@ class Replicated:
         # A step with no array output (none at all, or only float0 gradients) returns a
         # scalar token for the in-flight bound to wait on.
         needs_token = all(aval.dtype == jax.dtypes.float0 for aval in closed.out_avals)
-        outs = _EXECUTABLES[strategy.backend](strategy, closed, split, out_split, needs_token)(
+        outs = BACKENDS[strategy.backend](strategy.topology, closed, split, out_split, needs_token)(
             *flat
         )
         built, pos = [], 0
@@ -405,7 +406,7 @@ class Replicated:
         box["out_treedef"] = out_treedef
         return [jnp.asarray(x) for x in out_flat]
 
-    def _unbound_axis(self, strategy: Any, error: NameError) -> Exception:
+    def _unbound_axis(self, strategy: Runner, error: NameError) -> Exception:
         match = _UNBOUND_AXIS.search(str(error))
         if match is None:
             return error
@@ -418,7 +419,7 @@ class Replicated:
             "axis name (jm.replica_context().axis_name) in the model."
         )
 
-    def _bad_split(self, strategy: Any, args: tuple, kwargs: dict, leaf: Any) -> ValueError:
+    def _bad_split(self, strategy: Runner, args: tuple, kwargs: dict, leaf: Any) -> ValueError:
         path = "<unknown>"
         for p, candidate in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
             if candidate is leaf:
@@ -430,76 +431,6 @@ class Replicated:
             "(num_replicas, per_replica_batch, ...) or use strategy.distribute_dataset, which "
             "does this for you."
         )
-
-
-def _done_token(needs_token: bool) -> tuple[jax.Array, ...]:
-    """A scalar output for a step with no array outputs, for the in-flight bound to wait on."""
-    return (jnp.zeros((), jnp.int8),) if needs_token else ()
-
-
-def _pmap_executable(strategy, closed, split, out_split, needs_token):
-    body = jex.jaxpr_as_fun(closed)
-    # jax.pmap needs one mapped argument: a function of mirrored inputs only gets a dummy one.
-    needs_mapped_input = not any(split)
-    in_axes = tuple(0 if s else None for s in split) + ((0,) if needs_mapped_input else ())
-    out_axes = tuple(0 if s else None for s in out_split) + (None,) * len(_done_token(needs_token))
-
-    def replica(*flat):
-        if needs_mapped_input:
-            flat = flat[:-1]
-        return (*body(*flat), *_done_token(needs_token))
-
-    mapped = jax.pmap(
-        replica,
-        axis_name=strategy.axis_name,
-        in_axes=in_axes,
-        out_axes=out_axes,
-        devices=strategy.devices,
-    )
-    if not needs_mapped_input:
-        return mapped
-    return lambda *flat: mapped(*flat, jnp.zeros((strategy.num_replicas,), jnp.int8))
-
-
-def _shard_map_executable(strategy, closed, split, out_split, needs_token):
-    body = jex.jaxpr_as_fun(closed)
-    axis = strategy.axis_name
-
-    def replica(*flat):
-        flat = [x[0] if s else x for x, s in zip(flat, split)]
-        outs = [o[None] if s else o for o, s in zip(body(*flat), out_split)]
-        return (*outs, *_done_token(needs_token))
-
-    in_specs = tuple(P(axis) if s else P() for s in split)
-    out_specs = tuple(P(axis) if s else P() for s in out_split)
-    out_specs += (P(),) * len(_done_token(needs_token))
-    return jax.shard_map(
-        replica, mesh=strategy.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
-    )
-
-
-def _vmap_executable(strategy, closed, split, out_split, needs_token):
-    """Every replica on one device, as `jax.vmap` with the replica axis name."""
-    body = jex.jaxpr_as_fun(closed)
-    replicas = jax.vmap(
-        lambda *flat: tuple(body(*flat)),
-        in_axes=tuple(0 if s else None for s in split) or 0,
-        axis_name=strategy.axis_name,
-        axis_size=strategy.num_replicas,
-    )
-
-    def run(*flat):
-        outs = [o if s else o[0] for o, s in zip(replicas(*flat), out_split)]
-        return (*outs, *_done_token(needs_token))
-
-    return run
-
-
-_EXECUTABLES = {
-    "pmap": _pmap_executable,
-    "shard_map": _shard_map_executable,
-    "vmap": _vmap_executable,
-}
 
 
 _HOST_BATCH = (
@@ -528,12 +459,6 @@ def _argument_path(path: tuple, static: Sequence[int]) -> str:
     return f"args[{dynamic[i]}]" + jax.tree_util.keystr(rest[1:])
 
 
-def _default_strategy() -> Any:
-    from jmirror._strategy import MirroredStrategy
-
-    return MirroredStrategy()
-
-
 def _argnums(name: str, value: int | Sequence[int]) -> tuple[int, ...]:
     values = (value,) if isinstance(value, int) else tuple(value)
     for v in values:
@@ -545,7 +470,7 @@ def _argnums(name: str, value: int | Sequence[int]) -> tuple[int, ...]:
 def replicate(
     fn: Callable[..., Any] | None = None,
     *,
-    strategy: Any = None,
+    strategy: Runner | None = None,
     donate_argnums: int | Sequence[int] = (),
     static_argnums: int | Sequence[int] = (),
 ) -> Any:

@@ -1,7 +1,11 @@
-"""`MirroredStrategy`: devices, running, updating and input, and the current strategy.
+"""`MirroredStrategy`: the facade over a topology, a dispatch policy and the cross-replica ops.
 
-Placing values (`mirror`, `create_state`, ...) lives in `jmirror._placement` and reading them
-(`read`, `reduce`, `gather`, ...) in `jmirror._reading`, as mixins of `MirroredStrategy`.
+A strategy is a `Topology` (its devices, mesh and value layouts: `jmirror._topology`), a
+backend and a `Dispatch` policy (the bound on steps in flight and buffer donation:
+`jmirror._dispatch`). Its methods forward: placing and reading values to the cross-replica
+operations (`jmirror._cross_replica`: on the host, or with collectives inside a `merge_fn`),
+running to `jm.replicate`, input to `jmirror._input`. It also keeps the current strategy
+(`scope`, `jm.get_strategy`).
 """
 
 from __future__ import annotations
@@ -12,22 +16,39 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
-from jmirror import _context, _dispatch
+from jmirror import _context
+from jmirror._backends import BACKENDS
+from jmirror._cross_replica import CrossReplica
 from jmirror._devices import Device, DeviceSpec, resolve_devices
-from jmirror._placement import _Placement
-from jmirror._reading import _Reading
+from jmirror._dispatch import Dispatch
+from jmirror._host_ops import HostOps
+from jmirror._input import DistributedDataset, distribute_dataset, distribute_datasets_from_function
+from jmirror._merge_ops import MergeOps
 from jmirror._replicate import replicate
-from jmirror._values import PerReplica, PyTree
+from jmirror._topology import Topology
+from jmirror._values import (
+    Aggregation,
+    PerReplica,
+    PyTree,
+    ReduceOp,
+    Synchronization,
+    SyncOnRead,
+    ValueContext,
+)
 
-_BACKENDS = ("pmap", "shard_map")
+_PUBLIC_BACKENDS = ("pmap", "shard_map")
 _RUN_CACHE_SIZE = 64
+_CROSS_REPLICA_IN_REPLICA = (
+    "strategy.{call} is a cross-replica method, but it was called inside a replica function. "
+    "Use the replica context there (jm.all_reduce, jm.sync, ...), or "
+    "jm.merge_call(lambda strategy, ...: strategy.{name}(...)) to run it in cross-replica "
+    "context."
+)
 
 
-class MirroredStrategy(_Placement, _Reading):
+class MirroredStrategy:
     """Synchronous data parallelism over the devices of one machine.
 
     State pytrees are mirrored (one copy per device), replica functions run once per device
@@ -73,42 +94,25 @@ class MirroredStrategy(_Placement, _Reading):
         donation: str = "auto",
     ):
         resolved = resolve_devices(devices, num_devices)
-        if backend not in _BACKENDS:
+        if backend not in _PUBLIC_BACKENDS:
             raise ValueError(
                 f"MirroredStrategy(backend={backend!r}) is not a backend; expected one of "
-                f"{_BACKENDS}."
+                f"{_PUBLIC_BACKENDS}."
             )
-        self._setup(resolved, axis_name, backend, max_in_flight, donation)
+        _check_axis_name(axis_name)
+        self._init(Topology.create(resolved, axis_name), backend, max_in_flight, donation)
 
-    def _setup(
-        self,
-        devices: tuple[Device, ...],
-        axis_name: str,
-        backend: str,
-        max_in_flight: int | None,
-        donation: str = "auto",
+    def _init(
+        self, topology: Topology, backend: str, max_in_flight: int | None, donation: str
     ) -> None:
-        self._devices = devices
-        first = devices[0]
-        if not isinstance(axis_name, str) or not axis_name:
-            raise TypeError(
-                f"MirroredStrategy(axis_name=...) expects a non-empty str, got {axis_name!r}."
-            )
-        self._max_in_flight = _dispatch.check_max_in_flight(
-            max_in_flight, first.platform, len(set(devices)), "MirroredStrategy"
-        )
-        self._donation = _dispatch.check_donation(donation, "MirroredStrategy")
-        self._axis_name = axis_name
+        """The one constructor path of every strategy class (subclasses resolve their own
+        topology and backend, then call it)."""
+        if backend not in BACKENDS:
+            raise ValueError(f"{type(self).__name__}: unknown backend {backend!r}.")
+        self._topology = topology
         self._backend = backend
-        if len(set(devices)) == len(devices):
-            self._mesh = Mesh(np.array(devices), (axis_name,))
-            self._replicated = NamedSharding(self._mesh, P())
-            self._stacked = NamedSharding(self._mesh, P(axis_name))
-        else:  # every replica on one device (jmirror.testing.EmulatedStrategy)
-            self._mesh = Mesh(np.array([first]), (axis_name,))
-            self._replicated = self._stacked = jax.sharding.SingleDeviceSharding(first)
-        self._device_set = frozenset(devices)
-        self._in_flight = _dispatch.in_flight_for(first.platform)
+        self._dispatch = Dispatch.create(topology, max_in_flight, donation, type(self).__name__)
+        self._host = HostOps(topology, self.run)
         self._run_cache: collections.OrderedDict = collections.OrderedDict()
 
     # --- properties ----------------------------------------------------------------------------
@@ -116,22 +120,22 @@ class MirroredStrategy(_Placement, _Reading):
     @property
     def devices(self) -> tuple[Device, ...]:
         """The strategy's devices, in replica order."""
-        return self._devices
+        return self._topology.devices
 
     @property
     def num_replicas(self) -> int:
         """The number of replicas (one per device)."""
-        return len(self._devices)
+        return self._topology.num_replicas
 
     @property
     def axis_name(self) -> str:
         """The collective axis name of the replicas."""
-        return self._axis_name
+        return self._topology.axis_name
 
     @property
     def mesh(self) -> Mesh:
         """A 1-D `jax.sharding.Mesh` over `devices` named `axis_name`."""
-        return self._mesh
+        return self._topology.mesh
 
     @property
     def backend(self) -> str:
@@ -141,19 +145,29 @@ class MirroredStrategy(_Placement, _Reading):
     @property
     def max_in_flight(self) -> int:
         """How many replicated steps may be queued before the next call waits."""
-        return self._max_in_flight
+        return self._dispatch.max_in_flight
 
     @property
     def donation(self) -> str:
         """The donation policy: `"auto"` or `"always"`."""
-        return self._donation
+        return self._dispatch.donation
+
+    @property
+    def topology(self) -> Topology:
+        """The devices, mesh and value layouts of the replicas (`jmirror._topology`)."""
+        return self._topology
+
+    @property
+    def dispatch(self) -> Dispatch:
+        """The bound on steps in flight and the donation policy (`jmirror._dispatch`)."""
+        return self._dispatch
 
     def __repr__(self) -> str:
-        devices = ", ".join(f"{d.platform}:{d.id}" for d in self._devices)
+        devices = ", ".join(f"{d.platform}:{d.id}" for d in self.devices)
         return (
-            f"MirroredStrategy(num_replicas={self.num_replicas}, devices=[{devices}], "
-            f"axis_name={self._axis_name!r}, backend={self._backend!r}, "
-            f"max_in_flight={self._max_in_flight})"
+            f"{type(self).__name__}(num_replicas={self.num_replicas}, devices=[{devices}], "
+            f"axis_name={self.axis_name!r}, backend={self._backend!r}, "
+            f"max_in_flight={self.max_in_flight})"
         )
 
     # --- scope -----------------------------------------------------------------------------------
@@ -175,29 +189,223 @@ class MirroredStrategy(_Placement, _Reading):
         finally:
             _context.pop_strategy()
 
-    # --- internal helpers used by replicate ------------------------------------------------------
+    # --- cross-replica operations --------------------------------------------------------------
 
-    def _is_mirrored(self, x: jax.Array) -> bool:
-        sharding = x.sharding
-        if sharding == self._replicated:
-            return True
-        return sharding.is_fully_replicated and sharding.device_set == self._device_set
-
-    def _donates(self, donated: list[Any]) -> bool:
-        """Whether a step donates these arguments under the strategy's donation policy."""
-        first = self._devices[0]
-        return _dispatch.donates(self._donation, first.platform, len(self._device_set), donated)
-
-    def _merge(self, call: str) -> _context.ReplicaContext | None:
-        """The replica context when called inside a merge_fn; raises inside a replica."""
+    def _cross_replica(self, call: str) -> CrossReplica:
+        """The cross-replica operations for where `call` runs: the host, or inside merge_fn."""
         if _context.in_replica_context():
-            raise RuntimeError(
-                f"strategy.{call} is a cross-replica method, but it was called inside a replica "
-                "function. Use the replica context there (jm.all_reduce, jm.sync, ...), or "
-                "jm.merge_call(lambda strategy, ...: strategy."
-                f"{call.split('(')[0]}(...)) to run it in cross-replica context."
+            name = call.split("(")[0]
+            raise RuntimeError(_CROSS_REPLICA_IN_REPLICA.format(call=call, name=name))
+        context = _context.merge_context()
+        return self._host if context is None else MergeOps(context)
+
+    def create_state(
+        self,
+        tree: PyTree,
+        *,
+        synchronization: Synchronization | str = "auto",
+        aggregation: Aggregation | str = "none",
+    ) -> PyTree:
+        """Creates distributed state: mirrored (`AUTO`, `ON_WRITE`) or sync-on-read (`ON_READ`).
+
+        Args:
+          tree: the initial value, a pytree of array-likes.
+          synchronization: `AUTO` / `ON_WRITE` mirror the tree; `ON_READ` makes it a
+            `SyncOnRead` with `aggregation`.
+          aggregation: how a sync-on-read value is read.
+
+        Raises:
+          ValueError: for `NONE` synchronization or an invalid enum value.
+
+        Example:
+            >>> import jmirror as jm
+            >>> strategy = jm.MirroredStrategy()
+            >>> total = strategy.create_state(0.0, synchronization="on_read", aggregation="sum")
+            >>> total.aggregation
+            <Aggregation.SUM: 'sum'>
+        """
+        synchronization = Synchronization(synchronization)
+        aggregation = Aggregation(aggregation)
+        if synchronization is Synchronization.NONE:
+            raise ValueError(
+                "`NONE` synchronization is not supported by MirroredStrategy: every replica "
+                "keeps a copy of the state, so it must be kept in sync. Use "
+                "synchronization='on_write' (mirrored) or 'on_read' (SyncOnRead) in "
+                "strategy.create_state."
             )
-        return _context.merge_context()
+        if synchronization is Synchronization.ON_READ:
+            return self.sync_on_read(tree, aggregation)
+        return self.mirror(tree)
+
+    def mirror(self, tree: PyTree) -> PyTree:
+        """Places every leaf of `tree` on every device: a mirrored value.
+
+        Leaves that are already mirrored are returned without a copy, and `SyncOnRead` nodes
+        are passed through (so a train state holding sync-on-read statistics mirrors in one
+        call). One copy lives on each device; there are never N stacked copies on one device.
+
+        Example:
+            >>> import numpy as np, jmirror as jm
+            >>> strategy = jm.MirroredStrategy()
+            >>> params = strategy.mirror({"w": np.ones(3)})
+            >>> len(params["w"].sharding.device_set) == strategy.num_replicas
+            True
+        """
+        return self._cross_replica("mirror(tree)").mirror(tree)
+
+    def sync_on_read(self, tree: PyTree, aggregation: Aggregation | str = "sum") -> SyncOnRead:
+        """Returns a `SyncOnRead` whose every replica starts with `tree`.
+
+        Example:
+            >>> import jmirror as jm
+            >>> strategy = jm.MirroredStrategy()
+            >>> count = strategy.sync_on_read(1.0, "sum")
+            >>> float(strategy.read(count)) == strategy.num_replicas
+            True
+        """
+        aggregation = Aggregation(aggregation)
+        return self._cross_replica("sync_on_read(tree)").sync_on_read(tree, aggregation)
+
+    def assign(self, sync_on_read: SyncOnRead, value: PyTree) -> SyncOnRead:
+        """Returns a new `SyncOnRead` holding `value`: reading it gives `value`.
+
+        For `SUM` each replica gets `value / N` cast to the dtype; for integers each gets
+        `value // N` and the first `value % N` replicas one more, so the sum is exact.
+        Otherwise each replica gets `value`.
+
+        Example:
+            >>> import jmirror as jm
+            >>> strategy = jm.MirroredStrategy()
+            >>> total = strategy.assign(strategy.sync_on_read(0.0, "sum"), 6.0)
+            >>> float(strategy.read(total))
+            6.0
+            >>> count = strategy.assign(strategy.sync_on_read(0, "sum"), 10)
+            >>> int(strategy.read(count))
+            10
+        """
+        return self._cross_replica("assign(sync_on_read, value)").assign(sync_on_read, value)
+
+    def distribute_values_from_function(self, value_fn: Callable[[ValueContext], PyTree]):
+        """Returns a `PerReplica` whose component i is `value_fn(ValueContext(i, N))`.
+
+        Component i is placed on device i.
+
+        Example:
+            >>> import numpy as np, jmirror as jm
+            >>> strategy = jm.MirroredStrategy()
+            >>> ids = strategy.distribute_values_from_function(
+            ...     lambda ctx: np.float32(ctx.replica_id))
+            >>> [float(v) for v in strategy.local_results(ids)] == list(
+            ...     range(strategy.num_replicas))
+            True
+        """
+        ops = self._cross_replica("distribute_values_from_function(value_fn)")
+        return ops.distribute_values_from_function(value_fn)
+
+    def split_key(self, key: jax.Array) -> PerReplica:
+        """Splits a PRNG key into a `PerReplica` of N independent keys (per-replica noise).
+
+        Example:
+            >>> import jax, jmirror as jm
+            >>> strategy = jm.MirroredStrategy()
+            >>> keys = strategy.split_key(jax.random.key(0))
+            >>> keys.values.shape == (strategy.num_replicas,)
+            True
+        """
+        return self._cross_replica("split_key(key)").split_key(key)
+
+    def read(self, tree: PyTree) -> PyTree:
+        """Returns the value of mirrored and sync-on-read state, in cross-replica context.
+
+        Mirrored leaves give their value as a `jax.Array` on `devices[0]` (one copy, no
+        gather); `SyncOnRead` nodes are aggregated (`SUM`, `MEAN`, `ONLY_FIRST_REPLICA`); other
+        non-distributed leaves are returned unchanged.
+
+        Raises:
+          TypeError: for a `PerReplica` (use `reduce`, `gather` or `local_results`).
+          ValueError: for a `SyncOnRead` with aggregation `NONE`.
+
+        Example:
+            >>> import jmirror as jm
+            >>> strategy = jm.MirroredStrategy()
+            >>> state = {"w": strategy.mirror(2.0), "n": strategy.sync_on_read(1, "sum")}
+            >>> out = strategy.read(state)
+            >>> float(out["w"]), int(out["n"]) == strategy.num_replicas
+            (2.0, True)
+        """
+        return self._cross_replica("read(tree)").read(tree)
+
+    def local_results(self, value: PyTree) -> tuple[PyTree, ...]:
+        """Returns the per-replica components of `value`, in replica order.
+
+        A `PerReplica` or `SyncOnRead` gives its N components; a mirrored array its N
+        copies; a tree holding such nodes gives N trees; any other value gives `(value,)`.
+
+        Example:
+            >>> import jmirror as jm
+            >>> strategy = jm.MirroredStrategy()
+            >>> parts = strategy.local_results(strategy.run(jm.replica_id))
+            >>> [int(p) for p in parts] == list(range(strategy.num_replicas))
+            True
+        """
+        return self._cross_replica("local_results(value)").local_results(value)
+
+    def reduce(self, op: ReduceOp | str, value: PyTree, axis: int | None = None) -> PyTree:
+        """Reduces a `PerReplica` across replicas into one value on `devices[0]`.
+
+        Args:
+          op: `SUM`, `MEAN`, `MAX` or `MIN`.
+          value: a `PerReplica` (or a tree holding them).
+          axis: `None` reduces element-wise across replicas; `axis=k` also reduces over axis k
+            of each component, so `MEAN` gives the mean over the global batch.
+
+        Returns:
+          The reduced value. A non-distributed or mirrored value: `MEAN` returns it
+          unchanged; `SUM` returns it when N == 1; the Python int 0 returns 0.
+
+        Raises:
+          ValueError: `SUM` of a non-distributed value with more than one replica.
+
+        Example:
+            >>> import numpy as np, jmirror as jm
+            >>> strategy = jm.MirroredStrategy()
+            >>> n = strategy.num_replicas
+            >>> x = jm.PerReplica(np.arange(n * 2, dtype=np.float32).reshape(n, 2))
+            >>> float(strategy.reduce("mean", x, axis=0)) == (n * 2 - 1) / 2
+            True
+        """
+        op = ReduceOp(op)
+        return self._cross_replica("reduce(op, value)").reduce(op, value, axis)
+
+    def gather(self, value: PyTree, axis: int = 0) -> PyTree:
+        """Concatenates the replicas' components along `axis`: the global batch back.
+
+        Scalar components are stacked into a vector. The result is a `jax.Array` on
+        `devices[0]`.
+
+        Example:
+            >>> import numpy as np, jmirror as jm
+            >>> strategy = jm.MirroredStrategy()
+            >>> n = strategy.num_replicas
+            >>> x = jm.PerReplica(np.arange(n * 2).reshape(n, 2))
+            >>> strategy.gather(x).tolist() == list(range(n * 2))
+            True
+        """
+        return self._cross_replica("gather(value)").gather(value, axis)
+
+    def update(self, tree: PyTree, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Applies `fn(tree, *args, **kwargs)` to every replica's copy of the mirrored `tree`.
+
+        `PerReplica` arguments are split; the result is typed like a replicated function's.
+
+        Example:
+            >>> import jmirror as jm
+            >>> strategy = jm.MirroredStrategy()
+            >>> w = strategy.update(strategy.mirror(1.0), lambda w, d: w + d, 2.0)
+            >>> float(strategy.read(w))
+            3.0
+        """
+        return self._cross_replica("update(tree, fn)").update(tree, fn, args, kwargs)
 
     # --- running -------------------------------------------------------------------------------
 
@@ -214,7 +422,7 @@ class MirroredStrategy(_Placement, _Reading):
             >>> strategy.gather(ids).tolist() == list(range(strategy.num_replicas))
             True
         """
-        if self._merge("run(fn)") is not None:
+        if _context.merge_context() is not None:
             raise RuntimeError(
                 "strategy.run was called inside a merge_call's merge_fn; replicated functions "
                 "do not nest. Compute in merge_fn directly, or return to the replica function."
@@ -233,11 +441,14 @@ class MirroredStrategy(_Placement, _Reading):
 
     def distribute_dataset(
         self, dataset: Any, *, remainder: str = "pad", prefetch: int = 2, start: Any = None
-    ):
+    ) -> DistributedDataset:
         """Splits each global batch of `dataset` into per-replica shards on the devices.
 
-        See `jmirror._input.distribute_dataset` (SPEC section 7) for the full contract;
-        `start=iterator.position` resumes where an iterator stood.
+        A background thread keeps `prefetch` batches on the devices ahead of the consumer.
+        With `remainder="pad"` every element is a `(batch, mask)` pair and incomplete batches
+        are padded (shapes never change); `"drop"` skips them; `"error"` raises.
+        `start=iterator.position` resumes where an iterator stood, skipping the batches it
+        had received without placing them. See `jmirror._input.distribute_dataset`.
 
         Example:
             >>> import numpy as np, jmirror as jm
@@ -249,18 +460,18 @@ class MirroredStrategy(_Placement, _Reading):
             >>> shapes == [(n, 2, 3)] * 2
             True
         """
-        from jmirror._input import distribute_dataset
-
         return distribute_dataset(
             self, dataset, remainder=remainder, prefetch=prefetch, start=start
         )
 
     def distribute_datasets_from_function(
         self, dataset_fn: Callable[..., Any], *, prefetch: int = 2
-    ):
+    ) -> DistributedDataset:
         """Deals the per-replica batches of `dataset_fn(jm.InputContext(...))` to replicas.
 
-        See `jmirror._input.distribute_datasets_from_function` (SPEC section 7).
+        N consecutive elements form one step, element i going to replica i; a final group of
+        fewer than N is dropped with a warning. See
+        `jmirror._input.distribute_datasets_from_function`.
 
         Example:
             >>> import numpy as np, jmirror as jm
@@ -272,49 +483,14 @@ class MirroredStrategy(_Placement, _Reading):
             >>> len(list(data))
             2
         """
-        from jmirror._input import distribute_datasets_from_function
-
         return distribute_datasets_from_function(self, dataset_fn, prefetch=prefetch)
 
-    # --- updating ------------------------------------------------------------------------------
 
-    def update(self, tree: PyTree, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Applies `fn(tree, *args, **kwargs)` to every replica's copy of the mirrored `tree`.
-
-        `PerReplica` arguments are split; the result is typed like a replicated function's.
-
-        Example:
-            >>> import jmirror as jm
-            >>> strategy = jm.MirroredStrategy()
-            >>> w = strategy.update(strategy.mirror(1.0), lambda w, d: w + d, 2.0)
-            >>> float(strategy.read(w))
-            3.0
-        """
-        if self._merge("update(tree, fn)") is not None:
-            # Inside merge_fn every replica runs fn on its own components.
-            tree, args, kwargs = jax.tree.map(
-                lambda x: x._values if isinstance(x, PerReplica) else x,
-                (tree, args, kwargs),
-                is_leaf=lambda x: isinstance(x, PerReplica),
-            )
-            return fn(tree, *args, **kwargs)
-        return self.run(_Updater(fn), args=(tree,) + args, kwargs=kwargs)
-
-
-class _Updater:
-    """`fn` as a replica function, hashed by `fn` so that `update` reuses compiled steps."""
-
-    def __init__(self, fn: Callable[..., Any]):
-        self.fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
-
-    def __hash__(self) -> int:
-        return hash(self.fn)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Updater) and other.fn == self.fn
+def _check_axis_name(axis_name: Any) -> None:
+    if not isinstance(axis_name, str) or not axis_name:
+        raise TypeError(
+            f"MirroredStrategy(axis_name=...) expects a non-empty str, got {axis_name!r}."
+        )
 
 
 def get_strategy() -> MirroredStrategy:
@@ -327,4 +503,7 @@ def get_strategy() -> MirroredStrategy:
         >>> jm.get_strategy() is jm.get_strategy()
         True
     """
-    return _context.current_strategy(MirroredStrategy)
+    return _context.current_strategy()
+
+
+_context.set_default_factory(MirroredStrategy)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -88,41 +89,45 @@ class PerReplica:
         (2, 4)
     """
 
-    __slots__ = ("_values", "_local")
+    __slots__ = ("_values", "_gather")
 
     def __init__(self, values: PyTree):
         self._values = values
-        self._local = False
+        self._gather = None
 
     @classmethod
-    def _from_local(cls, component: PyTree) -> PerReplica:
-        """A `PerReplica` seen inside `merge_fn`, holding this replica's own component."""
+    def _of_component(cls, component: PyTree, gather: Callable[[PyTree], PyTree]) -> PerReplica:
+        """A `PerReplica` seen inside `merge_fn`: the calling replica's own component, and
+        how to all-gather every replica's (`gather`, supplied by the replica context)."""
         node = cls.__new__(cls)
         node._values = component
-        node._local = True
+        node._gather = gather
         return node
 
     @property
     def values(self) -> PyTree:
         """The stacked components (leading axis N); all-gathered when read inside `merge_fn`."""
-        if self._local:
-            from jmirror._context import gather_local_components
-
-            return gather_local_components(self._values)
+        if self._gather is not None:
+            return self._gather(self._values)
         return self._values
 
+    @property
+    def is_component(self) -> bool:
+        """Whether this node holds one replica's component (inside `merge_fn`)."""
+        return self._gather is not None
+
     def tree_flatten_with_keys(self):
-        return ((jax.tree_util.GetAttrKey("values"), self._values),), self._local
+        return ((jax.tree_util.GetAttrKey("values"), self._values),), self._gather
 
     @classmethod
-    def tree_unflatten(cls, local: bool, children) -> PerReplica:
+    def tree_unflatten(cls, gather: Any, children) -> PerReplica:
         node = cls.__new__(cls)
         node._values = children[0]
-        node._local = local
+        node._gather = gather
         return node
 
     def __repr__(self) -> str:
-        if self._local:
+        if self._gather is not None:
             return f"PerReplica(<inside merge_fn: {self._values!r}>)"
         shapes = jax.tree.map(lambda x: getattr(x, "shape", type(x).__name__), self._values)
         return f"PerReplica({shapes})"

@@ -10,7 +10,7 @@ import jmirror as jm
 
 
 def is_mirrored(strategy, x):
-    return isinstance(x, jax.Array) and strategy._is_mirrored(x)
+    return isinstance(x, jax.Array) and strategy.topology.is_mirrored(x)
 
 
 def per_replica_tree(n):

@@ -59,7 +59,7 @@ def test_ten_steps_match_single_device_training(strategy, n, forget_all_reduce):
         m_params, m_opt, loss = replica_step(
             m_params, m_opt, jm.PerReplica(x.reshape(n, -1, 16)), jm.PerReplica(y.reshape(n, -1))
         )
-        assert strategy._is_mirrored(loss)
+        assert strategy.topology.is_mirrored(loss)
 
     leaves = jax.tree.leaves(m_params, is_leaf=lambda v: isinstance(v, jm.PerReplica))
     if forget_all_reduce:
@@ -71,7 +71,9 @@ def test_ten_steps_match_single_device_training(strategy, n, forget_all_reduce):
             for got, want in zip(jax.tree.leaves(only), jax.tree.leaves(params)):
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         return
-    assert all(strategy._is_mirrored(leaf) for leaf in leaves), "params must come back mirrored"
+    assert all(strategy.topology.is_mirrored(leaf) for leaf in leaves), (
+        "params must come back mirrored"
+    )
     assert replica_step.num_compilations == 1
     for got, want in zip(jax.tree.leaves(strategy.read(m_params)), jax.tree.leaves(params)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -57,7 +57,7 @@ def test_outer_transform_matches_pmap_and_leaves_nothing_behind(strategy, n, tra
     expected = apply(p, x)
     got = apply(_run(f), x)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), got, expected)
-    assert not any(isinstance(t, jax.core.Tracer) for t in list(strategy._in_flight))
+    assert not any(isinstance(t, jax.core.Tracer) for t in list(strategy.dispatch.in_flight))
     # Later plain calls behave as if the traced call never happened.
     for _ in range(3):
         out = f(jm.PerReplica(x))
@@ -83,7 +83,7 @@ def test_only_float0_outputs_still_bounded(strategy):
     )
     for _ in range(5):
         out = f(jnp.arange(3))
-        assert len(strategy._in_flight) <= strategy.max_in_flight
+        assert len(strategy.dispatch.in_flight) <= strategy.max_in_flight
     assert out.dtype == jax.dtypes.float0
 
 
@@ -170,7 +170,7 @@ def test_strategies_on_the_same_devices_share_one_bound(n):
         jm.MirroredStrategy(backend=b, max_in_flight=4) for b in ("pmap", "shard_map") * 2
     ]
     steps = [jm.replicate(lambda x: jm.all_reduce("sum", x), strategy=s) for s in strategies]
-    queues = {id(s._in_flight): s._in_flight for s in strategies}
+    queues = {id(s.dispatch.in_flight): s.dispatch.in_flight for s in strategies}
     x = jm.PerReplica(np.ones((n,), np.float32))
     for _ in range(50):
         for step in steps:

@@ -17,7 +17,7 @@ def test_ten_thousand_back_to_back_steps_complete(strategy, n, donate):
     x = jm.PerReplica(np.ones((n, 4), np.float32) * 1e-4)
     for _ in range(10_000):
         w = step(w, x)
-        assert len(strategy._in_flight) <= strategy.max_in_flight
+        assert len(strategy.dispatch.in_flight) <= strategy.max_in_flight
     np.testing.assert_allclose(strategy.read(w), np.full(4, 1.0), rtol=1e-3)
 
 
@@ -28,7 +28,7 @@ def test_max_in_flight_bounds_the_queue(n):
     x = jm.PerReplica(np.ones((n,), np.float32))
     for _ in range(20):
         out = step(x)
-        assert len(strategy._in_flight) <= 1
+        assert len(strategy.dispatch.in_flight) <= 1
     assert float(strategy.read(out)) == n
 
 
@@ -44,7 +44,7 @@ def test_the_bound_keeps_only_the_smallest_output_alive(strategy, n):
         lambda x: (jm.all_reduce("sum", x), jm.all_reduce("sum", x.sum())), strategy=strategy
     )
     big, small = step(jm.PerReplica(np.ones((n, 1024), np.float32)))
-    assert strategy._in_flight[-1] is small
+    assert strategy.dispatch.in_flight[-1] is small
     ref = weakref.ref(big)
     del big
     gc.collect()
@@ -56,16 +56,16 @@ def test_a_step_without_outputs_is_still_bounded(strategy, n):
     x = jm.PerReplica(np.ones((n, 2), np.float32))
     for _ in range(5):
         assert step(x) is None
-        assert len(strategy._in_flight) <= strategy.max_in_flight
+        assert len(strategy.dispatch.in_flight) <= strategy.max_in_flight
 
 
 def test_donation_policy_on_host_devices(n):
     strategy = jm.MirroredStrategy()
     small = [np.zeros(16, np.float32)]
     large = [np.zeros(8 * 2**20 // 4, np.float32)]  # 8 MiB
-    assert strategy._donates(small)
+    assert strategy.dispatch.donates(small)
     # Donating large buffers made steps on several XLA:CPU devices ~1.9x slower.
-    assert strategy._donates(large) is (n == 1)
+    assert strategy.dispatch.donates(large) is (n == 1)
     step = jm.replicate(lambda w: w + 1, strategy=strategy, donate_argnums=0)
     w = step(strategy.mirror(large[0]))
     w = step(w)

@@ -166,7 +166,7 @@ def test_placed_batch_is_stacked_one_slice_per_device(s, n):
     (batch,) = s.distribute_dataset([np.arange(4 * n * 2).reshape(4 * n, 2)], remainder="drop")
     leaf = batch.values
     assert leaf.shape == (n, 4, 2)
-    assert leaf.sharding.is_equivalent_to(s._stacked, leaf.ndim)
+    assert leaf.sharding.is_equivalent_to(s.topology.stacked, leaf.ndim)
     by_device = {shard.device: shard for shard in leaf.addressable_shards}
     assert set(by_device) == set(s.devices)
     for i, device in enumerate(s.devices):
@@ -346,6 +346,7 @@ def test_prefetch_thread_keeps_its_priority_for_accelerator_steps():
         yield os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     gpu_strategy = SimpleNamespace(devices=[SimpleNamespace(platform="gpu")])
+
     def open_elements(control, skip):  # one pass, as jmirror._input opens them
         return source()
 

@@ -101,7 +101,7 @@ def test_train_state_matches_single_device(strategy, n):
         oracle, oracle_loss = oracle_step(oracle, batch)
         np.testing.assert_allclose(strategy.read(loss), oracle_loss, rtol=1e-5)
     for leaf in jax.tree.leaves(state):  # the state stayed mirrored
-        assert not isinstance(leaf, jm.PerReplica) and strategy._is_mirrored(leaf)
+        assert not isinstance(leaf, jm.PerReplica) and strategy.topology.is_mirrored(leaf)
     assert int(strategy.read(state.step)) == 10
     _assert_trees_close(strategy.read(state.params), oracle.params)
 
@@ -205,7 +205,7 @@ def test_synchronized_batch_norm_matches_full_batch(strategy, n):
     for batch in _batches(3, 4 * n, seed=2):
         placed, _ = step(placed, _split(n, batch))
         oracle = oracle_step(oracle, batch)
-    assert all(strategy._is_mirrored(x) for x in jax.tree.leaves(placed.batch_stats))
+    assert all(strategy.topology.is_mirrored(x) for x in jax.tree.leaves(placed.batch_stats))
     read = recipes.read_variables(strategy, placed)
     _assert_trees_close(
         read, {"params": oracle.params, "batch_stats": oracle.batch_stats}, rtol=1e-4, atol=1e-5
@@ -275,7 +275,7 @@ def test_accumulated_gradients_equal_full_batch(strategy, n, num_micro_batches):
         return recipes.accumulate_gradients(loss_fn, params, batch, num_micro_batches)
 
     loss, grads = grads_step(params, _split(n, batch))
-    assert all(strategy._is_mirrored(x) for x in jax.tree.leaves((loss, grads)))
+    assert all(strategy.topology.is_mirrored(x) for x in jax.tree.leaves((loss, grads)))
     expected_loss, expected = jax.jit(jax.value_and_grad(loss_fn))(strategy.read(params), batch)
     np.testing.assert_allclose(strategy.read(loss), expected_loss, rtol=1e-5)
     _assert_trees_close(strategy.read(grads), expected)
@@ -350,7 +350,7 @@ def test_loss_scaling_matches_single_device(strategy, n, poison):
         placed, _ = step(placed, _split(n, batch))
         oracle = oracle_step(oracle, batch)
     for leaf in jax.tree.leaves(placed):  # every replica took the same decision
-        assert strategy._is_mirrored(leaf)
+        assert strategy.topology.is_mirrored(leaf)
     read = strategy.read(placed)
     # growth_interval=2: finite steps double the scale every second step; a skip halves it.
     expected_scale = 2.0**10 * (0.5 if poison else 2.0)

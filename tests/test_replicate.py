@@ -20,7 +20,7 @@ def vmap_oracle(fn, n, in_axes, axis_name="replica"):
 
 
 def is_mirrored(strategy, x):
-    return isinstance(x, jax.Array) and strategy._is_mirrored(x)
+    return isinstance(x, jax.Array) and strategy.topology.is_mirrored(x)
 
 
 def test_replica_ids_are_seen_once_each(strategy, n):

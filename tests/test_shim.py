@@ -33,7 +33,7 @@ def _assert_same_array(got: jax.Array, want: jax.Array) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("trailing", TRAILING)
 def test_put_rows_matches_make_array_from_callback(n, dtype, trailing):
-    sharding = jm.MirroredStrategy()._stacked
+    sharding = jm.MirroredStrategy().topology.stacked
     x = _host(n, trailing, dtype)
     want = jax.make_array_from_callback(x.shape, sharding, x.__getitem__)
     _assert_same_array(_shim.put_rows(x, sharding), want)
@@ -42,7 +42,7 @@ def test_put_rows_matches_make_array_from_callback(n, dtype, trailing):
 
 @pytest.mark.parametrize("dtype", [np.float64, np.int64, np.complex128])
 def test_put_rows_keeps_64_bit_dtypes_under_x64(n, dtype):
-    sharding = jm.MirroredStrategy()._stacked
+    sharding = jm.MirroredStrategy().topology.stacked
     x = _host(n, (3,), dtype)
     with jax.enable_x64(True):
         want = jax.make_array_from_callback(x.shape, sharding, x.__getitem__)
@@ -54,14 +54,14 @@ def test_put_rows_keeps_64_bit_dtypes_under_x64(n, dtype):
 def test_put_rows_row_i_lands_on_device_i_only(n):
     strategy = jm.MirroredStrategy()
     x = _host(n, (4,), np.float32)
-    placed = _shim.put_rows(x, strategy._stacked)
+    placed = _shim.put_rows(x, strategy.topology.stacked)
     for i, device in enumerate(strategy.devices):
         (shard,) = [s for s in placed.addressable_shards if s.device == device]
         np.testing.assert_array_equal(np.asarray(shard.data), x[i : i + 1])
 
 
 def test_put_rows_of_a_strided_view(n):
-    sharding = jm.MirroredStrategy()._stacked
+    sharding = jm.MirroredStrategy().topology.stacked
     x = _host(n, (6, 4), np.float32)[:, ::2, ::-1]  # not contiguous
     want = jax.make_array_from_callback(x.shape, sharding, x.__getitem__)
     _assert_same_array(_shim.put_rows(x, sharding), want)
@@ -84,7 +84,7 @@ def test_put_rows_copies_the_host_buffer(n, monkeypatch, public, offset):
         monkeypatch.setattr(_shim, "_batched_device_put", None)
     x = _aligned_zeros((n, 1024), offset)
     assert x.ctypes.data % 64 == offset
-    placed = _shim.put_rows(x, jm.MirroredStrategy()._stacked)
+    placed = _shim.put_rows(x, jm.MirroredStrategy().topology.stacked)
     placed.block_until_ready()
     x[:] = 1.0
     np.testing.assert_array_equal(np.asarray(placed), 0.0)
@@ -94,9 +94,9 @@ def test_put_rows_copies_the_host_buffer(n, monkeypatch, public, offset):
 def test_other_shardings_take_the_public_path(n, kind):
     strategy = jm.MirroredStrategy()
     sharding = {
-        "replicated": strategy._replicated,
+        "replicated": strategy.topology.mirrored,
         "single_device": jax.sharding.SingleDeviceSharding(jax.devices()[0]),
-        "other_row_count": strategy._stacked,
+        "other_row_count": strategy.topology.stacked,
     }[kind]
     rows = 2 * n if kind == "other_row_count" else n
     x = _host(rows, (3,), np.int32)
@@ -106,7 +106,7 @@ def test_other_shardings_take_the_public_path(n, kind):
 
 def test_without_the_internal_the_public_path_gives_the_same_array(n, monkeypatch):
     monkeypatch.setattr(_shim, "_batched_device_put", None)
-    sharding = jm.MirroredStrategy()._stacked
+    sharding = jm.MirroredStrategy().topology.stacked
     x = _host(n, (3,), np.float32)
     want = jax.make_array_from_callback(x.shape, sharding, x.__getitem__)
     _assert_same_array(_shim.put_rows(x, sharding), want)
@@ -120,7 +120,7 @@ def test_an_internal_that_rejects_the_call_warns_once_then_uses_the_public_path(
         raise TypeError("batched_device_put(): incompatible function arguments")
 
     monkeypatch.setattr(_shim, "_batched_device_put", changed_signature)
-    sharding = jm.MirroredStrategy()._stacked
+    sharding = jm.MirroredStrategy().topology.stacked
     x = _host(n, (3,), np.float32)
     want = jax.make_array_from_callback(x.shape, sharding, x.__getitem__)
     with pytest.warns(RuntimeWarning, match="make_array_from_callback from now on"):

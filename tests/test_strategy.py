@@ -96,7 +96,7 @@ def test_create_state(strategy, n):
     tree = {"w": np.arange(3.0), "b": 1.0}
     for sync in ["auto", "on_write", jm.Synchronization.ON_WRITE]:
         state = strategy.create_state(tree, synchronization=sync)
-        assert strategy._is_mirrored(state["w"])
+        assert strategy.topology.is_mirrored(state["w"])
         np.testing.assert_array_equal(strategy.read(state)["w"], tree["w"])
     sor = strategy.create_state(tree, synchronization="on_read", aggregation="mean")
     assert isinstance(sor, jm.SyncOnRead) and sor.aggregation is jm.Aggregation.MEAN
@@ -237,7 +237,7 @@ def test_gather_concatenates_components(strategy, n):
     np.testing.assert_array_equal(
         strategy.gather(jm.PerReplica(x), axis=1), np.concatenate(list(x), axis=1)
     )
-    g = strategy.gather(jm.PerReplica(jax.device_put(x, strategy._stacked)))
+    g = strategy.gather(jm.PerReplica(jax.device_put(x, strategy.topology.stacked)))
     assert g.devices() == {strategy.devices[0]}
 
 
@@ -276,7 +276,7 @@ def test_split_key_gives_independent_keys(strategy, n):
 def test_update_applies_fn_to_each_copy(strategy, n):
     w = strategy.mirror(np.ones(3, np.float32))
     new = strategy.update(w, lambda w, d: w + d, 2.0)
-    assert strategy._is_mirrored(new)
+    assert strategy.topology.is_mirrored(new)
     np.testing.assert_array_equal(strategy.read(new), np.full(3, 3.0))
     ids = jm.PerReplica(np.arange(n, dtype=np.float32))
     per = strategy.update(w, lambda w, d: w * d, ids)

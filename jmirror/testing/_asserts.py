@@ -30,7 +30,7 @@ def assert_mirrored(tree: PyTree, strategy: MirroredStrategy | None = None) -> N
     """
     strategy = _strategy(strategy)
     for path, leaf in _paths(tree):
-        if not isinstance(leaf, jax.Array) or not strategy._is_mirrored(leaf):
+        if not isinstance(leaf, jax.Array) or not strategy.topology.is_mirrored(leaf):
             found = type(leaf).__name__
             if isinstance(leaf, jax.Array):
                 found = f"jax.Array with sharding {leaf.sharding}"

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from jmirror._devices import DeviceSpec, as_int, resolve_devices
-from jmirror._strategy import MirroredStrategy
+from jmirror._strategy import MirroredStrategy, _check_axis_name
+from jmirror._topology import Topology
 
 
 class EmulatedStrategy(MirroredStrategy):
@@ -44,10 +45,12 @@ class EmulatedStrategy(MirroredStrategy):
         (resolved,) = resolve_devices(
             None if device is None else [device], 1 if device is None else None
         )
-        self._setup((resolved,) * num_replicas, axis_name, "vmap", max_in_flight)
+        _check_axis_name(axis_name)
+        topology = Topology.emulated(resolved, num_replicas, axis_name)
+        self._init(topology, "vmap", max_in_flight, "auto")
 
     def __repr__(self) -> str:
-        device = self._devices[0]
+        device = self.devices[0]
         return (
             f"EmulatedStrategy(num_replicas={self.num_replicas}, device={device.platform}:"
             f"{device.id}, axis_name={self.axis_name!r})"

@@ -1,0 +1,178 @@
+"""The cross-replica operations: one interface, for the host and for `merge_fn`.
+
+`MirroredStrategy`'s methods that place and read distributed values (`mirror`, `read`,
+`reduce`, `gather`, `local_results`, `assign`, ...) run in cross-replica context, which has two
+places: the host, on concrete arrays (`jmirror._host_ops.HostOps`), and the inside of a
+`merge_call`'s `merge_fn`, on traced values through collectives (`jmirror._merge_ops.MergeOps`).
+`CrossReplica` is their one interface: the strategy asks `cross_replica(call)` for the
+implementation that fits where it is called and forwards to it; nothing else branches on the
+context. What both places share (argument checks, the integer `SUM` split of `assign`, the
+rule for reducing a value that is not per replica, the messages) is written once, here.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jmirror._values import (
+    Aggregation,
+    PerReplica,
+    PyTree,
+    ReduceOp,
+    SyncOnRead,
+    ValueContext,
+    is_distributed,
+)
+
+# The reduction of each op within one array (over an axis).
+REDUCERS = {
+    ReduceOp.SUM: jnp.sum,
+    ReduceOp.MEAN: jnp.mean,
+    ReduceOp.MAX: jnp.max,
+    ReduceOp.MIN: jnp.min,
+}
+
+_READ_PER_REPLICA = (
+    "strategy.read got a PerReplica{where}: its replicas may hold different values, so there "
+    "is no single value to read. Use strategy.reduce(op, value) to combine them, "
+    "strategy.gather(value) to concatenate them, or strategy.local_results(value) for each "
+    "replica's component."
+)
+_READ_NONE = (
+    "strategy.read got a SyncOnRead with aggregation NONE, which has no defined value across "
+    "replicas. Create it with aggregation 'sum', 'mean' or 'only_first_replica', or use "
+    "strategy.local_results to see each component."
+)
+
+
+class CrossReplica(abc.ABC):
+    """The cross-replica operations of a strategy with `num_replicas` replicas."""
+
+    num_replicas: int
+    where: str  # "" on the host, " inside merge_fn" there: for messages
+
+    # --- placing -----------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def mirror(self, tree: PyTree) -> PyTree:
+        """Every leaf placed identically on every replica."""
+
+    @abc.abstractmethod
+    def sync_on_read(self, tree: PyTree, aggregation: Aggregation) -> SyncOnRead:
+        """A `SyncOnRead` whose every replica starts with `tree`."""
+
+    @abc.abstractmethod
+    def sync_on_read_from(
+        self, component: Callable[[jax.Array], PyTree], aggregation
+    ) -> SyncOnRead:
+        """A `SyncOnRead` whose replica r holds `component(r)` (r a traced replica index)."""
+
+    @abc.abstractmethod
+    def distribute_values_from_function(self, value_fn: Callable[[ValueContext], PyTree]):
+        """A `PerReplica` whose component i is `value_fn(ValueContext(i, N))`."""
+
+    @abc.abstractmethod
+    def split_key(self, key: jax.Array) -> PerReplica:
+        """N independent PRNG keys, one per replica."""
+
+    # --- reading -----------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def read(self, tree: PyTree) -> PyTree:
+        """Mirrored leaves as their value, `SyncOnRead` nodes aggregated (no `PerReplica`)."""
+
+    @abc.abstractmethod
+    def local_results(self, value: PyTree) -> tuple[PyTree, ...]:
+        """The N per-replica components of `value`, in replica order."""
+
+    @abc.abstractmethod
+    def reduce_per_replica(self, op: ReduceOp, x: PerReplica, axis: int | None) -> PyTree:
+        """One `PerReplica` reduced across replicas (and over `axis` of each component)."""
+
+    @abc.abstractmethod
+    def gather(self, value: PyTree, axis: int) -> PyTree:
+        """The replicas' components concatenated along `axis`."""
+
+    @abc.abstractmethod
+    def update(self, tree: PyTree, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """`fn(tree, *args, **kwargs)` on every replica's copy of `tree`."""
+
+    # --- shared --------------------------------------------------------------------------------
+
+    def check_readable(self, tree: PyTree) -> list[tuple[Any, Any]]:
+        """The top-level nodes of `tree` with paths; raises `TypeError` at a `PerReplica`."""
+        nodes = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_distributed)[0]
+        for path, node in nodes:
+            if isinstance(node, PerReplica):
+                where = f"{self.where} at path {jax.tree_util.keystr(path) or '<root>'!r}"
+                raise TypeError(_READ_PER_REPLICA.format(where=where))
+            if isinstance(node, SyncOnRead) and node.aggregation is Aggregation.NONE:
+                raise ValueError(_READ_NONE)
+        return nodes
+
+    def reduce(self, op: ReduceOp, value: PyTree, axis: int | None) -> PyTree:
+        """`strategy.reduce`: `PerReplica` nodes reduced, other values by the plain rule."""
+        if type(value) is int and value == 0:
+            return 0
+        leaves = jax.tree.leaves(value, is_leaf=is_distributed)
+        if not any(isinstance(x, PerReplica) for x in leaves):
+            return self.reduce_plain(op, value)
+
+        def one(x: Any) -> Any:
+            if isinstance(x, PerReplica):
+                return self.reduce_per_replica(op, x, axis)
+            return self.reduce_plain(op, x)
+
+        return jax.tree.map(one, value, is_leaf=is_distributed)
+
+    def reduce_plain(self, op: ReduceOp, value: Any) -> Any:
+        """A value that is not per replica: `MEAN` returns it, `SUM` only with one replica."""
+        if op is ReduceOp.SUM and self.num_replicas > 1:
+            raise ValueError(
+                f"strategy.reduce(SUM, value) got a value that is not a PerReplica "
+                f"({type(value).__name__}) with {self.num_replicas} replicas: a value identical "
+                "on every replica has no defined per-replica sum. Pass a PerReplica (for "
+                "example a replica function's output), or use MEAN to get the value back."
+            )
+        return value
+
+    def assign(self, sync_on_read: SyncOnRead, value: PyTree) -> SyncOnRead:
+        """A `SyncOnRead` holding `value` such that reading it gives exactly `value`."""
+        if not isinstance(sync_on_read, SyncOnRead):
+            raise TypeError(
+                f"strategy.assign expects a SyncOnRead, got {type(sync_on_read).__name__}. "
+                "Mirrored state is replaced by returning a new value from the replica function."
+            )
+        if jax.tree.structure(value) != jax.tree.structure(sync_on_read.value):
+            raise ValueError(
+                f"strategy.assign: the value's structure {jax.tree.structure(value)} differs from "
+                f"the SyncOnRead's {jax.tree.structure(sync_on_read.value)}; pass a value of the "
+                "same structure."
+            )
+        n = self.num_replicas
+        is_sum = sync_on_read.aggregation is Aggregation.SUM
+        dtypes = jax.tree.map(jnp.result_type, sync_on_read.value)
+
+        def spread(dtype: Any) -> bool:  # an integer SUM: components differ by the remainder
+            return is_sum and bool(jnp.issubdtype(dtype, jnp.integer))
+
+        def component(dtype: Any, new: Any, replica: Any) -> jax.Array:
+            new = jnp.asarray(new)
+            if spread(dtype):
+                new = new.astype(dtype)
+                extra = (replica < jnp.remainder(new, n)).astype(dtype)
+                return jnp.floor_divide(new, n) + extra
+            return (new / n if is_sum else new).astype(dtype)
+
+        if not any(spread(d) for d in jax.tree.leaves(dtypes)):
+            same = jax.tree.map(lambda d, new: component(d, new, 0), dtypes, value)
+            return self.sync_on_read(same, sync_on_read.aggregation)
+        return self.sync_on_read_from(
+            lambda r: jax.tree.map(lambda d, new: component(d, new, r), dtypes, value),
+            sync_on_read.aggregation,
+        )

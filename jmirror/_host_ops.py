@@ -1,0 +1,298 @@
+"""The cross-replica operations on the host: placing and reading concrete values.
+
+Mirrored values are laid out with the topology's mirrored sharding (one full copy per device),
+per-replica and sync-on-read values with its stacked sharding (slice i on device i). Reading a
+mirrored leaf takes the copy on `devices[0]` (no gather); reducing or gathering per-replica
+values moves their components to `devices[0]` and combines them there with one compiled
+function.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmirror._cross_replica import REDUCERS, CrossReplica
+from jmirror._topology import Topology
+from jmirror._values import (
+    Aggregation,
+    PerReplica,
+    PyTree,
+    ReduceOp,
+    SyncOnRead,
+    ValueContext,
+    is_distributed,
+)
+
+_REDUCED = {Aggregation.SUM: ReduceOp.SUM, Aggregation.MEAN: ReduceOp.MEAN}
+
+
+class HostOps(CrossReplica):
+    """`CrossReplica` on the host, for the replicas of `topology`.
+
+    `run` runs a replica function on the strategy (for `update`).
+    """
+
+    where = ""
+
+    def __init__(self, topology: Topology, run: Callable[..., Any]):
+        self.topology = topology
+        self.num_replicas = topology.num_replicas
+        self._run = run
+
+    # --- placing -------------------------------------------------------------------------------
+
+    def mirror(self, tree: PyTree) -> PyTree:
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_distributed)
+        out: list[Any] = [None] * len(leaves)
+        todo = []
+        for i, (path, leaf) in enumerate(leaves):
+            if isinstance(leaf, PerReplica):
+                raise TypeError(
+                    f"strategy.mirror got a PerReplica at path {jax.tree_util.keystr(path)!r}; "
+                    "per-replica values cannot be mirrored as they are. Reduce them first "
+                    "(strategy.reduce) or pick one (strategy.local_results)."
+                )
+            # SyncOnRead state is already placed; exactly-mirrored arrays are kept (one
+            # sharding for mirrored state, so a step's outputs match its inputs' signature).
+            if isinstance(leaf, SyncOnRead) or (
+                isinstance(leaf, jax.Array) and leaf.sharding == self.topology.mirrored
+            ):
+                out[i] = leaf
+            else:
+                todo.append(i)
+        if todo:
+            for i, x in zip(todo, self._place_mirrored([leaves[i][1] for i in todo])):
+                out[i] = x
+        return treedef.unflatten(out)
+
+    def _place_mirrored(self, sources: list[Any]) -> list[jax.Array]:
+        """Mirrored copies of `sources` that own their buffers.
+
+        `device_put` may reuse a source's buffer for the copy on its device (a `jax.Array`
+        on one of the devices; on CPU, an aligned numpy array of the canonical dtype), and
+        donating the mirrored state to a step would then delete or overwrite the caller's
+        array. Host values are copied on the host first (cheap, and what is reused is then
+        jmirror's own copy; Python scalars are never reused); device arrays are checked and
+        copied on the devices if shared.
+        """
+        sources = [np.array(x) if isinstance(x, np.ndarray) else x for x in sources]
+        mirrored = self.topology.mirrored
+        placed = jax.device_put(sources, [mirrored] * len(sources))
+        shared = [j for j, (a, b) in enumerate(zip(sources, placed)) if _shares_memory(a, b)]
+        if shared:
+            copies = _copy_fn(mirrored)([placed[j] for j in shared])
+            for j, copy in zip(shared, copies):
+                placed[j] = copy
+        return placed
+
+    def sync_on_read(self, tree: PyTree, aggregation: Aggregation) -> SyncOnRead:
+        return SyncOnRead(self._stack_copies(self.mirror(tree)), aggregation)
+
+    def _stack_copies(self, mirrored: PyTree) -> PyTree:
+        """N stacked copies of a mirrored tree, slice i on device i (no communication)."""
+        return _stack_fn(self.topology.stacked, self.num_replicas)(mirrored)
+
+    def sync_on_read_from(self, component: Callable[[jax.Array], PyTree], aggregation):
+        stacked = jax.vmap(component)(jnp.arange(self.num_replicas))
+        return SyncOnRead(jax.device_put(stacked, self.topology.stacked), aggregation)
+
+    def distribute_values_from_function(self, value_fn: Callable[[ValueContext], PyTree]):
+        n = self.num_replicas
+        components = [value_fn(ValueContext(replica_id=i, num_replicas=n)) for i in range(n)]
+        treedef = jax.tree.structure(components[0])
+        for i, component in enumerate(components[1:], start=1):
+            if jax.tree.structure(component) != treedef:
+                raise ValueError(
+                    "strategy.distribute_values_from_function: value_fn returned trees of "
+                    f"different structure for replica 0 ({treedef}) and replica {i} "
+                    f"({jax.tree.structure(component)}); every replica needs the same structure."
+                )
+        per_leaf = zip(*(jax.tree.leaves(c) for c in components), strict=False)
+        stacked = [self._place_components(list(parts), i) for i, parts in enumerate(per_leaf)]
+        return PerReplica(treedef.unflatten(stacked))
+
+    def _place_components(self, parts: list[Any], leaf_index: int) -> jax.Array:
+        shapes = {np.shape(p) for p in parts}
+        if len(shapes) != 1:
+            raise ValueError(
+                f"strategy.distribute_values_from_function: leaf {leaf_index} has different "
+                f"shapes across replicas ({[np.shape(p) for p in parts]}); components of a "
+                "PerReplica must share one shape."
+            )
+        topology = self.topology
+        if topology.is_emulated:
+            return jax.device_put(jnp.stack([jnp.asarray(p) for p in parts]), topology.stacked)
+        arrays = [jax.device_put(jnp.asarray(p)[None], d) for p, d in zip(parts, topology.devices)]
+        shape = (self.num_replicas,) + tuple(arrays[0].shape[1:])
+        return jax.make_array_from_single_device_arrays(shape, topology.stacked, arrays)
+
+    def split_key(self, key: jax.Array) -> PerReplica:
+        keys = jax.random.split(key, self.num_replicas)
+        return PerReplica(jax.device_put(keys, self.topology.stacked))
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def read(self, tree: PyTree) -> PyTree:
+        # Every SUM / MEAN component goes to devices[0] in one transfer and is reduced by one
+        # compiled function, however many sync-on-read leaves the tree holds.
+        path_nodes = self.check_readable(tree)
+        treedef = jax.tree.structure(tree, is_leaf=is_distributed)
+        out: list[Any] = []
+        pending: list[tuple[int, Any, int]] = []
+        work: list[tuple[ReduceOp, Any]] = []
+        for i, (_, node) in enumerate(path_nodes):
+            if isinstance(node, SyncOnRead) and node.aggregation in _REDUCED:
+                leaves, inner = jax.tree_util.tree_flatten(node.value)
+                pending.append((i, inner, len(leaves)))
+                work.extend((_REDUCED[node.aggregation], leaf) for leaf in leaves)
+                out.append(None)
+            elif isinstance(node, SyncOnRead):  # ONLY_FIRST_REPLICA
+                out.append(jax.tree.map(lambda v: self._component(v, 0), node.value))
+            elif isinstance(node, jax.Array) and self.topology.is_mirrored(node):
+                out.append(self._on_first_device(node))
+            else:
+                out.append(node)
+        if pending:
+            stacked = jax.device_put([leaf for _, leaf in work], self.topology.devices[0])
+            reduced = iter(_reduce_many(tuple(op for op, _ in work))(stacked))
+            for i, inner, size in pending:
+                out[i] = inner.unflatten([next(reduced) for _ in range(size)])
+        return treedef.unflatten(out)
+
+    def _on_first_device(self, x: jax.Array) -> jax.Array:
+        first = self.topology.devices[0]
+        for shard in x.addressable_shards:
+            if shard.device == first:
+                return shard.data
+        return jax.device_put(x, first)
+
+    def _gathered(self, stacked: Any) -> jax.Array:
+        """The stacked components of a leaf, all on devices[0]."""
+        return jax.device_put(stacked, self.topology.devices[0])
+
+    def _component(self, stacked: Any, i: int) -> Any:
+        if isinstance(stacked, jax.Array):
+            device = self.topology.devices[i]
+            for shard in stacked.addressable_shards:
+                if shard.device == device and shard.data.shape[:1] == (1,):
+                    return _squeeze(shard.data)
+            return _squeeze(jax.device_put(stacked[i : i + 1], device))
+        return np.asarray(stacked)[i]
+
+    def local_results(self, value: PyTree) -> tuple[PyTree, ...]:
+        nodes, treedef = jax.tree_util.tree_flatten(value, is_leaf=is_distributed)
+        per_node = [self._components(x) for x in nodes]
+        if all(p is None for p in per_node):
+            return (value,)
+        return tuple(
+            treedef.unflatten([x if p is None else p[i] for x, p in zip(nodes, per_node)])
+            for i in range(self.num_replicas)
+        )
+
+    def _components(self, x: Any) -> list[Any] | None:
+        n = self.num_replicas
+        if isinstance(x, (PerReplica, SyncOnRead)):
+            stacked = x.values if isinstance(x, PerReplica) else x.value
+            return [jax.tree.map(lambda v, i=i: self._component(v, i), stacked) for i in range(n)]
+        if isinstance(x, jax.Array) and n > 1 and self.topology.is_mirrored(x):
+            by_device = {s.device: s.data for s in x.addressable_shards}
+            return [by_device[d] for d in self.topology.devices]
+        return None
+
+    def reduce_per_replica(self, op: ReduceOp, x: PerReplica, axis: int | None) -> PyTree:
+        return jax.tree.map(lambda v: _reduce_fn(op, axis)(self._gathered(v)), x.values)
+
+    def gather(self, value: PyTree, axis: int) -> PyTree:
+        def one(x: Any) -> Any:
+            if isinstance(x, PerReplica):
+                return jax.tree.map(lambda v: _gather_fn(axis)(self._gathered(v)), x.values)
+            if isinstance(x, SyncOnRead):
+                raise TypeError(
+                    "strategy.gather got a SyncOnRead; read it with strategy.read, or see its "
+                    "components with strategy.local_results."
+                )
+            if isinstance(x, jax.Array) and self.topology.is_mirrored(x):
+                copy = self._on_first_device(x)
+                return jnp.concatenate([copy] * self.num_replicas, axis=axis)
+            return x
+
+        return jax.tree.map(one, value, is_leaf=is_distributed)
+
+    def update(self, tree: PyTree, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        return self._run(_Updater(fn), args=(tree,) + args, kwargs=kwargs)
+
+
+class _Updater:
+    """`fn` as a replica function, hashed by `fn` so that `update` reuses compiled steps."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __hash__(self) -> int:
+        return hash(self.fn)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Updater) and other.fn == self.fn
+
+
+def _shares_memory(source: Any, placed: jax.Array) -> bool:
+    """Whether `placed` reuses a buffer of the device array `source`."""
+    if not isinstance(source, jax.Array):
+        return False  # host values were copied on the host
+    mine = {shard.data.unsafe_buffer_pointer() for shard in source.addressable_shards}
+    return any(shard.data.unsafe_buffer_pointer() in mine for shard in placed.addressable_shards)
+
+
+@functools.cache
+def _copy_fn(sharding: Any) -> Callable[[list[jax.Array]], list[jax.Array]]:
+    """Fresh copies of arrays, placed with `sharding`."""
+    return jax.jit(lambda xs: [jnp.copy(x) for x in xs], out_shardings=sharding)
+
+
+@functools.cache
+def _stack_fn(sharding: Any, n: int) -> Callable[[PyTree], PyTree]:
+    """N stacked copies of a mirrored tree; each device writes its own slice."""
+
+    def stack(tree: PyTree) -> PyTree:
+        return jax.tree.map(lambda x: jnp.broadcast_to(x[None], (n,) + jnp.shape(x)), tree)
+
+    return jax.jit(stack, out_shardings=sharding)
+
+
+_squeeze = jax.jit(lambda x: x[0])
+
+
+@functools.cache
+def _reduce_fn(op: ReduceOp, axis: int | None) -> Callable[[jax.Array], jax.Array]:
+    """Reduces stacked components (leading replica axis), and axis `axis` of each component."""
+    axes = 0 if axis is None else (0, axis + 1 if axis >= 0 else axis)
+    reducer = REDUCERS[op]
+    return jax.jit(lambda x: reducer(x, axis=axes))
+
+
+@functools.cache
+def _reduce_many(ops: tuple[ReduceOp, ...]) -> Callable[[list[jax.Array]], list[jax.Array]]:
+    """Reduces a list of stacked components over their replica axis, one op each."""
+    reducers = [REDUCERS[op] for op in ops]
+    return jax.jit(lambda xs: [r(x, axis=0) for r, x in zip(reducers, xs)])
+
+
+@functools.cache
+def _gather_fn(axis: int) -> Callable[[jax.Array], jax.Array]:
+    """Concatenates stacked components along `axis` of each component."""
+
+    def gather(x: jax.Array) -> jax.Array:
+        if x.ndim == 1:  # scalar components: the global vector of them
+            return x
+        return jnp.concatenate(list(x), axis=axis)
+
+    return jax.jit(gather)

@@ -1,0 +1,143 @@
+"""The cross-replica operations inside a `merge_call`'s `merge_fn`: collectives.
+
+Inside `merge_fn` every replica traces the same code on its own components, so an operation
+that combines replicas is a collective over the replica axis (`reduce` an all-reduce,
+`local_results` and `gather` an all-gather), and its result is a traced value that every replica
+holds. Placing is trivial there: each replica already holds its component.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jmirror._context import ReplicaContext, all_reduce_leaf, merge_per_replica
+from jmirror._cross_replica import REDUCERS, CrossReplica
+from jmirror._values import (
+    Aggregation,
+    PerReplica,
+    PyTree,
+    ReduceOp,
+    SyncOnRead,
+    ValueContext,
+    is_distributed,
+)
+
+
+class MergeOps(CrossReplica):
+    """`CrossReplica` inside the `merge_fn` of the replica context `context`."""
+
+    where = " inside merge_fn"
+
+    def __init__(self, context: ReplicaContext):
+        self.context = context
+        self.num_replicas = context.num_replicas
+
+    # --- placing -------------------------------------------------------------------------------
+
+    def mirror(self, tree: PyTree) -> PyTree:
+        return tree
+
+    def sync_on_read(self, tree: PyTree, aggregation: Aggregation) -> SyncOnRead:
+        return SyncOnRead(tree, aggregation)
+
+    def sync_on_read_from(self, component: Callable[[jax.Array], PyTree], aggregation):
+        return SyncOnRead(component(self.context.replica_id), aggregation)
+
+    def distribute_values_from_function(self, value_fn: Callable[[ValueContext], PyTree]):
+        raise RuntimeError(
+            "strategy.distribute_values_from_function cannot run inside a merge_fn; call it "
+            "outside the replicated function and pass the result in."
+        )
+
+    def split_key(self, key: jax.Array) -> PerReplica:
+        keys = jax.random.split(key, self.num_replicas)
+        return merge_per_replica(keys[self.context.replica_id], self.context.axis_name)
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def read(self, tree: PyTree) -> PyTree:
+        self.check_readable(tree)
+
+        def one(x: Any) -> Any:
+            if not isinstance(x, SyncOnRead):
+                return x
+            if x.aggregation is Aggregation.ONLY_FIRST_REPLICA:
+                return self.context.sync(x.value, x.aggregation)
+            op = ReduceOp.SUM if x.aggregation is Aggregation.SUM else ReduceOp.MEAN
+            return self._all_reduce(op, x.value, None)
+
+        return jax.tree.map(one, tree, is_leaf=is_distributed)
+
+    def _all_reduce(self, op: ReduceOp, tree: PyTree, axis: int | None) -> PyTree:
+        def one(x: Any) -> Any:
+            if axis is not None:
+                x = REDUCERS[op](jnp.asarray(x), axis=axis)
+            return all_reduce_leaf(op, x, self.context.axis_name)
+
+        return jax.tree.map(one, tree)
+
+    def local_results(self, value: PyTree) -> tuple[PyTree, ...]:
+        nodes, treedef = jax.tree_util.tree_flatten(value, is_leaf=is_distributed)
+        per_node = []
+        for x in nodes:
+            if isinstance(x, PerReplica):
+                per_node.append(x.values)
+            elif isinstance(x, SyncOnRead):
+                per_node.append(self.context.all_gather(x.value))
+            else:
+                per_node.append(None)
+        if all(p is None for p in per_node):
+            return (value,)
+        return tuple(
+            treedef.unflatten(
+                [
+                    x if p is None else jax.tree.map(lambda v, i=i: v[i], p)
+                    for x, p in zip(nodes, per_node)
+                ]
+            )
+            for i in range(self.num_replicas)
+        )
+
+    def reduce_per_replica(self, op: ReduceOp, x: PerReplica, axis: int | None) -> PyTree:
+        return self._all_reduce(op, x._values, axis)
+
+    def reduce_plain(self, op: ReduceOp, value: Any) -> Any:
+        if isinstance(value, jax.core.Tracer):
+            raise ValueError(
+                f"strategy.reduce({op.name}, value) inside merge_fn got a traced value that is "
+                "not a PerReplica: it was captured from the replica function's closure instead "
+                "of passed through merge_call, so jmirror cannot tell whether it differs "
+                "between replicas. Pass it in jm.merge_call(merge_fn, args=(value,)): merge_fn "
+                "then receives a PerReplica when it may differ."
+            )
+        return super().reduce_plain(op, value)
+
+    def gather(self, value: PyTree, axis: int) -> PyTree:
+        gather = self.context.all_gather
+
+        def one(x: Any) -> Any:
+            if isinstance(x, PerReplica):
+                return jax.tree.map(
+                    lambda v: gather(v, axis=axis, tiled=jnp.ndim(v) > 0), x._values
+                )
+            if isinstance(x, SyncOnRead):
+                raise TypeError(
+                    "strategy.gather got a SyncOnRead; read it with strategy.read, or see its "
+                    "components with strategy.local_results."
+                )
+            return x
+
+        return jax.tree.map(one, value, is_leaf=is_distributed)
+
+    def update(self, tree: PyTree, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        # Every replica runs fn on its own components.
+        tree, args, kwargs = jax.tree.map(
+            lambda x: x._values if isinstance(x, PerReplica) else x,
+            (tree, args, kwargs),
+            is_leaf=lambda x: isinstance(x, PerReplica),
+        )
+        return fn(tree, *args, **kwargs)
