@@ -65,10 +65,10 @@ def dispatch(rounds: int, leaves: int = 1) -> list[list[str]]:
     for backend in ("pmap", "shard_map"):
         strategy = jm.MirroredStrategy(backend=backend)
         step = jm.replicate(trivial, strategy=strategy)
-        px = jm.PerReplica(jax.device_put(x, strategy._stacked))
+        px = jm.PerReplica(jax.device_put(x, strategy.topology.stacked))
         fns[f"jm.replicate[{backend}]"] = lambda step=step, px=px: step(px)
     raw = jax.pmap(trivial)
-    rx = jax.device_put(x, jm.MirroredStrategy()._stacked)
+    rx = jax.device_put(x, jm.MirroredStrategy().topology.stacked)
     fns["raw jax.pmap"] = _bounded(lambda: raw(rx))
     for fn in fns.values():
         jax.block_until_ready(fn())
@@ -164,7 +164,7 @@ def in_flight_cost(rounds: int) -> list[list[str]]:
     strategy = jm.MirroredStrategy()
     step = jm.replicate(lambda w, x: w + jm.all_reduce("mean", x), strategy=strategy)
     w = strategy.mirror(np.zeros(1024, np.float32))
-    x = jm.PerReplica(jax.device_put(np.ones((n, 1024), np.float32), strategy._stacked))
+    x = jm.PerReplica(jax.device_put(np.ones((n, 1024), np.float32), strategy.topology.stacked))
     raw = jax.pmap(lambda w, x: w + jax.lax.pmean(x, "i"), "i", in_axes=(None, 0), out_axes=None)
     rx = x.values
     jax.block_until_ready((step(w, x), raw(w, rx)))
@@ -190,7 +190,7 @@ def donation_cost(rounds: int) -> list[list[str]]:
     params, tx, loss_fn, x, y = make_problem(2048)
     n = jax.device_count()
     strategy = jm.MirroredStrategy()
-    batch = jax.device_put((x.reshape(n, -1, x.shape[-1]), y.reshape(n, -1)), strategy._stacked)
+    batch = jax.device_put((x.reshape(n, -1, x.shape[-1]), y.reshape(n, -1)), strategy.topology.stacked)
 
     def train_step(params, opt_state, x, y):
         loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
