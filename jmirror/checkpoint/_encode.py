@@ -69,7 +69,7 @@ class _Encoder:
                 child = self.aggregated(x, path)
             return {"node": "sync_on_read", "aggregation": x.aggregation.value, "child": child}
         if isinstance(x, PerReplica):
-            if type(x) is not PerReplica:  # merge_fn's PerReplica holds one component
+            if x.is_component:  # inside merge_fn a PerReplica holds one component
                 raise RuntimeError(
                     f"jm.checkpoint.save got a PerReplica at path {where!r} inside a merge_fn; "
                     "save from cross-replica context, outside the replicated function."
