@@ -217,6 +217,8 @@ def _shutdown(elements: Iterator[Any], prefetcher: _Prefetcher | None, control: 
     control.stopped.set()  # the source is asked for nothing more
     if prefetcher is not None:
         prefetcher.stop()  # the thread closes `elements` itself
+    elif getattr(elements, "gi_running", False):
+        pass  # another thread is inside it: `control.stopped` ends it after that source call
     else:
         close = getattr(elements, "close", None)
         if callable(close):

@@ -114,6 +114,26 @@ def test_a_closed_iterator_stays_closed_while_the_source_is_blocked(s, n, jmirro
     source.release.set()
 
 
+def test_closing_from_another_thread_without_prefetch(s, n, jmirror_threads):
+    # With prefetch=0 the consumer itself waits in the source; a close from another thread
+    # returns at once, and the consumer's pass ends when the source's call returns.
+    source = Stall(n)
+    data = s.distribute_dataset(source, remainder="drop", prefetch=0)
+    it = iter(data)
+    next(it)
+    got = []
+    consumer = threading.Thread(target=lambda: got.extend(it), name="jmirror-test-consumer")
+    consumer.start()
+    assert source.blocked.wait(STALL_S)
+    began = time.monotonic()
+    data.close()
+    assert time.monotonic() - began < PROMPT_S
+    source.release.set()
+    consumer.join(STALL_S)
+    assert not consumer.is_alive() and got == []
+    assert source.asked == 2 and source.closed.is_set()
+
+
 def test_break_does_not_wait_for_the_source(s, n, jmirror_threads):
     release = threading.Event()
 
