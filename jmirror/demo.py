@@ -75,6 +75,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--learning-rate", type=float, default=0.1, help="SGD step size (momentum 0.9)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save a checkpoint after every epoch here; resume from the newest one if any",
+    )
     args = parser.parse_args(argv)
     if args.devices < 1 or args.epochs < 1:
         parser.error("--devices and --epochs must be at least 1")
@@ -272,6 +277,22 @@ def train_one_device(
     return state.params, hits / len(test["y"])
 
 
+def _resume(
+    args: argparse.Namespace, strategy: jm.MirroredStrategy
+) -> tuple[jm.checkpoint.CheckpointManager | None, int]:
+    """The checkpoint manager of `--checkpoint-dir` and the epochs its newest step completed."""
+    if args.checkpoint_dir is None:
+        return None, 0
+    manager = jm.checkpoint.CheckpointManager(args.checkpoint_dir, strategy=strategy, max_to_keep=2)
+    latest = manager.latest_step() or 0
+    if latest > args.epochs:
+        raise SystemExit(
+            f"--checkpoint-dir {args.checkpoint_dir} holds a run of {latest} epochs, more than "
+            f"--epochs {args.epochs}; pass --epochs {latest} or more, or a new directory."
+        )
+    return manager, latest
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs the demo; returns the final accuracies and the largest parameter difference.
 
@@ -306,8 +327,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     state = strategy.mirror(TrainState.create(apply_fn=model.apply, params=init_params, tx=tx))
     train_step = jm.replicate(_train_step, strategy=strategy)
     eval_step = jm.replicate(_eval_step, strategy=strategy, static_argnums=1)
+    manager, first_epoch = _resume(args, strategy)
+    if manager is not None and first_epoch:
+        state = manager.restore(first_epoch, target=state)
+        print(f"resuming after epoch {first_epoch} from {manager.directory}")
 
-    for epoch in range(args.epochs):
+    for epoch in range(first_epoch, args.epochs):
         batches = train_batches(train, args.batch_size, epoch, args.seed)
         loss, accuracy = metrics.Mean.create(strategy), metrics.Accuracy.create(strategy)
         start = time.perf_counter()
@@ -323,8 +348,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(
             f"{label}  {len(batches)} steps  loss {epoch_loss:.4f}  "
             f"accuracy {epoch_accuracy:.4f}  {rate:,.0f} examples/s"
-            + ("  (includes compiling)" if epoch == 0 else "")
+            + ("  (includes compiling)" if epoch == first_epoch else "")
         )
+        if manager is not None:
+            manager.save(epoch + 1, state, data={"epochs_done": epoch + 1})
+    if manager is not None:
+        manager.close()  # waits for the last background write
 
     accuracy = metrics.Accuracy.create(strategy)
     for batch, mask in padded_batches(test, args.batch_size):

@@ -180,3 +180,17 @@ def test_the_8_replica_checkpoint_resumes_on_fewer_replicas(backend, killed, uni
     for got, want in zip(leaves(resumed), full_leaves, strict=True):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
     np.testing.assert_allclose(float(strategy.read(total)), full_total, rtol=1e-5)
+
+
+def test_demo_resumes_from_its_checkpoint_dir(tmp_path, capsys):
+    from jmirror import demo
+
+    n = len(jax.devices("cpu"))
+    flags = ["--devices", str(n), "--batch-size", str(64 * n), "--checkpoint-dir", str(tmp_path)]
+    demo.main([*flags, "--epochs", "1"])
+    assert "resuming" not in capsys.readouterr().out
+    result = demo.main([*flags, "--epochs", "2"])  # exits 1 unless it matches one device
+    out = capsys.readouterr().out
+    assert f"resuming after epoch 1 from {tmp_path}" in out and "epoch   2/2" in out
+    assert "epoch   1/2" not in out and result["max_param_diff"] <= 1e-4
+    assert jm.checkpoint.CheckpointManager(tmp_path).all_steps() == [1, 2]
