@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.core
 
 from jmirror._topology import Topology
 

@@ -48,7 +48,7 @@ import reprlib
 import threading
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -64,10 +64,8 @@ from jmirror._prefetch import (
     position_dict,
 )
 from jmirror._shim import put_rows
+from jmirror._topology import Topology
 from jmirror._values import PerReplica, PyTree
-
-if TYPE_CHECKING:
-    from jmirror._strategy import MirroredStrategy
 
 _REMAINDERS = ("pad", "drop", "error")
 _DATASET_CALL = "strategy.distribute_dataset"
@@ -360,7 +358,7 @@ def _pad(x: Any, size: int) -> Any:
     return out
 
 
-def _place(strategy: MirroredStrategy, arrays: list[Any]) -> list[jax.Array]:
+def _place(topology: Topology, arrays: list[Any]) -> list[jax.Array]:
     """Slice i of each (N, ...) array lands on device i, and only there.
 
     Host arrays go through `jmirror._shim.put_rows`, one C++ call per leaf that copies each
@@ -368,7 +366,7 @@ def _place(strategy: MirroredStrategy, arrays: list[Any]) -> list[jax.Array]:
     while the step keeps the cores busy); arrays already on devices go through one
     `jax.device_put`.
     """
-    sharding = strategy.topology.stacked
+    sharding = topology.stacked
     return [
         put_rows(x, sharding) if isinstance(x, np.ndarray) else jax.device_put(x, sharding)
         for x in arrays
@@ -422,12 +420,12 @@ class PaddedBatch(NamedTuple):
 
 
 def _global_batches(
-    strategy: MirroredStrategy, source: _Source, remainder: str, control: Control, skip: int
+    topology: Topology, source: _Source, remainder: str, control: Control, skip: int
 ) -> Iterator[Any]:
     """Yields placed global batches (`PerReplica`, or `PaddedBatch` for "pad"), positioned."""
     pulled = source.pull(control)
     try:
-        yield from _split_batches(strategy, pulled, remainder, control, skip)
+        yield from _split_batches(topology, pulled, remainder, control, skip)
     finally:
         pulled.close()
 
@@ -451,7 +449,7 @@ def _global_size(call: str, n: int, size: int, remainder: str) -> tuple[int, _Wa
 
 
 def _split_batches(
-    strategy: MirroredStrategy,
+    topology: Topology,
     pulled: Iterator[Any],
     remainder: str,
     control: Control,
@@ -459,7 +457,7 @@ def _split_batches(
 ) -> Iterator[Any]:
     """Splits and places each batch; the first `skip` are only counted (the first sets G)."""
     call = _DATASET_CALL
-    n = strategy.num_replicas
+    n = topology.num_replicas
     g = 0
     first = 0
     index = -1
@@ -504,10 +502,10 @@ def _split_batches(
             mask = (np.arange(g) < size).reshape(n, g // n)
         arrays = [x.reshape((n, g // n) + tuple(x.shape[1:])) for x in leaves]
         if mask is None:
-            placed = _place(strategy, arrays)
+            placed = _place(topology, arrays)
             yield _Positioned(PerReplica(treedef.unflatten(placed)), index + 1)
         else:
-            placed = _place(strategy, arrays + [mask])
+            placed = _place(topology, arrays + [mask])
             pair = PaddedBatch(PerReplica(treedef.unflatten(placed[:-1])), PerReplica(placed[-1]))
             yield _Positioned(pair, index + 1)
     if index + 1 < skip and not control.stopped.is_set():
@@ -518,9 +516,9 @@ def _split_batches(
         )
 
 
-def _dealt_batches(strategy: MirroredStrategy, source: _Source, control: Control) -> Iterator[Any]:
+def _dealt_batches(topology: Topology, source: _Source, control: Control) -> Iterator[Any]:
     """Yields placed `PerReplica` batches, dealing N consecutive elements to replicas 0..N-1."""
-    n = strategy.num_replicas
+    n = topology.num_replicas
     group: list[Any] = []
     step = 0
     pulled = source.pull(control)
@@ -528,7 +526,7 @@ def _dealt_batches(strategy: MirroredStrategy, source: _Source, control: Control
         for element in pulled:
             group.append(element)
             if len(group) == n:
-                yield _stack_group(strategy, group, step)
+                yield _stack_group(topology, group, step)
                 group = []
                 step += 1
     finally:
@@ -542,7 +540,7 @@ def _dealt_batches(strategy: MirroredStrategy, source: _Source, control: Control
         )
 
 
-def _stack_group(strategy: MirroredStrategy, group: list[Any], step: int) -> PerReplica:
+def _stack_group(topology: Topology, group: list[Any], step: int) -> PerReplica:
     call = _FUNCTION_CALL
     flats = []
     treedef = _flatten(group[0])[1]
@@ -573,7 +571,7 @@ def _stack_group(strategy: MirroredStrategy, group: list[Any], step: int) -> Per
                     "share shapes and dtypes. Batch the dataset with drop_remainder, or pad it."
                 )
         stacked.append(np.stack(parts))
-    return PerReplica(treedef.unflatten(_place(strategy, stacked)))
+    return PerReplica(treedef.unflatten(_place(topology, stacked)))
 
 
 # --- the dataset ---------------------------------------------------------------------------------
@@ -601,7 +599,7 @@ class DistributedDataset:
         open_elements: Callable[[Control, int], Iterator[Any]],
         prefetch: int,
         call: str,
-        strategy: MirroredStrategy,
+        topology: Topology,
         *,
         start: int | None = None,
         source: str = "the source",
@@ -614,7 +612,7 @@ class DistributedDataset:
         self._start = start
         self._source = source
         # On host devices the step's compute shares the cores: see jmirror._prefetch.
-        self._low_priority = strategy.devices[0].platform == "cpu"
+        self._low_priority = topology.devices[0].platform == "cpu"
         self._iterators: weakref.WeakSet[DistributedIterator] = weakref.WeakSet()
 
     def __iter__(self) -> DistributedIterator:
@@ -663,7 +661,7 @@ class DistributedDataset:
 
 
 def distribute_dataset(
-    strategy: MirroredStrategy,
+    topology: Topology,
     dataset: Any,
     *,
     remainder: str = "pad",
@@ -673,7 +671,7 @@ def distribute_dataset(
     """Splits each global batch of `dataset` into per-replica shards on the devices.
 
     Args:
-      strategy: the `MirroredStrategy` whose devices receive the batches.
+      topology: the strategy's `Topology`: the devices that receive the batches.
       dataset: an iterable of global batches (pytrees of array-likes with one common leading
         batch size), or a zero-argument callable returning one, called again per pass. A
         leaf is a numpy array, a `jax.Array` or a list of numbers (nested lists of the same
@@ -731,10 +729,10 @@ def distribute_dataset(
     skip = _check_start(start)
     source = _source(_DATASET_CALL, dataset)
     return DistributedDataset(
-        lambda control, skip: _global_batches(strategy, source, remainder, control, skip),
+        lambda control, skip: _global_batches(topology, source, remainder, control, skip),
         prefetch,
         _DATASET_CALL,
-        strategy,
+        topology,
         start=skip,
         source=source.describe(),
     )
@@ -773,7 +771,7 @@ def _check_start(start: Any) -> int:
 
 
 def distribute_datasets_from_function(
-    strategy: MirroredStrategy, dataset_fn: Callable[[InputContext], Any], *, prefetch: int = 2
+    topology: Topology, dataset_fn: Callable[[InputContext], Any], *, prefetch: int = 2
 ) -> DistributedDataset:
     """Deals the per-replica batches of `dataset_fn(jm.InputContext(...))` to the replicas.
 
@@ -783,7 +781,7 @@ def distribute_datasets_from_function(
     dropped with a `UserWarning`.
 
     Args:
-      strategy: the `MirroredStrategy` whose devices receive the batches.
+      topology: the strategy's `Topology`: the devices that receive the batches.
       dataset_fn: a function of a `jm.InputContext` returning an iterable of per-replica
         batches (pytrees of array-likes; the N elements of a step share shapes).
       prefetch: how many steps a background thread keeps on the devices ahead of the
@@ -816,13 +814,13 @@ def distribute_datasets_from_function(
         )
     prefetch = _check_prefetch(_FUNCTION_CALL, prefetch)
     context = InputContext(
-        num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=strategy.num_replicas
+        num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=topology.num_replicas
     )
     source = _Source(_FUNCTION_CALL, lambda: dataset_fn(context), dataset_fn)
     return DistributedDataset(
-        lambda control, skip: _dealt_batches(strategy, source, control),
+        lambda control, skip: _dealt_batches(topology, source, control),
         prefetch,
         _FUNCTION_CALL,
-        strategy,
+        topology,
         source=source.describe(),
     )

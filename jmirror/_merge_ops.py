@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 
 from jmirror._context import ReplicaContext, all_reduce_leaf, merge_per_replica

@@ -461,7 +461,7 @@ class MirroredStrategy:
             True
         """
         return distribute_dataset(
-            self, dataset, remainder=remainder, prefetch=prefetch, start=start
+            self._topology, dataset, remainder=remainder, prefetch=prefetch, start=start
         )
 
     def distribute_datasets_from_function(
@@ -483,7 +483,7 @@ class MirroredStrategy:
             >>> len(list(data))
             2
         """
-        return distribute_datasets_from_function(self, dataset_fn, prefetch=prefetch)
+        return distribute_datasets_from_function(self._topology, dataset_fn, prefetch=prefetch)
 
 
 def _check_axis_name(axis_name: Any) -> None:
