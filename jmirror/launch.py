@@ -262,7 +262,7 @@ class _Launch:
 
     def _supervise(self) -> None:
         drain_until = None
-        while self.selector.get_map():
+        while True:
             for key, _ in self.selector.select(timeout=0.05):
                 self._read(key.data, key.fd)
             self._poll()
@@ -275,11 +275,12 @@ class _Launch:
                 self._stop(signal.SIGKILL)
             if all(p.code is not None for p in self.processes):
                 drain_until = drain_until or now + _DRAIN_S
-                if now >= drain_until:  # children of the processes hold the pipes open
+                # Children of the processes may hold the pipes open: wait only so long.
+                if not self.selector.get_map() or now >= drain_until:
                     break
         for key in list(self.selector.get_map().values()):
-            self._flush(key.data, key.fd)
             self.selector.unregister(key.fd)
+            self._flush(key.data, key.fd)
 
     def _read(self, process: _Process, fd: int) -> None:
         try:
@@ -295,8 +296,8 @@ class _Launch:
                 os.close(fd)
             return
         if not data:
-            self._flush(process, fd)
             self.selector.unregister(fd)
+            self._flush(process, fd)
             return
         lines = (process.partial.pop(fd, b"") + data).split(b"\n")
         process.partial[fd] = lines.pop()
