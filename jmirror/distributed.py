@@ -18,7 +18,7 @@ Lost processes: JAX's coordination service ends every process of the run when on
 sending heartbeats for `heartbeat_timeout_s` seconds. jmirror sets 10 s instead of JAX's
 100 s so that a process killed while the others wait in a collective ends them within about
 10 s: measured with JAX 0.10.2 (2 or 3 processes × 4 host devices in a loop of cross-process
-sums, one SIGKILLed), every survivor ended by itself in 9-10 s, with SIGABRT (exit code 134),
+sums, one SIGKILLed), every survivor ended by itself in 9-11 s, with SIGABRT (exit code 134),
 printing JAX's `Terminating process because the JAX distributed service detected fatal
 errors` and `The following tasks are unhealthy (stopped sending heartbeats):` followed by the
 lost process's index (JAX's task number is the process index). When the lost process is
