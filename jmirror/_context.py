@@ -2,10 +2,10 @@
 
 A replicated function is traced once per round of the static proof (see `_proof.py`). Calls
 that need to know at trace time whether a value is identical on every replica (`sync`,
-`merge_call`) tag their inputs with a *marker*: a named identity `jax.jit` call that the proof
-finds in the traced jaxpr. The proof reports for each marker which inputs it proved identical,
-and the next round of tracing uses that answer (the *oracle*). Until a marker has an answer
-its inputs are taken to differ across replicas, which is always safe.
+`merge_call`) tag their inputs with a *marker* (`jmirror._proof.mark`), an identity equation
+that the proof finds in the traced jaxpr. The proof reports for each marker which inputs it
+proved identical, and the next round of tracing uses that answer (the *oracle*). Until a marker
+has an answer its inputs are taken to differ across replicas, which is always safe.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jmirror._proof import mark
 from jmirror._values import Aggregation, PerReplica, PyTree, ReduceOp, SyncOnRead
 
 if TYPE_CHECKING:
@@ -47,8 +48,6 @@ class Runner(Protocol):
     @property
     def num_replicas(self) -> int: ...
 
-
-MARKER_PREFIX = "jmirror_marker_"
 
 _NOT_IN_REPLICA = (
     "{call} needs a replica context, but it was called in cross-replica context{where}. Call it "
@@ -114,11 +113,7 @@ class TraceRound:
         if not leaves:
             return list(leaves), known, answered
 
-        def marker(*xs):
-            return xs
-
-        marker.__name__ = marker.__qualname__ = f"{MARKER_PREFIX}{marker_id}"
-        marked = list(jax.jit(marker)(*leaves))
+        marked = mark(leaves, marker_id)
         self.learn(marked, known)
         return marked, known, answered
 

@@ -15,21 +15,47 @@ marks every variable *varying* (may differ between replicas) or *identical*:
   `cond` or `while_loop` is a `ValueError`: replicas would wait on each other forever.
 
 The analysis is sound (an identical value never differs) and conservative where it cannot
-see through an equation. It also reports, for each marker left by `sync` / `merge_call`
-(see `_context.py`), which of its inputs vary.
+see through an equation. It also reports, for each *marker*, which of its inputs vary.
+
+A marker is an equation of the `jmirror_marker` primitive defined here: an identity on its
+operands, carrying a `marker_id`. `sync` and `merge_call` (see `_context.py`) pass the values
+they need to know about through `mark(values, marker_id)` while the replica function is traced;
+the proof finds the equation by its primitive and reports on its operands. The primitive is
+transparent to JAX's transformations (differentiation, batching) and lowers to nothing.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
 import jax.extend.core as jex
+from jax.interpreters import ad, batching, mlir
 
-from jmirror._context import MARKER_PREFIX
+MARKER = jex.Primitive("jmirror_marker")
+MARKER.multiple_results = True
+MARKER.def_impl(lambda *xs, marker_id: list(xs))
+MARKER.def_abstract_eval(lambda *avals, marker_id: list(avals))
+mlir.register_lowering(MARKER, lambda ctx, *xs, marker_id: list(xs))
 
-_MARKER_RE = re.compile(re.escape(MARKER_PREFIX) + r"(\d+)$")
+
+def _marker_jvp(primals, tangents, *, marker_id):
+    return MARKER.bind(*primals, marker_id=marker_id), list(tangents)
+
+
+def _marker_batch(args, dims, *, marker_id):
+    return MARKER.bind(*args, marker_id=marker_id), list(dims)
+
+
+ad.primitive_jvps[MARKER] = _marker_jvp
+batching.primitive_batchers[MARKER] = _marker_batch
+
+
+def mark(values: Sequence[Any], marker_id: int) -> list[Any]:
+    """`values` unchanged, tagged in the traced jaxpr with the marker `marker_id`."""
+    return MARKER.bind(*values, marker_id=marker_id)
+
+
 _REDUCTIONS = frozenset({"psum", "pmax", "pmin", "all_gather", "psum_invariant"})
 _ALWAYS_VARYING = frozenset(
     {"axis_index", "rng_uniform", "pure_callback", "io_callback", "ppermute", "pbroadcast"}
@@ -114,22 +140,19 @@ class Proof:
             return self._while(eqn, ins)
         if name == "cond":
             return self._cond(eqn, ins)
+        if eqn.primitive is MARKER:
+            self._record_marker(eqn.params["marker_id"], ins)
+            return list(ins)
         subs = list(jex.jaxprs_in_params(eqn.params))
         if not subs:
             return [any(ins)] * n_out
-        if name == "jit":
-            self._record_marker(eqn, ins)
         if len(subs) == 1 and _arity(subs[0]) == (len(ins), n_out):
             return self.run(subs[0], ins)
         # An equation we cannot see through: conservative.
         varies = any(ins) or any(self._introduces_variation(s) for s in subs)
         return [varies] * n_out
 
-    def _record_marker(self, eqn: Any, ins: list[bool]) -> None:
-        match = _MARKER_RE.match(str(eqn.params.get("name", "")))
-        if match is None:
-            return
-        marker_id = int(match.group(1))
+    def _record_marker(self, marker_id: int, ins: list[bool]) -> None:
         previous = self.markers.get(marker_id)
         if previous is None or len(previous) != len(ins):
             self.markers[marker_id] = list(ins)
