@@ -1,22 +1,20 @@
 """`jm.replicate`: compiling a replica function for every device of a strategy.
 
-This is the only module that calls `jax.pmap` / `jax.shard_map`. For each input signature it
+For each input signature it
 
-1. traces the replica function once into a jaxpr with `jax.make_jaxpr(axis_env=...)`, which
-   gives `jax.pmap` semantics (the gradient with respect to a mirrored input is the replica's
-   own gradient) whichever backend runs it;
-2. proves which outputs are identical on every replica (`_proof.py`), re-tracing when a
-   `sync` / `merge_call` can use what the proof learned;
-3. compiles that jaxpr with the strategy's backend inside one `jax.jit` (whose C++ dispatch
-   makes repeated calls cheap): identical outputs come back mirrored (`out_axes=None` /
-   `P()`), the others stacked as `PerReplica`.
+1. traces the replica function into a jaxpr under `jax.pmap` semantics and proves which
+   outputs are identical on every replica (`jmirror._tracing`);
+2. runs that jaxpr with the strategy's backend (`jmirror._backends`) inside one `jax.jit`
+   (whose C++ dispatch makes repeated calls cheap): identical outputs come back mirrored,
+   the others as `PerReplica`, `SyncOnRead` outputs as `SyncOnRead`.
+
+Each call goes through the strategy's dispatch policy (`jmirror._dispatch`): donated arguments
+are checked, the call waits for room in the bound on steps in flight, and the step is tracked.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import re
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,47 +27,11 @@ import numpy as np
 from jmirror import _context, _dispatch
 from jmirror._backends import BACKENDS
 from jmirror._context import Runner
-from jmirror._proof import prove
+from jmirror._tracing import FORCED, SPLIT, STORAGE, ReplicaCall, flatten_slots, trace_and_prove
 from jmirror._values import PerReplica, SyncOnRead, is_distributed
 
-_MAX_ROUNDS = 4
 # More input signatures than this compiled by one replicated function earn a warning.
 _RETRACE_WARNING_AT = 8
-_UNBOUND_AXIS = re.compile(r"unbound axis name: (\S+?)\.?(\s|$)")
-
-# Kinds of a top-level input slot.
-_SPLIT, _BROADCAST = "split", "broadcast"
-# Kinds of a top-level output slot.
-_AUTO, _FORCED, _STORAGE = "auto", "per_replica", "sync_on_read"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Slot:
-    """One top-level leaf of an input or output tree: a plain leaf or a distributed node."""
-
-    kind: str  # inputs: _SPLIT / _BROADCAST; outputs: _AUTO / _FORCED / _STORAGE
-    treedef: Any = None  # for distributed nodes: the structure inside the node
-    aggregation: Any = None  # for SyncOnRead nodes
-    size: int = 1  # number of flat leaves
-
-
-def _flatten_slots(top: Sequence[Any], inputs: bool) -> tuple[list[Any], list[_Slot]]:
-    """Flat leaves and slots of top-level nodes, opening distributed nodes one level."""
-    flat: list[Any] = []
-    slots: list[_Slot] = []
-    for node in top:
-        if isinstance(node, SyncOnRead):
-            leaves, inner = jax.tree_util.tree_flatten(node.value)
-            kind = _SPLIT if inputs else _STORAGE
-            slots.append(_Slot(kind, inner, node.aggregation, len(leaves)))
-        elif isinstance(node, PerReplica):
-            leaves, inner = jax.tree_util.tree_flatten(node._values)
-            slots.append(_Slot(_SPLIT if inputs else _FORCED, inner, None, len(leaves)))
-        else:
-            leaves = [node]
-            slots.append(_Slot(_BROADCAST if inputs else _AUTO))
-        flat.extend(leaves)
-    return flat, slots
 
 
 class Replicated:
@@ -292,8 +254,8 @@ class Replicated:
         statics = tuple(args[i] for i in self._static)
         dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
         top, treedef = jax.tree_util.tree_flatten((dynamic, kwargs), is_leaf=is_distributed)
-        flat, slots = _flatten_slots(top, inputs=True)
-        split = [slot.kind == _SPLIT for slot in slots for _ in range(slot.size)]
+        flat, slots = flatten_slots(top, inputs=True)
+        split = [slot.kind == SPLIT for slot in slots for _ in range(slot.size)]
         avals = []
         for leaf, s in zip(flat, split):
             aval = jax.typeof(leaf)
@@ -303,122 +265,36 @@ class Replicated:
                     raise self._bad_split(strategy, args, kwargs, leaf)
                 shape = shape[1:]
             avals.append(jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type))
-        closed, out_split, out_slots, out_treedef = self._prove(
-            strategy, treedef, slots, statics, len(args), split, avals
+        call = ReplicaCall(
+            self._fn,
+            repr(self),
+            strategy,
+            treedef,
+            tuple(slots),
+            statics,
+            self._static,
+            len(args),
+            tuple(split),
         )
+        step = trace_and_prove(call, avals)
+        out_split = step.out_split
         # A step with no array output (none at all, or only float0 gradients) returns a
         # scalar token for the in-flight bound to wait on.
-        needs_token = all(aval.dtype == jax.dtypes.float0 for aval in closed.out_avals)
-        outs = BACKENDS[strategy.backend](strategy.topology, closed, split, out_split, needs_token)(
-            *flat
-        )
+        needs_token = all(aval.dtype == jax.dtypes.float0 for aval in step.closed.out_avals)
+        backend = BACKENDS[strategy.backend]
+        outs = backend(strategy.topology, step.closed, split, out_split, needs_token)(*flat)
         built, pos = [], 0
-        for slot in out_slots:
+        for slot in step.out_slots:
             leaves = outs[pos : pos + slot.size]
-            if slot.kind == _STORAGE:
+            if slot.kind == STORAGE:
                 built.append(SyncOnRead(slot.treedef.unflatten(leaves), slot.aggregation))
-            elif slot.kind == _FORCED:
+            elif slot.kind == FORCED:
                 built.append(PerReplica(slot.treedef.unflatten(leaves)))
             else:
                 built.append(PerReplica(leaves[0]) if out_split[pos] else leaves[0])
             pos += slot.size
-        result = out_treedef.unflatten(built)
+        result = step.out_treedef.unflatten(built)
         return result, (outs[-1] if needs_token else None)
-
-    def _prove(self, strategy, treedef, slots, statics, n_args, split, avals):
-        """Traces the replica function to a jaxpr and proves which outputs are identical."""
-        box: dict[str, Any] = {}
-        axis_env = [(strategy.axis_name, strategy.num_replicas)]
-
-        def trace(oracle):
-            round_ = _context.TraceRound(oracle)
-            box["round"] = round_
-            # A new function object each round: make_jaxpr caches traces by function.
-            flat_fn = functools.partial(
-                self._flat_fn, strategy, treedef, slots, statics, n_args, split, box
-            )
-            try:
-                closed = jax.make_jaxpr(flat_fn, axis_env=axis_env)(*avals)
-            except NameError as e:
-                raise self._unbound_axis(strategy, e) from e
-            out_split, proof = prove(closed, split, strategy.axis_name)
-            return closed, out_split, proof, round_
-
-        oracle: dict[int, tuple[bool, ...]] = {}
-        traces = 0
-        while True:
-            closed, out_split, proof, round_ = trace(oracle)
-            traces += 1
-            found = {
-                k: tuple(proof.markers.get(k, (True,) * len(r.assumed_varying)))
-                for k, r in round_.records.items()
-            }
-            if all(found[k] == r.assumed_varying for k, r in round_.records.items()):
-                break
-            unsound = any(
-                a is False and f is True
-                for k, r in round_.records.items()
-                for a, f in zip(r.assumed_varying, found[k])
-            )
-            if traces >= _MAX_ROUNDS or (unsound and traces > 1):
-                # Stop refining: assume every marked value varies, which is always safe.
-                closed, out_split, proof, round_ = trace({})
-                break
-            oracle = found
-        for k, record in round_.records.items():
-            if record.require_identical:
-                _context.check_identical(
-                    record.call, record.paths, proof.markers.get(k, [True] * len(record.paths))
-                )
-        out_split = list(out_split)
-        pos = 0
-        for slot in box["out_slots"]:
-            if slot.kind != _AUTO:
-                out_split[pos : pos + slot.size] = [True] * slot.size
-            pos += slot.size
-        return closed, out_split, box["out_slots"], box["out_treedef"]
-
-    def _flat_fn(self, strategy, treedef, slots, statics, n_args, split, box, *flat):
-        box["round"].learn(flat, split)
-        top = []
-        pos = 0
-        for slot in slots:
-            leaves = flat[pos : pos + slot.size]
-            pos += slot.size
-            if slot.kind == _SPLIT and slot.aggregation is not None:
-                top.append(SyncOnRead(slot.treedef.unflatten(leaves), slot.aggregation))
-            elif slot.kind == _SPLIT:
-                top.append(slot.treedef.unflatten(leaves))
-            else:
-                top.append(leaves[0])
-        dynamic, kwargs = jax.tree_util.tree_unflatten(treedef, top)
-        dynamic = iter(dynamic)
-        static = iter(statics)
-        args = [next(static) if i in self._static else next(dynamic) for i in range(n_args)]
-        context = _context.ReplicaContext(strategy, box["round"])
-        _context.enter_replica(context)
-        try:
-            result = self._fn(*args, **kwargs)
-        finally:
-            _context.exit_replica()
-        out_top, out_treedef = jax.tree_util.tree_flatten(result, is_leaf=is_distributed)
-        out_flat, out_slots = _flatten_slots(out_top, inputs=False)
-        box["out_slots"] = tuple(out_slots)
-        box["out_treedef"] = out_treedef
-        return [jnp.asarray(x) for x in out_flat]
-
-    def _unbound_axis(self, strategy: Runner, error: NameError) -> Exception:
-        match = _UNBOUND_AXIS.search(str(error))
-        if match is None:
-            return error
-        name = match.group(1)
-        return NameError(
-            f"{self!r} runs a collective over the axis name {name!r}, but the strategy's axis "
-            f"name is {strategy.axis_name!r}, so {name!r} is not bound. Models written for "
-            f"jax.pmap often hard-code it (flax's BatchNorm(axis_name={name!r})): create the "
-            f"strategy with jm.MirroredStrategy(axis_name={name!r}), or use the strategy's "
-            "axis name (jm.replica_context().axis_name) in the model."
-        )
 
     def _bad_split(self, strategy: Runner, args: tuple, kwargs: dict, leaf: Any) -> ValueError:
         path = "<unknown>"

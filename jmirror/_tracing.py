@@ -1,0 +1,219 @@
+"""Tracing a replica function for one input signature, and proving its outputs.
+
+`trace_and_prove(call, avals)` traces the replica function into a jaxpr with
+`jax.make_jaxpr(axis_env=[(axis_name, N)])`, which gives `jax.pmap` semantics whichever backend
+runs it, and proves which outputs are identical on every replica (`jmirror._proof`). `sync`
+and `merge_call` leave markers whose answers only the proof knows, so tracing repeats: each
+round uses the previous round's answers (the oracle), until the answers stop changing. When a
+round contradicts an answer it relied on, or after `MAX_ROUNDS`, it traces once more with no
+answers at all (every marked value then varies, which is always safe). The result is a
+`ProvenStep`.
+
+Arguments and results cross the trace as flat leaves, grouped in *slots*: one slot per
+top-level leaf of the argument (or result) tree, where a `PerReplica` or `SyncOnRead` node is
+one slot holding its own leaves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+
+from jmirror import _context
+from jmirror._context import Runner
+from jmirror._proof import prove
+from jmirror._values import PerReplica, SyncOnRead
+
+MAX_ROUNDS = 4
+_UNBOUND_AXIS = re.compile(r"unbound axis name: (\S+?)\.?(\s|$)")
+
+# Kinds of a top-level input slot.
+SPLIT, BROADCAST = "split", "broadcast"
+# Kinds of a top-level output slot.
+AUTO, FORCED, STORAGE = "auto", "per_replica", "sync_on_read"
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One top-level leaf of an input or output tree: a plain leaf or a distributed node."""
+
+    kind: str  # inputs: SPLIT / BROADCAST; outputs: AUTO / FORCED / STORAGE
+    treedef: Any = None  # for distributed nodes: the structure inside the node
+    aggregation: Any = None  # for SyncOnRead nodes
+    size: int = 1  # number of flat leaves
+
+
+def flatten_slots(top: Sequence[Any], inputs: bool) -> tuple[list[Any], list[Slot]]:
+    """Flat leaves and slots of top-level nodes, opening distributed nodes one level."""
+    flat: list[Any] = []
+    slots: list[Slot] = []
+    for node in top:
+        if isinstance(node, SyncOnRead):
+            leaves, inner = jax.tree_util.tree_flatten(node.value)
+            kind = SPLIT if inputs else STORAGE
+            slots.append(Slot(kind, inner, node.aggregation, len(leaves)))
+        elif isinstance(node, PerReplica):
+            leaves, inner = jax.tree_util.tree_flatten(node._values)
+            slots.append(Slot(SPLIT if inputs else FORCED, inner, None, len(leaves)))
+        else:
+            leaves = [node]
+            slots.append(Slot(BROADCAST if inputs else AUTO))
+        flat.extend(leaves)
+    return flat, slots
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaCall:
+    """One call of a replica function, as the trace needs it.
+
+    Attributes:
+      fn: the replica function; `name`: how errors name it.
+      strategy: the strategy running it (the replica context's `strategy`).
+      in_treedef: the structure of `((dynamic args), kwargs)`, distributed nodes as leaves.
+      in_slots: a slot per leaf of `in_treedef`.
+      statics: the values of the static arguments; `static_argnums`: their positions.
+      num_args: the number of positional arguments.
+      split: for each flat input leaf, whether each replica sees its own slice.
+    """
+
+    fn: Callable[..., Any]
+    name: str
+    strategy: Runner
+    in_treedef: Any
+    in_slots: tuple[Slot, ...]
+    statics: tuple[Any, ...]
+    static_argnums: tuple[int, ...]
+    num_args: int
+    split: tuple[bool, ...]
+
+
+@dataclasses.dataclass
+class _Round:
+    """One round of tracing: the replica contexts' shared state and what the trace returned."""
+
+    trace: _context.TraceRound
+    out_slots: tuple[Slot, ...] = ()
+    out_treedef: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ProvenStep:
+    """A replica function traced for one input signature, with its outputs proven.
+
+    Attributes:
+      closed: the replica jaxpr (flat inputs without the replica axis, flat outputs).
+      out_split: for each flat output, whether it may differ between replicas.
+      out_slots: a slot per top-level leaf of the result; `out_treedef`: its structure.
+    """
+
+    closed: jex.ClosedJaxpr
+    out_split: tuple[bool, ...]
+    out_slots: tuple[Slot, ...]
+    out_treedef: Any
+
+
+def trace_and_prove(call: ReplicaCall, avals: Sequence[jax.ShapeDtypeStruct]) -> ProvenStep:
+    """Traces `call` on per-replica `avals` and proves which outputs are identical."""
+    strategy = call.strategy
+    axis_env = [(strategy.axis_name, strategy.num_replicas)]
+
+    def trace(oracle: dict[int, tuple[bool, ...]]):
+        round_ = _Round(_context.TraceRound(oracle))
+        # A new function object each round: make_jaxpr caches traces by function.
+        flat_fn = functools.partial(_run_replica, call, round_)
+        try:
+            closed = jax.make_jaxpr(flat_fn, axis_env=axis_env)(*avals)
+        except NameError as e:
+            raise _unbound_axis(call, e) from e
+        out_split, proof = prove(closed, call.split, strategy.axis_name)
+        return closed, out_split, proof, round_
+
+    oracle: dict[int, tuple[bool, ...]] = {}
+    rounds = 0
+    while True:
+        closed, out_split, proof, round_ = trace(oracle)
+        rounds += 1
+        records = round_.trace.records
+        found = {
+            k: tuple(proof.markers.get(k, (True,) * len(r.assumed_varying)))
+            for k, r in records.items()
+        }
+        if all(found[k] == r.assumed_varying for k, r in records.items()):
+            break
+        unsound = any(
+            a is False and f is True
+            for k, r in records.items()
+            for a, f in zip(r.assumed_varying, found[k])
+        )
+        if rounds >= MAX_ROUNDS or (unsound and rounds > 1):
+            # Stop refining: assume every marked value varies, which is always safe.
+            closed, out_split, proof, round_ = trace({})
+            break
+        oracle = found
+    for k, record in round_.trace.records.items():
+        if record.require_identical:
+            _context.check_identical(
+                record.call, record.paths, proof.markers.get(k, [True] * len(record.paths))
+            )
+    out_split = list(out_split)
+    pos = 0
+    for slot in round_.out_slots:
+        if slot.kind != AUTO:
+            out_split[pos : pos + slot.size] = [True] * slot.size
+        pos += slot.size
+    return ProvenStep(closed, tuple(out_split), round_.out_slots, round_.out_treedef)
+
+
+def _run_replica(call: ReplicaCall, round_: _Round, *flat: Any) -> list[jax.Array]:
+    """The replica function on flat per-replica leaves, in a replica context; flat results."""
+    round_.trace.learn(flat, call.split)
+    top = []
+    pos = 0
+    for slot in call.in_slots:
+        leaves = flat[pos : pos + slot.size]
+        pos += slot.size
+        if slot.kind == SPLIT and slot.aggregation is not None:
+            top.append(SyncOnRead(slot.treedef.unflatten(leaves), slot.aggregation))
+        elif slot.kind == SPLIT:
+            top.append(slot.treedef.unflatten(leaves))
+        else:
+            top.append(leaves[0])
+    dynamic, kwargs = jax.tree_util.tree_unflatten(call.in_treedef, top)
+    dynamic = iter(dynamic)
+    static = iter(call.statics)
+    args = [
+        next(static) if i in call.static_argnums else next(dynamic) for i in range(call.num_args)
+    ]
+    context = _context.ReplicaContext(call.strategy, round_.trace)
+    _context.enter_replica(context)
+    try:
+        result = call.fn(*args, **kwargs)
+    finally:
+        _context.exit_replica()
+    out_top, round_.out_treedef = jax.tree_util.tree_flatten(
+        result, is_leaf=lambda x: isinstance(x, (PerReplica, SyncOnRead))
+    )
+    out_flat, out_slots = flatten_slots(out_top, inputs=False)
+    round_.out_slots = tuple(out_slots)
+    return [jnp.asarray(x) for x in out_flat]
+
+
+def _unbound_axis(call: ReplicaCall, error: NameError) -> Exception:
+    match = _UNBOUND_AXIS.search(str(error))
+    if match is None:
+        return error
+    name, axis_name = match.group(1), call.strategy.axis_name
+    return NameError(
+        f"{call.name} runs a collective over the axis name {name!r}, but the strategy's axis "
+        f"name is {axis_name!r}, so {name!r} is not bound. Models written for jax.pmap often "
+        f"hard-code it (flax's BatchNorm(axis_name={name!r})): create the strategy with "
+        f"jm.MirroredStrategy(axis_name={name!r}), or use the strategy's axis name "
+        "(jm.replica_context().axis_name) in the model."
+    )
