@@ -1,4 +1,4 @@
-"""Input: global batches split into per-replica shards on the devices (SPEC section 7).
+"""Input: global batches split into per-replica shards on the devices.
 
 `MirroredStrategy.distribute_dataset` and `.distribute_datasets_from_function` delegate here.
 Both return a `DistributedDataset`, whose every `iter()` opens one pass over the source.

@@ -156,8 +156,8 @@ class _Prefetcher:
         self._control = control
         self._source = source
         self._results: queue.SimpleQueue = queue.SimpleQueue()
-        # Free slots as tokens in a SimpleQueue, implemented in C: a get and a put took 59 ns
-        # against 774 ns for a threading.Semaphore's acquire and release (Python code).
+        # Free slots as tokens in a SimpleQueue, implemented in C: cheaper per batch than a
+        # threading.Semaphore, written in Python (benchmarks/RESULTS.md).
         self._slots: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(prefetch):
             self._slots.put(None)

@@ -365,10 +365,12 @@ def replicate(
       fn: the replica function.
       strategy: the `MirroredStrategy` to run on; `None` means `jm.get_strategy()` at call
         time.
-      donate_argnums: positional arguments whose buffers the step may reuse. On several
-        XLA:CPU host devices an argument holding a leaf of 8 MiB or more is not donated:
-        there donating it made steps up to 1.9x slower (the step then holds its inputs and
-        outputs at once: more host memory, see benchmarks/RESULTS.md).
+      donate_argnums: positional arguments whose buffers the step may reuse. With the
+        strategy's `donation="auto"` (the default), on several XLA:CPU host devices an
+        argument holding a leaf of 8 MiB or more is not donated, since donating it is slower
+        there (the step then holds its inputs and outputs at once); `donation="always"`
+        donates exactly these arguments. A donated argument is deleted by the call: passing
+        it again is a `ValueError`.
       static_argnums: positional arguments that are static (hashed, not traced).
 
     Returns:

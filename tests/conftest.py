@@ -7,13 +7,13 @@ runs the suite with 8 and again with 1.
 import os
 
 import jax
+import pytest
+
+import jmirror as jm
+from jmirror.testing import set_host_device_count
 
 NUM_DEVICES = int(os.environ.get("JMIRROR_TEST_DEVICES", "8"))
-jax.config.update("jax_num_cpu_devices", NUM_DEVICES)
-
-import pytest  # noqa: E402
-
-import jmirror as jm  # noqa: E402
+set_host_device_count(NUM_DEVICES)
 
 BACKENDS = ("pmap", "shard_map")
 
