@@ -1,4 +1,4 @@
-"""jmirror: synchronous data parallelism on the devices of one machine, the JAX way."""
+"""jmirror: synchronous data parallelism on the devices of one machine or several, the JAX way."""
 
 from jmirror import checkpoint as checkpoint  # jm.checkpoint.save, ...
 from jmirror import distributed as distributed  # jm.distributed.initialize, ...
@@ -13,6 +13,7 @@ from jmirror._context import replica_context as replica_context
 from jmirror._context import replica_id as replica_id
 from jmirror._context import sync as sync
 from jmirror._input import InputContext as InputContext
+from jmirror._multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from jmirror._replicate import replicate as replicate
 from jmirror._strategy import MirroredStrategy as MirroredStrategy
 from jmirror._strategy import get_strategy as get_strategy
@@ -29,6 +30,7 @@ __all__ = [
     "Aggregation",
     "InputContext",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",

@@ -116,3 +116,15 @@ BACKENDS: dict[str, Callable[..., Executable]] = {
     "shard_map": _shard_map_executable,
     "vmap": _vmap_executable,
 }
+
+
+def executable(backend: str, topology: Topology) -> Callable[..., Executable]:
+    """The backend that runs replica jaxprs for `backend` on `topology`.
+
+    Across processes `"pmap"` runs as `"shard_map"`: JAX cannot run a `jax.pmap` nested in
+    `jax.jit` there, and `jax.pmap` is `jax.jit(jax.shard_map(..., check_vma=False))` anyway,
+    so the semantics are the same.
+    """
+    if backend == "pmap" and topology.process_count > 1:
+        return BACKENDS["shard_map"]
+    return BACKENDS[backend]

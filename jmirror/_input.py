@@ -517,8 +517,12 @@ def _split_batches(
 
 
 def _dealt_batches(topology: Topology, source: _Source, control: Control) -> Iterator[Any]:
-    """Yields placed `PerReplica` batches, dealing N consecutive elements to replicas 0..N-1."""
-    n = topology.num_replicas
+    """Yields placed `PerReplica` batches, dealing N consecutive elements to replicas 0..N-1.
+
+    With several processes each process's pipeline deals its own `num_local_replicas`
+    elements per step to its own replicas.
+    """
+    n = topology.num_local_replicas
     group: list[Any] = []
     step = 0
     pulled = source.pull(control)
@@ -571,6 +575,12 @@ def _stack_group(topology: Topology, group: list[Any], step: int) -> PerReplica:
                     "share shapes and dtypes. Batch the dataset with drop_remainder, or pad it."
                 )
         stacked.append(np.stack(parts))
+    if topology.process_count > 1:
+        shape = lambda x: (topology.num_replicas,) + x.shape[1:]  # noqa: E731
+        placed = [
+            jax.make_array_from_process_local_data(topology.stacked, x, shape(x)) for x in stacked
+        ]
+        return PerReplica(treedef.unflatten(placed))
     return PerReplica(treedef.unflatten(_place(topology, stacked)))
 
 
@@ -814,7 +824,9 @@ def distribute_datasets_from_function(
         )
     prefetch = _check_prefetch(_FUNCTION_CALL, prefetch)
     context = InputContext(
-        num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=topology.num_replicas
+        num_input_pipelines=topology.process_count,
+        input_pipeline_id=topology.process_index,
+        num_replicas_in_sync=topology.num_replicas,
     )
     source = _Source(_FUNCTION_CALL, lambda: dataset_fn(context), dataset_fn)
     return DistributedDataset(

@@ -25,8 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmirror import _context, _dispatch
-from jmirror._backends import BACKENDS
+from jmirror._backends import executable
 from jmirror._context import Runner
+from jmirror._process_ops import globalize
 from jmirror._tracing import FORCED, SPLIT, STORAGE, ReplicaCall, flatten_slots, trace_and_prove
 from jmirror._values import PerReplica, SyncOnRead, is_distributed
 
@@ -98,6 +99,8 @@ class Replicated:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         strategy = self._check_call(args)
+        if strategy.topology.process_count > 1:
+            args, kwargs = self._globalize(strategy, args, kwargs)
         donate = self._donates(strategy, args)
         if donate:
             _dispatch.check_donated(repr(self), args, kwargs, self._donate)
@@ -123,6 +126,12 @@ class Replicated:
         if len(self._signatures) != signatures:
             self._check_new_signature(strategy, args, kwargs)
         return result
+
+    def _globalize(self, strategy: Runner, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """With several processes: per-replica arguments of this process's components, global."""
+        topology = strategy.topology
+        args = tuple(a if i in self._static else globalize(topology, a) for i, a in enumerate(args))
+        return args, globalize(topology, kwargs)
 
     def _token(self, result: Any) -> Any:
         """The smallest array output of a step, which the in-flight bound waits on."""
@@ -281,7 +290,7 @@ class Replicated:
         # A step with no array output (none at all, or only float0 gradients) returns a
         # scalar token for the in-flight bound to wait on.
         needs_token = all(aval.dtype == jax.dtypes.float0 for aval in step.closed.out_avals)
-        backend = BACKENDS[strategy.backend]
+        backend = executable(strategy.backend, strategy.topology)
         outs = backend(strategy.topology, step.closed, split, out_split, needs_token)(*flat)
         built, pos = [], 0
         for slot in step.out_slots:

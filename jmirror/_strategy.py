@@ -26,6 +26,7 @@ from jmirror._dispatch import Dispatch
 from jmirror._host_ops import HostOps
 from jmirror._input import DistributedDataset, distribute_dataset, distribute_datasets_from_function
 from jmirror._merge_ops import MergeOps
+from jmirror._process_ops import ProcessHostOps
 from jmirror._replicate import replicate
 from jmirror._topology import Topology
 from jmirror._values import (
@@ -112,7 +113,8 @@ class MirroredStrategy:
         self._topology = topology
         self._backend = backend
         self._dispatch = Dispatch.create(topology, max_in_flight, donation, type(self).__name__)
-        self._host = HostOps(topology, self.run)
+        host_ops = ProcessHostOps if topology.process_count > 1 else HostOps
+        self._host = host_ops(topology, self.run)
         self._run_cache: collections.OrderedDict = collections.OrderedDict()
 
     # --- properties ----------------------------------------------------------------------------

@@ -97,6 +97,19 @@ class Topology:
         return len(self.local_devices)
 
     @property
+    def first_local_device(self) -> Device:
+        """The first of this process's devices: where a value read on this process lives."""
+        return self.local_devices[0]
+
+    @property
+    def local_replica_ids(self) -> tuple[int, ...]:
+        """The replica index of each of `local_devices`."""
+        if self.is_emulated:
+            return tuple(range(self.num_replicas))
+        index = {d: i for i, d in enumerate(self.devices)}
+        return tuple(index[d] for d in self.local_devices)
+
+    @property
     def platform(self) -> str:
         """The platform of the devices (`"cpu"`, `"gpu"`, `"tpu"`)."""
         return self.devices[0].platform

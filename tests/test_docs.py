@@ -17,6 +17,7 @@ EXPECTED_ALL = {
     "Aggregation",
     "InputContext",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",

@@ -1,0 +1,95 @@
+"""`MultiWorkerMirroredStrategy`: the replicas of every device of every process.
+
+Several processes (started by `python -m jmirror.launch`, a cluster, or by hand, each having
+called `jm.distributed.initialize`) run the same program; the strategy's replicas are every
+device of every process, grouped by process. Values are global `jax.Array`s of which each
+process holds its own shards; see `jmirror._process_ops` for what each method does across
+processes. With one process it behaves exactly as `MirroredStrategy()`.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jmirror import _context, distributed
+from jmirror._devices import Device
+from jmirror._strategy import _PUBLIC_BACKENDS, MirroredStrategy, _check_axis_name
+from jmirror._topology import Topology
+
+
+class MultiWorkerMirroredStrategy(MirroredStrategy):
+    """Synchronous data parallelism over the devices of several processes.
+
+    Every process runs the same program and calls the same strategy methods in the same order.
+    `read` of a mirrored value communicates nothing; `read` of a `SyncOnRead`, `reduce` and
+    `gather` give the same value on every process, on this process's first local device;
+    `local_results`, a `PerReplica` built by the user (leading axis `num_local_replicas`) and
+    `distribute_values_from_function` are about this process's replicas. `mirror` gives every
+    process process 0's value. `distribute_dataset` places this process's rows of each global
+    batch. Both backends keep `jax.pmap` semantics; across processes both compile with
+    `jax.shard_map` (JAX cannot run a `jax.pmap` nested in `jax.jit` across processes).
+
+    Args:
+      axis_name: the collective axis name of the replicas.
+      backend: `"pmap"` or `"shard_map"`.
+      max_in_flight: as for `MirroredStrategy`.
+      donation: as for `MirroredStrategy`.
+
+    Raises:
+      RuntimeError: when this process was started as one of several (`python -m
+        jmirror.launch`) but `jm.distributed.initialize()` was not called.
+
+    Example:
+        >>> import jmirror as jm
+        >>> strategy = jm.MultiWorkerMirroredStrategy()  # one process: every local device
+        >>> strategy.num_processes, strategy.num_local_replicas == strategy.num_replicas
+        (1, True)
+    """
+
+    def __init__(
+        self,
+        *,
+        axis_name: str = "replica",
+        backend: str = "pmap",
+        max_in_flight: int | None = None,
+        donation: str = "auto",
+    ):
+        distributed.check_initialized("jm.MultiWorkerMirroredStrategy()")
+        if backend not in _PUBLIC_BACKENDS:
+            raise ValueError(
+                f"MultiWorkerMirroredStrategy(backend={backend!r}) is not a backend; expected "
+                f"one of {_PUBLIC_BACKENDS}."
+            )
+        _check_axis_name(axis_name)
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        self._init(Topology.create(devices, axis_name), backend, max_in_flight, donation)
+
+    @property
+    def num_processes(self) -> int:
+        """How many processes run the replicas."""
+        return self.topology.process_count
+
+    @property
+    def process_index(self) -> int:
+        """This process's index, in `[0, num_processes)`."""
+        return self.topology.process_index
+
+    @property
+    def local_devices(self) -> tuple[Device, ...]:
+        """This process's devices, in replica order."""
+        return self.topology.local_devices
+
+    @property
+    def num_local_replicas(self) -> int:
+        """How many replicas run on this process's devices."""
+        return self.topology.num_local_replicas
+
+
+def _default_strategy() -> MirroredStrategy:
+    """`jm.get_strategy()`'s default: every device of every process."""
+    if jax.process_count() > 1:
+        return MultiWorkerMirroredStrategy()
+    return MirroredStrategy()
+
+
+_context.set_default_factory(_default_strategy)

@@ -1,0 +1,218 @@
+"""The cross-replica operations on the host of one of several processes.
+
+With several processes (`jm.MultiWorkerMirroredStrategy`) every distributed value is one
+global `jax.Array` over the devices of every process, of which this process addresses its own
+shards. Every process runs the same program and calls the same methods in the same order, so:
+
+- `mirror` gives every process process 0's value (as TensorFlow broadcasts from worker 0);
+- reading a mirrored value takes this process's own copy, with no communication;
+- reading a `SyncOnRead`, `reduce` and `gather` compute one value with a compiled function over
+  the global arrays (so every process gets the same value) and return this process's copy,
+  on its first local device;
+- `local_results`, `distribute_values_from_function` and a `PerReplica` built by the user are
+  about this process's replicas (leading axis `num_local_replicas`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jmirror._cross_replica import REDUCERS
+from jmirror._host_ops import HostOps
+from jmirror._topology import Topology
+from jmirror._values import (
+    Aggregation,
+    PerReplica,
+    PyTree,
+    ReduceOp,
+    SyncOnRead,
+    ValueContext,
+    is_distributed,
+)
+
+
+class ProcessHostOps(HostOps):
+    """`HostOps` for one process of several: global arrays, this process's shards."""
+
+    # --- placing -------------------------------------------------------------------------------
+
+    def _place_mirrored(self, sources: list[Any]) -> list[jax.Array]:
+        host = [np.asarray(x) for x in sources]
+        host = multihost_utils.broadcast_one_to_all(host)  # process 0's value, everywhere
+        mirrored = self.topology.mirrored
+        return [_from_local(x, mirrored, x.shape) for x in host]
+
+    def sync_on_read_from(self, component: Callable[[jax.Array], PyTree], aggregation):
+        n = self.num_replicas
+        stacked = jax.jit(jax.vmap(component), out_shardings=self.topology.stacked)(jnp.arange(n))
+        return SyncOnRead(stacked, aggregation)
+
+    def distribute_values_from_function(self, value_fn: Callable[[ValueContext], PyTree]):
+        n = self.num_replicas
+        components = [
+            value_fn(ValueContext(replica_id=i, num_replicas=n))
+            for i in self.topology.local_replica_ids
+        ]
+        treedef = jax.tree.structure(components[0])
+        per_leaf = zip(*(jax.tree.leaves(c) for c in components), strict=False)
+        local = [np.stack([np.asarray(p) for p in parts]) for parts in per_leaf]
+        return PerReplica(treedef.unflatten([self.place_local(x) for x in local]))
+
+    def place_local(self, local: np.ndarray) -> jax.Array:
+        """A global stacked array from this process's components (leading axis: local ones)."""
+        shape = (self.num_replicas,) + tuple(local.shape[1:])
+        return jax.make_array_from_process_local_data(self.topology.stacked, local, shape)
+
+    def split_key(self, key: jax.Array) -> PerReplica:
+        n, stacked = self.num_replicas, self.topology.stacked
+        return PerReplica(jax.jit(lambda k: jax.random.split(k, n), out_shardings=stacked)(key))
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def read(self, tree: PyTree) -> PyTree:
+        self.check_readable(tree)
+
+        def one(x: Any) -> Any:
+            if isinstance(x, SyncOnRead):
+                if x.aggregation is Aggregation.ONLY_FIRST_REPLICA:
+                    return jax.tree.map(lambda v: self._everywhere(_first, v), x.value)
+                op = ReduceOp.SUM if x.aggregation is Aggregation.SUM else ReduceOp.MEAN
+                return jax.tree.map(lambda v: self._everywhere(_reducer(op, None), v), x.value)
+            if isinstance(x, jax.Array) and self.topology.is_mirrored(x):
+                return self._on_first_device(x)
+            return x
+
+        return jax.tree.map(one, tree, is_leaf=is_distributed)
+
+    def _everywhere(self, fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+        """`fn(x)` computed over the global array, as this process's copy."""
+        out = _jit_mirrored(fn, self.topology.mirrored)(x)
+        return self._on_first_device(out)
+
+    def _on_first_device(self, x: jax.Array) -> jax.Array:
+        first = self.topology.first_local_device
+        for shard in x.addressable_shards:
+            if shard.device == first:
+                return shard.data
+        raise ValueError(f"no copy of this value on {first}: it is not mirrored")
+
+    def _components(self, x: Any) -> list[Any] | None:
+        if isinstance(x, (PerReplica, SyncOnRead)):
+            stacked = x.values if isinstance(x, PerReplica) else x.value
+            return [
+                jax.tree.map(lambda v, i=i: self._local_component(v, i), stacked)
+                for i in range(self.topology.num_local_replicas)
+            ]
+        if isinstance(x, jax.Array) and self.topology.is_mirrored(x):
+            by_device = {s.device: s.data for s in x.addressable_shards}
+            return [by_device[d] for d in self.topology.local_devices]
+        return None
+
+    def _local_component(self, stacked: Any, i: int) -> Any:
+        if isinstance(stacked, jax.Array) and not stacked.is_fully_addressable:
+            device = self.topology.local_devices[i]
+            for shard in stacked.addressable_shards:
+                if shard.device == device:
+                    return shard.data[0]
+        return np.asarray(stacked)[i]  # a PerReplica of this process's components
+
+    def local_results(self, value: PyTree) -> tuple[PyTree, ...]:
+        nodes, treedef = jax.tree_util.tree_flatten(value, is_leaf=is_distributed)
+        per_node = [self._components(x) for x in nodes]
+        if all(p is None for p in per_node):
+            return (value,)
+        return tuple(
+            treedef.unflatten([x if p is None else p[i] for x, p in zip(nodes, per_node)])
+            for i in range(self.topology.num_local_replicas)
+        )
+
+    def reduce_per_replica(self, op: ReduceOp, x: PerReplica, axis: int | None) -> PyTree:
+        return jax.tree.map(lambda v: self._everywhere(_reducer(op, axis), v), x.values)
+
+    def gather(self, value: PyTree, axis: int) -> PyTree:
+        def one(x: Any) -> Any:
+            if isinstance(x, PerReplica):
+                return jax.tree.map(lambda v: self._everywhere(_concatenate(axis), v), x.values)
+            if isinstance(x, SyncOnRead):
+                raise TypeError(
+                    "strategy.gather got a SyncOnRead; read it with strategy.read, or see its "
+                    "components with strategy.local_results."
+                )
+            if isinstance(x, jax.Array) and self.topology.is_mirrored(x):
+                copy = self._on_first_device(x)
+                return jnp.concatenate([copy] * self.num_replicas, axis=axis)
+            return x
+
+        return jax.tree.map(one, value, is_leaf=is_distributed)
+
+
+def globalize(topology: Topology, tree: PyTree) -> PyTree:
+    """`tree` with each `PerReplica` / `SyncOnRead` of this process's components made global.
+
+    Leaves that are already global arrays on the topology's devices are kept. Others must hold
+    this process's components: a leading axis of `num_local_replicas`.
+    """
+    local = topology.num_local_replicas
+
+    def node(path: tuple, x: Any) -> Any:
+        if not is_distributed(x):
+            return x
+
+        def leaf(inner: tuple, v: Any) -> Any:
+            if isinstance(v, jax.Array) and topology.is_placed(v):
+                return v
+            if not hasattr(v, "shape"):
+                v = np.asarray(v)
+            if v.shape[:1] != (local,):
+                where = jax.tree_util.keystr(path) + jax.tree_util.keystr(inner)
+                raise ValueError(
+                    f"A PerReplica built on process {topology.process_index} has a leaf at "
+                    f"{where or '<root>'} of shape {tuple(v.shape)}, but with several processes "
+                    f"a PerReplica holds this process's components: a leading axis of "
+                    f"num_local_replicas={local} (of {topology.num_replicas} replicas in all). "
+                    "Build it from this process's share of the batch, or use "
+                    "strategy.distribute_dataset, which splits global batches for you."
+                )
+            shape = (topology.num_replicas,) + tuple(v.shape[1:])
+            return _from_local(np.asarray(v), topology.stacked, shape)
+
+        return jax.tree_util.tree_map_with_path(leaf, x)
+
+    return jax.tree_util.tree_map_with_path(node, tree, is_leaf=is_distributed)
+
+
+def _from_local(local: np.ndarray, sharding: Any, shape: tuple[int, ...]) -> jax.Array:
+    return jax.make_array_from_process_local_data(sharding, local, shape)
+
+
+@functools.cache
+def _jit_mirrored(fn: Callable[[jax.Array], jax.Array], sharding: Any) -> Callable:
+    return jax.jit(fn, out_shardings=sharding)
+
+
+def _first(x: jax.Array) -> jax.Array:
+    return x[0]
+
+
+@functools.cache
+def _reducer(op: ReduceOp, axis: int | None) -> Callable[[jax.Array], jax.Array]:
+    axes = 0 if axis is None else (0, axis + 1 if axis >= 0 else axis)
+    reducer = REDUCERS[op]
+    return lambda x: reducer(x, axis=axes)
+
+
+@functools.cache
+def _concatenate(axis: int) -> Callable[[jax.Array], jax.Array]:
+    def gather(x: jax.Array) -> jax.Array:
+        if x.ndim == 1:
+            return x
+        return jnp.concatenate(list(x), axis=axis)
+
+    return gather

@@ -1,0 +1,59 @@
+"""A program run as 2 processes x 4 host devices by tests/test_multi_worker.py.
+
+    python -m jmirror.launch --processes 2 --devices-per-process 4 strategy_worker.py OUT_DIR
+
+Each process trains the equivalence MLP with `jm.MultiWorkerMirroredStrategy` on both
+backends, exercises the cross-replica reads, and writes what it saw to OUT_DIR/process<i>.npz
+for the test to compare with one process of 8 devices.
+"""
+
+import sys
+
+import jmirror as jm
+
+jm.distributed.initialize()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from training import batches, init_state, make_step  # noqa: E402
+
+out_dir = sys.argv[1]
+results: dict[str, np.ndarray] = {}
+for backend in ("pmap", "shard_map"):
+    strategy = jm.MultiWorkerMirroredStrategy(backend=backend)
+    n = strategy.num_replicas
+    assert strategy.num_processes == 2 and strategy.num_local_replicas == 4, strategy
+    step = jm.replicate(make_step(), strategy=strategy)
+    params, opt_state = strategy.mirror(init_state())
+    count = strategy.sync_on_read(np.int32(0), "sum")
+    data = strategy.distribute_dataset(list(batches(n)), remainder="drop")
+    for batch in data:
+        params, opt_state, loss, count = step(params, opt_state, batch, count)
+    flat = jax.tree.leaves(strategy.read(params))
+    results[f"{backend}/params"] = np.concatenate([np.ravel(np.asarray(p)) for p in flat])
+    results[f"{backend}/loss"] = np.asarray(strategy.read(loss))
+    results[f"{backend}/count"] = np.asarray(strategy.read(count))
+    ids = strategy.run(lambda: jnp.float32(jm.replica_id()))
+    results[f"{backend}/gather"] = np.asarray(strategy.gather(ids))
+    results[f"{backend}/reduce_sum"] = np.asarray(strategy.reduce("sum", ids))
+    results[f"{backend}/reduce_mean"] = np.asarray(strategy.reduce("mean", ids))
+    results[f"{backend}/local_results"] = np.asarray(
+        [float(v) for v in strategy.local_results(ids)]
+    )
+    values = strategy.distribute_values_from_function(lambda ctx: np.float32(ctx.replica_id))
+    results[f"{backend}/values_sum"] = np.asarray(strategy.reduce("sum", values))
+    mine = jm.PerReplica(
+        np.full((strategy.num_local_replicas, 2), strategy.process_index, np.float32)
+    )
+    total = jm.replicate(lambda v: jm.all_reduce("sum", v), strategy=strategy)(mine)
+    results[f"{backend}/user_per_replica_sum"] = np.asarray(strategy.read(total))
+try:
+    jm.replicate(lambda v: v, strategy=strategy)(jm.PerReplica(np.zeros((8, 2), np.float32)))
+    results["wrong_size_error"] = np.asarray("")
+except ValueError as e:
+    results["wrong_size_error"] = np.asarray(str(e))
+np.savez(f"{out_dir}/process{jax.process_index()}.npz", **results)
+print("done", jax.process_index())

@@ -1,0 +1,113 @@
+"""Several processes: 2 processes x 4 host devices through the launcher, against 1 x 8.
+
+These tests start processes, so they run once, in the 8-device pass of the suite (where the
+one-process oracle has 8 devices too).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jmirror as jm
+
+HERE = Path(__file__).parent / "multiprocess"
+sys.path.insert(0, str(HERE))
+from training import batches, init_state, make_step  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("JMIRROR_TEST_DEVICES", "8") != "8" or len(jax.devices()) != 8,
+    reason="starts processes: runs once, in the 8-device pass",
+)
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """What each of 2 processes x 4 devices saw (tests/multiprocess/strategy_worker.py)."""
+    out = tmp_path_factory.mktemp("multi_worker")
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jmirror.launch",
+            "--processes",
+            "2",
+            "--devices-per-process",
+            "4",
+            str(HERE / "strategy_worker.py"),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return [dict(np.load(out / f"process{i}.npz")) for i in range(2)]
+
+
+def _one_process(backend):
+    """The same program on one process of 8 devices: the oracle."""
+    strategy = jm.MirroredStrategy(backend=backend)
+    step = jm.replicate(make_step(), strategy=strategy)
+    params, opt_state = strategy.mirror(init_state())
+    count = strategy.sync_on_read(np.int32(0), "sum")
+    for batch in strategy.distribute_dataset(list(batches(8)), remainder="drop"):
+        params, opt_state, loss, count = step(params, opt_state, batch, count)
+    flat = jax.tree.leaves(strategy.read(params))
+    return np.concatenate([np.ravel(np.asarray(p)) for p in flat]), strategy.read(loss), count
+
+
+@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
+def test_two_processes_train_like_one_process(two_processes, backend):
+    params, loss, count = _one_process(backend)
+    for seen in two_processes:
+        np.testing.assert_allclose(seen[f"{backend}/params"], params, rtol=2e-5, atol=2e-6)
+        np.testing.assert_allclose(seen[f"{backend}/loss"], loss, rtol=2e-5)
+        assert int(seen[f"{backend}/count"]) == 6 * 8 * 4  # every example counted once
+
+
+@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
+def test_reads_agree_on_every_process(two_processes, backend):
+    first, second = two_processes
+    for key in ("params", "loss", "count", "gather", "reduce_sum", "reduce_mean", "values_sum"):
+        np.testing.assert_array_equal(first[f"{backend}/{key}"], second[f"{backend}/{key}"])
+    np.testing.assert_array_equal(first[f"{backend}/gather"], np.arange(8))
+    assert float(first[f"{backend}/reduce_sum"]) == 28.0
+    assert float(first[f"{backend}/reduce_mean"]) == 3.5
+    assert float(first[f"{backend}/values_sum"]) == 28.0  # value_fn saw the global replica ids
+
+
+@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
+def test_local_results_and_user_per_replica_are_this_process(two_processes, backend):
+    first, second = two_processes
+    np.testing.assert_array_equal(first[f"{backend}/local_results"], [0, 1, 2, 3])
+    np.testing.assert_array_equal(second[f"{backend}/local_results"], [4, 5, 6, 7])
+    # Each process built a PerReplica of its 4 components, all equal to its index.
+    for seen in two_processes:
+        np.testing.assert_array_equal(seen[f"{backend}/user_per_replica_sum"], [4.0, 4.0])
+
+
+def test_a_per_replica_of_all_replicas_built_on_one_process_is_refused(two_processes):
+    for seen in two_processes:
+        message = str(seen["wrong_size_error"])
+        assert "num_local_replicas=4" in message and "(8, 2)" in message
+
+
+def test_with_one_process_it_is_a_mirrored_strategy(backend):
+    strategy = jm.MultiWorkerMirroredStrategy(backend=backend)
+    assert (strategy.num_processes, strategy.process_index) == (1, 0)
+    assert strategy.devices == tuple(jax.local_devices()) == strategy.local_devices
+    assert strategy.num_local_replicas == strategy.num_replicas == 8
+    params, loss, count = _one_process(backend)
+    step = jm.replicate(make_step(), strategy=strategy)
+    p, o = strategy.mirror(init_state())
+    c = strategy.sync_on_read(np.int32(0), "sum")
+    for batch in strategy.distribute_dataset(list(batches(8)), remainder="drop"):
+        p, o, _, c = step(p, o, batch, c)
+    flat = np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(strategy.read(p))])
+    np.testing.assert_array_equal(flat, params)
+    assert int(strategy.read(c)) == int(jm.MirroredStrategy().read(count))
