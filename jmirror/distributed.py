@@ -38,7 +38,9 @@ import importlib.util
 import ipaddress
 import logging
 import os
+import re
 import sys
+import time
 
 import jax
 
@@ -172,11 +174,15 @@ def initialize(
         coordinator_bind_address=_bind_address(request.coordinator_address),
     )
     if jax.process_count() > 1:
-        sys.excepthook = _exit_at_once(sys.excepthook)
+        sys.excepthook = _exit_at_once(sys.excepthook, request.heartbeat_timeout_s + 5)
     _initialized = request
 
 
-def _exit_at_once(print_exception):
+# A collective that failed because a peer went away (gloo's wording for a closed connection).
+_LOST_PEER = re.compile(r"Gloo .*(Connection reset by peer|Connection closed by peer|EOF)")
+
+
+def _exit_at_once(print_exception, lost_peer_wait_s: float):
     """An excepthook that prints the uncaught exception and ends the process at once.
 
     Otherwise the interpreter would wait in JAX's exit hook (`shutdown_timeout_seconds`, 300 s)
@@ -188,6 +194,18 @@ def _exit_at_once(print_exception):
 
     def excepthook(kind, error, traceback):
         print_exception(kind, error, traceback)
+        if _LOST_PEER.search(str(error)):
+            # A collective failed because a peer's connection went away: the peer died. JAX's
+            # coordination service is about to end this process with a message that names the
+            # lost process (within the heartbeat timeout; at once when it was process 0), so
+            # wait for that rather than end without saying who was lost.
+            print(
+                "jmirror: a collective failed because a peer process's connection was lost; "
+                "waiting for JAX's coordination service to name it...",
+                file=sys.stderr,
+                flush=True,
+            )
+            time.sleep(lost_peer_wait_s)
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             try:
