@@ -192,7 +192,7 @@ class HostOps(CrossReplica):
             return (value,)
         return tuple(
             treedef.unflatten([x if p is None else p[i] for x, p in zip(nodes, per_node)])
-            for i in range(self.num_replicas)
+            for i in range(self.topology.num_local_replicas)
         )
 
     def _components(self, x: Any) -> list[Any] | None:
@@ -211,7 +211,7 @@ class HostOps(CrossReplica):
     def gather(self, value: PyTree, axis: int) -> PyTree:
         def one(x: Any) -> Any:
             if isinstance(x, PerReplica):
-                return jax.tree.map(lambda v: _gather_fn(axis)(self._gathered(v)), x.values)
+                return jax.tree.map(lambda v: self._gather_stacked(v, axis), x.values)
             if isinstance(x, SyncOnRead):
                 raise TypeError(
                     "strategy.gather got a SyncOnRead; read it with strategy.read, or see its "
@@ -223,6 +223,10 @@ class HostOps(CrossReplica):
             return x
 
         return jax.tree.map(one, value, is_leaf=is_distributed)
+
+    def _gather_stacked(self, stacked: jax.Array, axis: int) -> jax.Array:
+        """One leaf's stacked components concatenated along `axis`, on the first device."""
+        return _gather_fn(axis)(self._gathered(stacked))
 
     def update(self, tree: PyTree, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         return self._run(_Updater(fn), args=(tree,) + args, kwargs=kwargs)

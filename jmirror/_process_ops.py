@@ -123,34 +123,11 @@ class ProcessHostOps(HostOps):
                     return shard.data[0]
         return np.asarray(stacked)[i]  # a PerReplica of this process's components
 
-    def local_results(self, value: PyTree) -> tuple[PyTree, ...]:
-        nodes, treedef = jax.tree_util.tree_flatten(value, is_leaf=is_distributed)
-        per_node = [self._components(x) for x in nodes]
-        if all(p is None for p in per_node):
-            return (value,)
-        return tuple(
-            treedef.unflatten([x if p is None else p[i] for x, p in zip(nodes, per_node)])
-            for i in range(self.topology.num_local_replicas)
-        )
-
     def reduce_per_replica(self, op: ReduceOp, x: PerReplica, axis: int | None) -> PyTree:
         return jax.tree.map(lambda v: self._everywhere(_reducer(op, axis), v), x.values)
 
-    def gather(self, value: PyTree, axis: int) -> PyTree:
-        def one(x: Any) -> Any:
-            if isinstance(x, PerReplica):
-                return jax.tree.map(lambda v: self._everywhere(_concatenate(axis), v), x.values)
-            if isinstance(x, SyncOnRead):
-                raise TypeError(
-                    "strategy.gather got a SyncOnRead; read it with strategy.read, or see its "
-                    "components with strategy.local_results."
-                )
-            if isinstance(x, jax.Array) and self.topology.is_mirrored(x):
-                copy = self._on_first_device(x)
-                return jnp.concatenate([copy] * self.num_replicas, axis=axis)
-            return x
-
-        return jax.tree.map(one, value, is_leaf=is_distributed)
+    def _gather_stacked(self, stacked: jax.Array, axis: int) -> jax.Array:
+        return self._everywhere(_concatenate(axis), stacked)
 
 
 def globalize(topology: Topology, tree: PyTree) -> PyTree:
