@@ -190,9 +190,14 @@ class Replicated:
                 return jax.device_put(x, sharding)
             return x
 
+        def split(v: Any) -> Any:
+            if jnp.shape(v)[:1] != (topology.num_replicas,):
+                raise self._bad_split(strategy, args, kwargs, v)
+            return place(v, topology.stacked)
+
         def node(x: Any) -> Any:
             if is_distributed(x):
-                return jax.tree.map(lambda v: place(v, topology.stacked), x)
+                return jax.tree.map(split, x)
             return place(x, topology.mirrored)
 
         new_args = tuple(
@@ -309,7 +314,7 @@ class Replicated:
         path = "<unknown>"
         for p, candidate in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
             if candidate is leaf:
-                path = "(args, kwargs)" + jax.tree_util.keystr(p)
+                path = ("args" if p[0].idx == 0 else "kwargs") + jax.tree_util.keystr(p[1:])
         return ValueError(
             f"{self!r} got a per-replica leaf of shape {tuple(jnp.shape(leaf))} at {path}; a "
             f"PerReplica / SyncOnRead leaf needs a leading axis of size {strategy.num_replicas} "

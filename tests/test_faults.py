@@ -320,3 +320,12 @@ def test_pytest_plugin_device_count_is_a_usage_error(tmp_path, count):
     )
     assert run.returncode == 4, run.stdout + run.stderr
     assert "at least 1" in run.stderr and "INTERNALERROR" not in run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("leaf", [np.ones(7), jnp.ones(7), jnp.ones(9), jnp.float32(1.0)])
+def test_per_replica_of_the_wrong_size_names_the_leaf(strategy, leaf):
+    if strategy.num_replicas == 1 and jnp.ndim(leaf) == 1:
+        leaf = jnp.ones(2)  # one replica: any other leading size is wrong
+    f = jm.replicate(lambda x: x * 2, strategy=strategy)
+    with pytest.raises(ValueError, match=r"per-replica leaf of shape .* at args\[0\]\.values"):
+        f(jm.PerReplica(leaf))
