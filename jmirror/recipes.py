@@ -32,6 +32,7 @@ from jax import lax
 
 from jmirror._context import all_reduce, merge_call, replica_id, sync
 from jmirror._replicate import Replicated, replicate
+from jmirror._strategy import MirroredStrategy
 from jmirror._values import Aggregation, PyTree, ReduceOp, SyncOnRead
 
 __all__ = [
@@ -81,7 +82,9 @@ def fold_in_replica(key: jax.Array, step: jax.typing.ArrayLike | None = None) ->
     return jax.random.fold_in(key, replica_id())
 
 
-def make_train_step(loss_fn: LossFn, *, has_aux: bool = False, strategy: Any = None) -> Replicated:
+def make_train_step(
+    loss_fn: LossFn, *, has_aux: bool = False, strategy: MirroredStrategy | None = None
+) -> Replicated:
     """Returns a replicated train step for a flax `TrainState` with gradients all-reduced MEAN.
 
     The step is `step(state, batch, key=None) -> (state, loss)` (with `has_aux`,
@@ -153,7 +156,7 @@ class BatchNormTrainState(train_state.TrainState):
 
 
 def distribute_batch_norm_state(
-    strategy: Any, state: BatchNormTrainState, *, per_replica_stats: bool
+    strategy: MirroredStrategy, state: BatchNormTrainState, *, per_replica_stats: bool
 ) -> BatchNormTrainState:
     """Places a `BatchNormTrainState` on the strategy's devices.
 
@@ -186,7 +189,7 @@ def distribute_batch_norm_state(
     return strategy.mirror(state)
 
 
-def read_variables(strategy: Any, state: BatchNormTrainState) -> dict[str, PyTree]:
+def read_variables(strategy: MirroredStrategy, state: BatchNormTrainState) -> dict[str, PyTree]:
     """Returns `{"params", "batch_stats"}` for evaluation, read in cross-replica context.
 
     Per-replica statistics (a `SyncOnRead` `MEAN`) read as the mean of the replicas'
@@ -210,7 +213,9 @@ def read_variables(strategy: Any, state: BatchNormTrainState) -> dict[str, PyTre
     }
 
 
-def make_batch_norm_train_step(loss_fn: LossFn, *, strategy: Any = None) -> Replicated:
+def make_batch_norm_train_step(
+    loss_fn: LossFn, *, strategy: MirroredStrategy | None = None
+) -> Replicated:
     """Returns a replicated train step for a model with batch norm.
 
     The step is `step(state, batch) -> (state, loss)` for a `BatchNormTrainState` placed by
@@ -268,7 +273,7 @@ def make_batch_norm_train_step(loss_fn: LossFn, *, strategy: Any = None) -> Repl
 # --- (d) gradient accumulation -------------------------------------------------------------------
 
 
-def _mean_over_replicas(strategy: Any, tree: PyTree) -> PyTree:
+def _mean_over_replicas(strategy: MirroredStrategy, tree: PyTree) -> PyTree:
     return strategy.reduce(ReduceOp.MEAN, tree)
 
 
@@ -345,7 +350,7 @@ def accumulate_gradients(
 
 
 def make_accumulating_train_step(
-    loss_fn: LossFn, num_micro_batches: int, *, strategy: Any = None
+    loss_fn: LossFn, num_micro_batches: int, *, strategy: MirroredStrategy | None = None
 ) -> Replicated:
     """Returns a replicated train step that accumulates gradients over micro-batches.
 
@@ -474,7 +479,9 @@ class LossScaleTrainState(train_state.TrainState):
     loss_scale: DynamicLossScale
 
 
-def make_loss_scaled_train_step(loss_fn: LossFn, *, strategy: Any = None) -> Replicated:
+def make_loss_scaled_train_step(
+    loss_fn: LossFn, *, strategy: MirroredStrategy | None = None
+) -> Replicated:
     """Returns a replicated float16 train step with dynamic loss scaling.
 
     The step is `step(state, batch) -> (state, loss)` for a mirrored `LossScaleTrainState`.

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jmirror._context import in_replica_context
+from jmirror._strategy import MirroredStrategy
 from jmirror._values import Aggregation, SyncOnRead
 
 M = TypeVar("M", bound="Metric")
@@ -103,7 +104,7 @@ class Metric:
         return cls(**cls._zeros())
 
     @classmethod
-    def create(cls: type[M], strategy: Any) -> M:
+    def create(cls: type[M], strategy: MirroredStrategy) -> M:
         """Returns a distributed metric: every counter a `SyncOnRead` (`SUM`) starting at zero.
 
         Call it in cross-replica context, pass the metric into a replicated step and update it
@@ -182,7 +183,7 @@ class Metric:
         """
         return jax.tree.map(jnp.zeros_like, self)
 
-    def compute(self, strategy: Any = None) -> jax.Array:
+    def compute(self, strategy: MirroredStrategy | None = None) -> jax.Array:
         """Returns the metric's value.
 
         Args:
