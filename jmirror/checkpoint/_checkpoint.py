@@ -8,7 +8,7 @@ from typing import Any
 
 from jmirror._strategy import MirroredStrategy, get_strategy
 from jmirror._values import PyTree
-from jmirror.checkpoint import _decode, _encode, _format, _storage
+from jmirror.checkpoint import _decode, _encode, _format, _processes, _storage
 
 
 def save(
@@ -51,7 +51,12 @@ def save(
             f"jm.checkpoint.save: {path} exists. Pass force=True to replace it atomically, "
             "or save to a new directory."
         )
-    write(path, state, strategy or get_strategy(), data=None, force=force)
+    strategy = strategy or get_strategy()
+    group = _processes.Group.of(strategy)
+    doc, arrays = encode(state, strategy, group, [None])
+    group.write(group.keys(str(path)), lambda: _storage.write(path, arrays, doc, force=force))
+    if not group.is_writer and not path.is_dir():
+        raise group.not_written("jm.checkpoint.save", path)
 
 
 def restore(
@@ -101,18 +106,17 @@ def restore(
 # --- shared with the manager -------------------------------------------------------------------
 
 
-def encode(state: PyTree, strategy: MirroredStrategy, data: Any) -> tuple[dict, dict]:
-    """The metadata document and host arrays of `state` (fresh host copies)."""
-    encoded = _encode.encode(state, strategy)
-    doc = _format.document(encoded.tree, encoded.arrays, encoded.num_replicas, data)
+def encode(
+    state: PyTree, strategy: MirroredStrategy, group: _processes.Group, process_data: list[Any]
+) -> tuple[dict, dict]:
+    """The metadata document and host arrays of `state` (fresh host copies).
+
+    Every process of `group` calls it (it may hold collectives); only the writer gets the
+    arrays, the others an empty dict.
+    """
+    encoded = _encode.encode(state, strategy, keep=group.is_writer)
+    doc = _format.document(encoded.tree, encoded.arrays, encoded.num_replicas, process_data)
     return doc, encoded.arrays
-
-
-def write(
-    path: pathlib.Path, state: PyTree, strategy: MirroredStrategy, *, data: Any, force: bool
-) -> None:
-    doc, arrays = encode(state, strategy, data)
-    _storage.write(path, arrays, doc, force=force)
 
 
 def read(path: pathlib.Path, target: PyTree, strategy: MirroredStrategy, call: str) -> PyTree:
@@ -129,8 +133,22 @@ def read(path: pathlib.Path, target: PyTree, strategy: MirroredStrategy, call: s
     return _decode.place(tree, arrays, strategy, target)
 
 
-def read_data(path: pathlib.Path, call: str) -> Any:
-    """The `data` saved with the checkpoint at `path`."""
+def read_data(path: pathlib.Path, call: str, group: _processes.Group) -> Any:
+    """This process's `data` saved with the checkpoint at `path`.
+
+    When as many processes saved as read, each reads its own; otherwise the saved data must
+    be the same on every saving process (as an input position of `distribute_dataset` is).
+    """
     doc = _storage.read_document(path, call)
     _format.parse_document(doc, str(path))
-    return doc.get("data")
+    saved = _format.process_data(doc, str(path))
+    if len(saved) == 1 or len(saved) == group.size:
+        return saved[group.rank if len(saved) > 1 else 0]
+    if all(d == saved[0] for d in saved):
+        return saved[0]
+    raise ValueError(
+        f"{call}: step {path.name} was saved by {len(saved)} processes, each with its own "
+        f"data, and they differ; this run has {group.size} process(es), so which one is this "
+        f"process's is not defined. Read it with {len(saved)} processes, or save data that is "
+        "the same on every process (an iterator's .position is)."
+    )

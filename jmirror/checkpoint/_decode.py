@@ -12,8 +12,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jmirror._values import Aggregation, PerReplica, PyTree, SyncOnRead, is_distributed
 from jmirror.checkpoint import _format
@@ -266,18 +264,29 @@ def _place_leaves(leaves: list[Leaf], arrays: dict[str, np.ndarray], strategy: A
         else:
             placed["mirrored" if leaf.kind == "mirrored" else "stacked"].append(i)
             out[i] = _components(leaf, host, n) if leaf.kind == "aggregated" else host
-    specs = {"mirrored": P(), "stacked": P(strategy.axis_name)}
+    topology = strategy.topology
+    layouts = {"mirrored": topology.mirrored, "stacked": topology.stacked}
     for kind, indices in placed.items():
         if indices:
-            sharding = NamedSharding(strategy.mesh, specs[kind])
-            # The host arrays are private to this restore, so device_put may reuse them.
-            values = jax.device_put([out[i] for i in indices], [sharding] * len(indices))
+            values = _put([out[i] for i in indices], layouts[kind], topology.process_count)
             for i, x in zip(indices, values):
                 out[i] = x
     for i, leaf in enumerate(leaves):
         if leaf.key_impl is not None:
             out[i] = jax.random.wrap_key_data(out[i], impl=leaf.key_impl)
     return out
+
+
+def _put(hosts: list[np.ndarray], sharding: Any, num_processes: int) -> list[jax.Array]:
+    """The host arrays (the whole values) placed with `sharding`."""
+    if num_processes == 1:
+        # The host arrays are private to this restore, so device_put may reuse them.
+        return jax.device_put(hosts, [sharding] * len(hosts))
+    # Several processes: each places the parts on its own devices (every process read all).
+    return [
+        jax.make_array_from_callback(host.shape, sharding, lambda index, h=host: h[index])
+        for host in hosts
+    ]
 
 
 def _components(leaf: Leaf, value: np.ndarray, n: int) -> np.ndarray:

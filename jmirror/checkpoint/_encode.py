@@ -5,11 +5,18 @@ in one `strategy.read` call, `PerReplica` leaves are fetched with their N compon
 arrays and Python scalars are copied. Every value is a fresh host copy when `encode` returns,
 so the caller may donate or overwrite its arrays at once (on XLA:CPU a host view of a device
 buffer would otherwise change under the writer).
+
+With several processes every process encodes, since reading a `SyncOnRead` and gathering the
+`PerReplica` components (this process addresses only its own) are collectives: one jitted
+identity into the mirrored layout gathers every per-replica leaf at once. Only the writer keeps
+the host arrays; a `PerReplica` built by the user from this process's components (leading axis
+`num_local_replicas`) is first made global.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -51,7 +58,9 @@ def container_kind(node: Any) -> str:
 class _Encoder:
     def __init__(self, strategy: Any):
         self.strategy = strategy
+        self.topology = strategy.topology
         self.n = strategy.num_replicas
+        self.several = self.topology.process_count > 1
         self.fetch: list[tuple[str, Any]] = []  # (array name, device or host value)
         self.reads: list[tuple[SyncOnRead, list[str]]] = []  # nodes to aggregate
         self.count = 0
@@ -122,6 +131,8 @@ class _Encoder:
 
         def one(sub_path: tuple, x: Any) -> dict:
             where = jax.tree_util.keystr(path + sub_path)
+            if self.several and not _is_global(x):
+                x = self.globalize(x, where)
             if np.ndim(x) < 1 or np.shape(x)[0] != self.n:
                 raise ValueError(
                     f"jm.checkpoint.save: the per-replica leaf at path {where!r} has shape "
@@ -136,6 +147,20 @@ class _Encoder:
             return _leaf("stacked", name, np.shape(x)[1:], x)
 
         return self.subtree(tree, path, one)
+
+    def globalize(self, x: Any, where: str) -> Any:
+        """A global stacked array of this process's components (leading axis: local ones)."""
+        local = self.topology.num_local_replicas
+        if np.ndim(x) < 1 or np.shape(x)[0] != local:
+            raise ValueError(
+                f"jm.checkpoint.save: the per-replica leaf at path {where!r} has shape "
+                f"{np.shape(x)}; with several processes a PerReplica holds either all "
+                f"{self.n} components (a value of a replicated function) or this process's "
+                f"num_local_replicas={local}. Save with the strategy that made the value."
+            )
+        local_value = np.asarray(x)
+        shape = (self.n,) + local_value.shape[1:]
+        return jax.make_array_from_process_local_data(self.topology.stacked, local_value, shape)
 
     def aggregated(self, node: SyncOnRead, path: tuple) -> dict:
         names: list[str] = []
@@ -162,8 +187,12 @@ class _Encoder:
         ]
         return out
 
-    def host_arrays(self) -> dict[str, np.ndarray]:
-        """Aggregates the sync-on-read nodes and copies every value to the host."""
+    def host_arrays(self, keep: bool) -> dict[str, np.ndarray]:
+        """Aggregates the sync-on-read nodes and copies every value to the host.
+
+        Every process calls this (it holds the collectives); with `keep` False the values
+        are not copied and nothing is returned.
+        """
         values = dict(self.fetch)
         if self.reads:
             read = self.strategy.read([node for node, _ in self.reads])
@@ -173,12 +202,33 @@ class _Encoder:
         for name, x in values.items():
             if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
                 values[name] = jax.random.key_data(x)
+        values.update(self.gather({k: x for k, x in values.items() if _is_global(x)}))
+        if not keep:
+            return {}
         on_device = [name for name, x in values.items() if isinstance(x, jax.Array)]
         fetched = jax.device_get([values[name] for name in on_device])
         for name, host in zip(on_device, fetched):
             # A host view of an XLA:CPU buffer would change if the array were donated.
             values[name] = np.array(host, copy=True)
         return {str(i): values[str(i)] for i in range(self.count)}
+
+    def gather(self, spread: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """This process's full copies of arrays spread over processes (one collective call)."""
+        if not spread:
+            return {}
+        full = _mirror_all(self.topology.mirrored)(list(spread.values()))
+        return {name: x.addressable_shards[0].data for name, x in zip(spread, full)}
+
+
+@functools.cache
+def _mirror_all(mirrored: Any) -> Any:
+    """A jitted identity whose outputs are mirrored: an all-gather of each array."""
+    return jax.jit(lambda xs: xs, out_shardings=mirrored)
+
+
+def _is_global(x: Any) -> bool:
+    """Whether `x` is an array of which this process addresses only part."""
+    return isinstance(x, jax.Array) and not x.is_fully_addressable
 
 
 def _leaf(kind: str, name: str, shape: tuple, x: Any) -> dict:
@@ -195,8 +245,12 @@ def _leaf(kind: str, name: str, shape: tuple, x: Any) -> dict:
     return out
 
 
-def encode(state: PyTree, strategy: Any) -> Encoded:
-    """The JSON tree of `state` and host copies of its arrays (see `_format`)."""
+def encode(state: PyTree, strategy: Any, keep: bool = True) -> Encoded:
+    """The JSON tree of `state` and host copies of its arrays (see `_format`).
+
+    Every process of the strategy calls it; only where `keep` are the arrays copied (the
+    others get an empty dict).
+    """
     encoder = _Encoder(strategy)
     tree = encoder.node(state, ())
-    return Encoded(tree, encoder.host_arrays(), strategy.num_replicas)
+    return Encoded(tree, encoder.host_arrays(keep), strategy.num_replicas)

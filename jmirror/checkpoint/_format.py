@@ -6,7 +6,11 @@ saved state:
 
     {"format": "jmirror.checkpoint", "version": 1, "num_replicas": N,
      "arrays": {"0": {"shape": [...], "dtype": "float32"}, ...},
-     "tree": <node>, "data": <the manager's data, any JSON>}
+     "tree": <node>, "data": <the manager's data, any JSON>,
+     "process_data": [<process 0's data>, <process 1's data>, ...]}
+
+`process_data` is there only when several processes saved (each saves its own `data`; `data`
+is then process 0's, as a single-process reader sees it).
 
 A `<node>` is one of
     {"node": "leaf", "kind": KIND, "array": "3", "shape": [...], "dtype": "float32", ...}
@@ -152,9 +156,11 @@ def entry_name(entry: Any) -> str | int:
 # --- the document ------------------------------------------------------------------------------
 
 
-def document(tree: dict, arrays: dict[str, np.ndarray], num_replicas: int, data: Any) -> dict:
-    """The metadata document of a checkpoint."""
-    return {
+def document(
+    tree: dict, arrays: dict[str, np.ndarray], num_replicas: int, process_data: list[Any]
+) -> dict:
+    """The metadata document of a checkpoint; `process_data` holds each process's data."""
+    doc = {
         "format": FORMAT,
         "version": VERSION,
         "num_replicas": num_replicas,
@@ -163,8 +169,21 @@ def document(tree: dict, arrays: dict[str, np.ndarray], num_replicas: int, data:
             for name, a in arrays.items()
         },
         "tree": tree,
-        "data": data,
+        "data": process_data[0],
     }
+    if len(process_data) > 1:
+        doc["process_data"] = process_data
+    return doc
+
+
+def process_data(doc: dict, where: str) -> list[Any]:
+    """Each saving process's `data` (one entry when one process saved)."""
+    if "process_data" not in doc:
+        return [doc.get("data")]
+    per_process = field(doc, "process_data", list, where)
+    if not per_process or per_process[0] != doc.get("data"):
+        raise corrupt(where, "its per-process data does not start with its data")
+    return per_process
 
 
 def parse_document(doc: object, where: str) -> tuple[int, dict[str, jax.ShapeDtypeStruct], dict]:

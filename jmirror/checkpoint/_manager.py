@@ -6,6 +6,11 @@ caller's thread and writes it in a background thread, one write at a time; the n
 the manager raises an error of that write. Old steps beyond `max_to_keep` are deleted after
 the new one is complete, each made invisible before it is removed.
 
+With several processes (`jm.MultiWorkerMirroredStrategy`) every process calls the same methods
+in the same order; each does the collectives of a save in its own calling thread, one process
+writes (and deletes old steps), and every background write ends at a barrier of every
+process, so that all of them list the same steps (see `_processes`).
+
 orbax's own `CheckpointManager` is not used: it refuses to replace a step (`force` there only
 overrides the interval), deletes a replaced step before writing the new one, and keeps its
 own bookkeeping of steps; here the directory listing is the only truth, so a restarted
@@ -22,7 +27,7 @@ from typing import Any
 
 from jmirror._strategy import MirroredStrategy, get_strategy
 from jmirror._values import PyTree
-from jmirror.checkpoint import _checkpoint, _storage
+from jmirror.checkpoint import _checkpoint, _processes, _storage
 
 
 def _positive_int(value: Any, name: str, allow_none: bool) -> int | None:
@@ -111,8 +116,9 @@ class CheckpointManager:
             )
         self._root = _storage.as_path(directory)
         self._root.mkdir(parents=True, exist_ok=True)
-        _storage.clean(self._root)
         self._strategy = strategy
+        if self._group().is_writer:  # others may already be waiting for its first write
+            _storage.clean(self._root)
         self._async = async_save
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -129,6 +135,12 @@ class CheckpointManager:
             f"save_interval_steps={self._interval}, async_save={self._async})"
         )
 
+    def _current_strategy(self) -> MirroredStrategy:
+        return self._strategy or get_strategy()
+
+    def _group(self) -> _processes.Group:
+        return _processes.Group.of(self._current_strategy())
+
     # --- background writes -------------------------------------------------------------------
 
     def _raise_error(self, wait: bool) -> None:
@@ -141,18 +153,39 @@ class CheckpointManager:
         if error is not None:
             raise error
 
-    def _write(self, step: int, doc: dict, arrays: dict, force: bool) -> None:
+    def _write(
+        self,
+        step: int,
+        doc: dict,
+        arrays: dict,
+        force: bool,
+        group: _processes.Group,
+        keys: tuple[str, str],
+    ) -> None:
         path = self._root / str(step)
-        try:
+
+        def write() -> None:
             _storage.write(path, arrays, doc, force=force)
             if self._max_to_keep is not None:
                 for old in _storage.steps(self._root)[: -self._max_to_keep]:
                     _storage.remove(self._root / str(old))
+
+        try:
+            group.write(keys, write)
+            if not group.is_writer and not self._is_written(step):
+                raise group.not_written("CheckpointManager.save", path)
         except BaseException as error:
             if not self._async:
                 raise
             error.add_note(f"(raised by the background save of step {step} to {path})")
             self._error = error
+
+    def _is_written(self, step: int) -> bool:
+        """Whether `step` is saved, or was and `max_to_keep` newer steps replaced it."""
+        steps = _storage.steps(self._root)
+        if step in steps:
+            return True
+        return self._max_to_keep is not None and sum(s > step for s in steps) >= self._max_to_keep
 
     def wait_until_finished(self) -> None:
         """Blocks until the background write (if any) is complete; raises its error.
@@ -231,13 +264,17 @@ class CheckpointManager:
                 f"CheckpointManager.save: step {step} exists in {self._root}. Pass force=True "
                 "to replace it (atomically), or save a new step."
             )
-        doc, arrays = _checkpoint.encode(state, self._strategy or get_strategy(), data)
+        strategy = self._current_strategy()
+        group = _processes.Group.of(strategy)
+        # The collectives of a save, in this thread: the data, the reads and gathers.
+        doc, arrays = _checkpoint.encode(state, strategy, group, group.gather_json(data))
+        keys = group.keys(f"{self._root}/{step}")
         if not self._async:
-            self._write(step, doc, arrays, force)
+            self._write(step, doc, arrays, force, group, keys)
             return True
         self._thread = threading.Thread(
             target=self._write,
-            args=(step, doc, arrays, force),
+            args=(step, doc, arrays, force, group, keys),
             name=f"jmirror-checkpoint-{step}",
         )
         self._thread.start()
@@ -298,7 +335,7 @@ class CheckpointManager:
             {'lr': 0.5}
         """
         path = self._path(step, "CheckpointManager.restore")
-        strategy = self._strategy or get_strategy()
+        strategy = self._current_strategy()
         return _checkpoint.read(path, target, strategy, "CheckpointManager.restore")
 
     def data(self, step: int | None = None) -> Any:
@@ -312,4 +349,4 @@ class CheckpointManager:
             {'epoch': 0, 'batches': 12}
         """
         path = self._path(step, "CheckpointManager.data")
-        return _checkpoint.read_data(path, "CheckpointManager.data")
+        return _checkpoint.read_data(path, "CheckpointManager.data", self._group())

@@ -13,6 +13,10 @@ Orbax stops short of what jmirror promises in two places, which this module adds
   are swapped with one `renameat2(RENAME_EXCHANGE)` (Linux); elsewhere with two renames, where a
   kill between them leaves the new checkpoint under a hidden name and `<path>` missing.
 - deleting: a checkpoint is first renamed to a hidden name (atomically invisible), then removed.
+
+orbax always runs here for this process alone (`_checkpointer`): with several processes one
+process writes and each reads for itself, and `_processes` orders them; orbax's own
+multi-process barriers would be device collectives, which must not run from a background save.
 """
 
 from __future__ import annotations
@@ -73,8 +77,18 @@ def _orbax_save(path: pathlib.Path, arrays: dict[str, np.ndarray], doc: dict) ->
     items: dict[str, Any] = {_format.METADATA_ITEM: ocp.args.JsonSave(doc)}
     if arrays:
         items[_format.STATE_ITEM] = ocp.args.StandardSave(arrays)
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+    with _checkpointer() as checkpointer:
         checkpointer.save(path, args=ocp.args.Composite(**items))
+
+
+def _checkpointer() -> ocp.Checkpointer:
+    """An orbax checkpointer of this process alone (no barriers with other processes)."""
+    me = jax.process_index()
+    alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+    handler = ocp.CompositeCheckpointHandler(
+        composite_options=ocp.CompositeOptions(multiprocessing_options=alone)
+    )
+    return ocp.Checkpointer(handler, multiprocessing_options=alone)
 
 
 def _exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
@@ -143,7 +157,7 @@ def read_document(path: pathlib.Path, call: str) -> Any:
             "jm.checkpoint.save."
         )
     try:
-        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        with _checkpointer() as checkpointer:
             restored = checkpointer.restore(
                 path, args=ocp.args.Composite(**{_format.METADATA_ITEM: ocp.args.JsonRestore()})
             )
@@ -162,7 +176,7 @@ def read_arrays(path: pathlib.Path, specs: dict[str, jax.ShapeDtypeStruct]) -> d
     if not specs:
         return {}
     try:
-        host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+        host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
     except RuntimeError:  # no CPU backend (JAX_PLATFORMS excludes it)
         host = None
 
@@ -172,7 +186,7 @@ def read_arrays(path: pathlib.Path, specs: dict[str, jax.ShapeDtypeStruct]) -> d
         return jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=host)
 
     targets = {name: abstract(spec) for name, spec in specs.items()}
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+    with _checkpointer() as checkpointer:
         restored = checkpointer.restore(
             path,
             args=ocp.args.Composite(**{_format.STATE_ITEM: ocp.args.StandardRestore(targets)}),

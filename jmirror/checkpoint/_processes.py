@@ -1,0 +1,124 @@
+"""Several processes saving one checkpoint: who writes, and when the others may look.
+
+With `jm.MultiWorkerMirroredStrategy` every process calls `save`, `restore` and the manager's
+methods in the same order. Reading the state (a `SyncOnRead` read, gathering `PerReplica`
+components, the per-process `data`) takes cross-process collectives, which every process makes
+in the caller's thread. Then one process, the writer (the first process of the strategy's
+devices), writes the files alone, with orbax set to this process only; the other processes
+write nothing. Two barriers of every process surround the writer's work: the first lets the
+writer start only once every process has finished looking at the directory (its listing, the
+`exists` checks), the second lets no process go on before the checkpoint is complete (and
+older steps are deleted). So every process sees the same steps.
+
+The barriers are orbax's barriers of the JAX distributed runtime's coordination service
+(`wait_at_barrier`), not device collectives, so a background save may wait in one while the
+training loop's collectives run (a device collective from a second thread can deadlock gloo).
+Their keys come from one counter per process, drawn in the caller's thread; since every
+process makes the same calls in the same order, the keys agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+# A slow write (a large state, a slow filesystem) keeps the other processes waiting this long;
+# a lost process ends the run sooner, through the runtime's heartbeat.
+BARRIER_TIMEOUT_S = 3600
+_KEYS = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """The processes whose devices hold a strategy's replicas, and this process's place.
+
+    Attributes:
+      processes: the process indices of the strategy's devices, ascending.
+      me: this process's index (`jax.process_index()`).
+    """
+
+    processes: tuple[int, ...]
+    me: int
+
+    @classmethod
+    def of(cls, strategy: Any) -> Group:
+        topology = strategy.topology
+        processes = tuple(sorted({d.process_index for d in topology.devices}))
+        return cls(processes, topology.process_index)
+
+    @property
+    def size(self) -> int:
+        return len(self.processes)
+
+    @property
+    def rank(self) -> int:
+        """This process's position among `processes` (0 for the writer)."""
+        return self.processes.index(self.me)
+
+    @property
+    def is_writer(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def writer(self) -> int:
+        return self.processes[0]
+
+    def keys(self, what: str) -> tuple[str, str]:
+        """The keys of the two barriers around one write (draw in the caller's thread)."""
+        n = next(_KEYS)
+        return f"jmirror.checkpoint.{n}.start:{what}", f"jmirror.checkpoint.{n}.end:{what}"
+
+    def barrier(self, key: str) -> None:
+        """Waits until every process of the group reaches the barrier `key` (any thread)."""
+        if self.size == 1:
+            return
+        wait = ocp.multihost.get_barrier_sync_fn(processes=set(self.processes))
+        wait(key=key, timeout_ms=BARRIER_TIMEOUT_S * 1000)
+
+    def write(self, keys: tuple[str, str], work: Callable[[], None]) -> None:
+        """Runs `work` on the writer only, between the two barriers of `keys`.
+
+        The writer raises its error after the second barrier, so no process waits for it in
+        vain; the others learn of a failed write from the files (see the callers).
+        """
+        start, end = keys
+        self.barrier(start)
+        error: BaseException | None = None
+        if self.is_writer:
+            try:
+                work()
+            except BaseException as e:  # raised below, after the others are released
+                error = e
+        self.barrier(end)
+        if error is not None:
+            raise error
+
+    def gather_json(self, data: Any) -> list[Any]:
+        """Every process's JSON-able `data`, in process order (a collective of every process)."""
+        if self.size == 1:
+            return [data]
+        if self.size != jax.process_count():
+            raise NotImplementedError(
+                "jm.checkpoint: per-process data needs a strategy over every process's devices "
+                f"(this one spans processes {list(self.processes)} of {jax.process_count()})."
+            )
+        raw = np.frombuffer(json.dumps(data).encode(), np.uint8)
+        lengths = np.asarray(multihost_utils.process_allgather(np.int32(raw.size)))
+        padded = np.zeros(int(lengths.max()), np.uint8)
+        padded[: raw.size] = raw
+        every = np.asarray(multihost_utils.process_allgather(padded))
+        return [json.loads(bytes(row[:k]).decode()) for row, k in zip(every, lengths)]
+
+    def not_written(self, call: str, path: Any) -> RuntimeError:
+        return RuntimeError(
+            f"{call}: process {self.writer}, which writes the checkpoints of this strategy, did "
+            f"not complete {path}; its error is raised on process {self.writer}."
+        )

@@ -1,0 +1,171 @@
+"""jm.checkpoint with several processes: 2 processes x 4 host devices through the launcher
+(tests/multiprocess/checkpoint_worker.py) against this process's 1 x 8, both ways.
+
+These tests start processes, so they run once, in the 8-device pass of the suite.
+"""
+
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmirror as jm
+
+HERE = pathlib.Path(__file__).parent / "multiprocess"
+sys.path.insert(0, str(HERE))
+from training import batches, init_state, make_step  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("JMIRROR_TEST_DEVICES", "8") != "8" or len(jax.devices()) != 8,
+    reason="starts processes: runs once, in the 8-device pass",
+)
+BIG = (256, 1024)
+
+
+def launch(*args, timeout=120):
+    """Runs checkpoint_worker.py as 2 processes x 4 devices; its npz of each process."""
+    run = subprocess.run(
+        [sys.executable, "-m", "jmirror.launch", "--processes", "2", "--devices-per-process"]
+        + ["4", str(HERE / "checkpoint_worker.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = pathlib.Path(args[-1])
+    return [dict(np.load(out / f"process{i}.npz")) for i in range(2)]
+
+
+def flat(strategy, tree):
+    leaves = jax.tree.leaves(strategy.read(tree))
+    return np.concatenate([np.ravel(np.asarray(x)) for x in leaves])
+
+
+def components(strategy, node, as_array=np.asarray):
+    return np.stack([as_array(c) for c in strategy.local_results(node)])
+
+
+def disk_bytes(path):
+    return sum(f.stat().st_size for f in pathlib.Path(path).rglob("*") if f.is_file())
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    return jm.MirroredStrategy()
+
+
+@pytest.fixture(scope="module")
+def trained(strategy):
+    """The training of the worker on 1 x 8: the state after each of the 6 steps."""
+    step_fn = jm.replicate(make_step(), strategy=strategy)
+    params, opt_state = strategy.mirror(init_state())
+    count = strategy.sync_on_read(np.int32(0), "sum")
+    fixed = {
+        "big": strategy.mirror(np.random.default_rng(0).standard_normal(BIG).astype(np.float32)),
+        "ids": strategy.run(lambda: jnp.float32(jm.replica_id())),
+        "keys": strategy.split_key(jax.random.key(1)),
+    }
+    states = {}
+    for step, batch in enumerate(
+        strategy.distribute_dataset(list(batches(8)), remainder="drop"), 1
+    ):
+        params, opt_state, _, count = step_fn(params, opt_state, batch, count)
+        states[step] = {"params": params, "opt_state": opt_state, "count": count, **fixed}
+    return states
+
+
+@pytest.fixture(scope="module")
+def saved_by_two(tmp_path_factory):
+    """The checkpoints written by 2 processes x 4 devices, and what each process saw."""
+    out = tmp_path_factory.mktemp("saved_by_two")
+    return out, launch("save", out)
+
+
+# --- written by 2 x 4 --------------------------------------------------------------------------
+
+
+def test_every_process_sees_the_same_steps_and_restores_what_it_saved(saved_by_two):
+    _, seen = saved_by_two
+    for i, process in enumerate(seen):
+        assert process["async/all_steps"].tolist() == [5, 6]  # max_to_keep=2
+        assert process["sync/all_steps"].tolist() == [3, 6]
+        # Each process reads its own data back; step 6 was replaced (force=True).
+        assert ast.literal_eval(str(process["async/data"])) == {"process": i, "forced": True}
+        for prefix in ("async", "plain"):  # the newest state, restored on the same layout
+            for key in ("params", "opt_state", "big", "count", "ids", "keys", "mine"):
+                np.testing.assert_array_equal(process[f"{prefix}/{key}"], process[f"trained/{key}"])
+    for key in ("params", "opt_state", "big", "count"):  # mirrored / aggregated: the same
+        np.testing.assert_array_equal(seen[0][f"async/{key}"], seen[1][f"async/{key}"])
+    np.testing.assert_array_equal(seen[0]["async/ids"], [0, 1, 2, 3])
+    np.testing.assert_array_equal(seen[1]["async/ids"], [4, 5, 6, 7])
+
+
+@pytest.mark.parametrize(
+    "saved, step", [("async/6", 6), ("sync/3", 3), ("sync/6", 6), ("plain", 6)]
+)
+def test_a_checkpoint_of_two_processes_restores_on_one_process(
+    saved_by_two, trained, strategy, saved, step
+):
+    out, _ = saved_by_two
+    state = jm.checkpoint.restore(out / saved, strategy=strategy)
+    oracle = trained[step]
+    for key in ("params", "opt_state"):
+        np.testing.assert_allclose(
+            flat(strategy, state[key]), flat(strategy, oracle[key]), rtol=2e-5, atol=2e-6
+        )
+    assert int(strategy.read(state["count"])) == step * 8 * 4  # every example counted once
+    np.testing.assert_array_equal(strategy.read(state["big"]), strategy.read(oracle["big"]))
+    np.testing.assert_array_equal(components(strategy, state["ids"]), np.arange(8))
+    np.testing.assert_array_equal(
+        components(strategy, state["keys"], jax.random.key_data),
+        components(strategy, oracle["keys"], jax.random.key_data),
+    )
+    # A PerReplica each process built of its own 4 components holds all 8.
+    np.testing.assert_array_equal(components(strategy, state["mine"])[:, 0], [0] * 4 + [1] * 4)
+
+
+def test_two_processes_write_one_copy(saved_by_two, trained, strategy):
+    out, _ = saved_by_two
+    mirrored = {k: trained[6][k] for k in ("params", "opt_state", "big")}
+    one_copy = sum(np.asarray(x).nbytes for x in jax.tree.leaves(strategy.read(mirrored)))
+    for saved in ("async/6", "sync/6", "plain"):
+        assert disk_bytes(out / saved) <= 1.1 * one_copy + 64 * 1024, saved
+        written_by = {p.name for p in (out / saved).rglob("ocdbt.process_*")}
+        assert written_by == {"ocdbt.process_0"}, saved  # one process wrote
+
+
+def test_per_process_data_reads_on_one_process_only_when_equal(saved_by_two, strategy):
+    out, _ = saved_by_two
+    with jm.checkpoint.CheckpointManager(out / "sync", strategy=strategy) as manager:
+        assert manager.data(3)["batches"] == 3  # the input position, the same on both
+    with jm.checkpoint.CheckpointManager(out / "async", strategy=strategy) as manager:
+        with pytest.raises(ValueError, match="saved by 2 processes, each with its own data"):
+            manager.data(5)
+
+
+# --- written by 1 x 8, restored by 2 x 4 -------------------------------------------------------
+
+
+def test_a_checkpoint_of_one_process_restores_on_two(tmp_path, trained, strategy):
+    state = trained[6]
+    with jm.checkpoint.CheckpointManager(tmp_path / "ckpt", strategy=strategy) as manager:
+        manager.save(6, state, data={"batches": 6})
+    seen = launch("restore", tmp_path / "ckpt", tmp_path)
+    for i, process in enumerate(seen):
+        assert process["all_steps"].tolist() == [6]
+        assert ast.literal_eval(str(process["data"])) == {"batches": 6}
+        for key in ("params", "opt_state"):
+            np.testing.assert_array_equal(process[f"restored/{key}"], flat(strategy, state[key]))
+        np.testing.assert_array_equal(process["restored/big"], strategy.read(state["big"]))
+        assert int(process["restored/count"]) == 6 * 8 * 4
+        np.testing.assert_array_equal(process["restored/count_components"], [24] * 4)
+        mine = slice(4 * i, 4 * i + 4)
+        np.testing.assert_array_equal(process["restored/ids"], np.arange(8)[mine])
+        keys = components(strategy, state["keys"], jax.random.key_data)
+        np.testing.assert_array_equal(process["restored/keys"], keys[mine])
