@@ -43,6 +43,7 @@ Choices the spec leaves open:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 import reprlib
 import threading
@@ -53,10 +54,13 @@ from typing import Any, NamedTuple, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jmirror._prefetch import (
     POSITION_FORMAT,
     POSITION_VERSION,
+    Agree,
     Control,
     DistributedIterator,
     _Positioned,
@@ -613,6 +617,7 @@ class DistributedDataset:
         *,
         start: int | None = None,
         source: str = "the source",
+        agree: Agree | None = None,
     ):
         # open_elements(control, skip) opens one pass; `start` is None for streams without a
         # position, else the number of batches the first pass skips (later passes skip none).
@@ -623,6 +628,7 @@ class DistributedDataset:
         self._source = source
         # On host devices the step's compute shares the cores: see jmirror._prefetch.
         self._low_priority = topology.devices[0].platform == "cpu"
+        self._agree = agree
         self._iterators: weakref.WeakSet[DistributedIterator] = weakref.WeakSet()
 
     def __iter__(self) -> DistributedIterator:
@@ -637,6 +643,7 @@ class DistributedDataset:
             control,
             position=start,
             source=self._source,
+            agree=self._agree,
         )
         self._iterators.add(iterator)
         return iterator
@@ -665,6 +672,40 @@ class DistributedDataset:
 
     def __repr__(self) -> str:
         return f"<{self._call}(prefetch={self._prefetch})>"
+
+
+# --- several processes ---------------------------------------------------------------------------
+
+
+def _agreement(topology: Topology) -> Agree | None:
+    """With several processes, `agree(state)`: every process's state for the next step.
+
+    Each process puts its state on its first device as its row of a `(P,)` array over one
+    device per process; one compiled all-gather (gloo on CPU) gives every process every row.
+    One device per process, not all N: on 2 processes x 4 host devices an all-gather over all
+    8 took about 5.5 ms, over 2 about 0.5 ms (benchmarks/RESULTS.md). None for one process.
+    """
+    if topology.process_count == 1:
+        return None
+    firsts: dict[int, Any] = {}
+    for device in topology.devices:
+        firsts.setdefault(device.process_index, device)
+    order = sorted(firsts)
+    mesh = Mesh(np.array([firsts[p] for p in order]), ("process",))
+    rows, gather = NamedSharding(mesh, P("process")), _all_gather(NamedSharding(mesh, P()))
+    shape = (len(order),)
+
+    def agree(state: int) -> list[int]:
+        mine = jax.make_array_from_process_local_data(rows, np.array([state], np.int32), shape)
+        (copy,) = gather(mine).addressable_shards
+        return np.asarray(copy.data).tolist()  # process indices are 0 to P - 1, in order
+
+    return agree
+
+
+@functools.cache
+def _all_gather(everywhere: NamedSharding) -> Callable[[jax.Array], jax.Array]:
+    return jax.jit(lambda x: x, out_shardings=everywhere)
 
 
 # --- entry points --------------------------------------------------------------------------------
@@ -745,6 +786,7 @@ def distribute_dataset(
         topology,
         start=skip,
         source=source.describe(),
+        agree=_agreement(topology),
     )
 
 
@@ -835,4 +877,5 @@ def distribute_datasets_from_function(
         _FUNCTION_CALL,
         topology,
         source=source.describe(),
+        agree=_agreement(topology),
     )

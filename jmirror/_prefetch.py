@@ -23,6 +23,18 @@ stop after it) and then return. The thread, a daemon, asks the source for nothin
 closes the iterator jmirror opened, and ends when the blocked call returns. A watcher thread
 warns (`ResourceWarning`, naming the source) if it has not ended `STALLED_SOURCE_WARNING_S`
 seconds after the stop; the watcher ends as soon as the thread does, or after warning.
+
+Several processes: each process's pass pulls its own source, and a replicated step waits for
+every process, so a process whose source ended first must not leave the others waiting alone
+in the step's collective. Before returning each batch (and before ending), the consumer asks
+`agree` (given by `jmirror._input`) what every process has: `HAS_BATCH`, `ENDED` or `FAILED`.
+The batch is returned only when every process has one; otherwise every process ends its pass
+at that same step, raising its own error (`FAILED` here) or a `RuntimeError` naming the
+process that failed (`FAILED` elsewhere), or stopping, with a `UserWarning` naming the
+processes that ran short when others still had batches. The question is asked in the
+consumer's thread, where the steps are dispatched, never in the prefetch thread: collectives
+issued from two threads at once may pair differently on each process. One process has no
+`agree` and asks nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +47,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -204,6 +216,12 @@ class _Prefetcher:
             pass
 
 
+# What a process has for the next step of a pass over several processes (see `agree`).
+ENDED, HAS_BATCH, FAILED = 0, 1, 2
+# `agree(state)`: this process's state in, every process's state out (index = process).
+Agree = Callable[[int], Sequence[int]]
+
+
 POSITION_FORMAT = "jmirror.input"
 POSITION_VERSION = 1
 
@@ -211,6 +229,10 @@ POSITION_VERSION = 1
 def position_dict(batches: int) -> dict[str, Any]:
     """The public, JSON-able form of an input position: `batches` global batches received."""
     return {"format": POSITION_FORMAT, "version": POSITION_VERSION, "batches": batches}
+
+
+def _names(indices: list[int]) -> str:
+    return ", ".join(str(i) for i in indices)
 
 
 def _shutdown(elements: Iterator[Any], prefetcher: _Prefetcher | None, control: Control) -> None:
@@ -253,8 +275,12 @@ class DistributedIterator:
         *,
         position: int | None = None,
         source: str = "the source",
+        agree: Agree | None = None,
     ):
         self._elements = elements
+        self._agree = agree
+        self._steps = 0  # batches returned by this pass
+        self._source = source
         self._prefetcher = (
             _Prefetcher(elements, prefetch, low_priority, control, source) if prefetch > 0 else None
         )
@@ -315,19 +341,62 @@ class DistributedIterator:
     def _next_value(self) -> Any:
         if self._done:
             raise StopIteration
+        kind, value = self._next_local()
+        if isinstance(value, _Warning):
+            return value
+        if self._agree is not None:
+            self._check_others(kind, value)
+        if kind == "item":
+            self._steps += 1
+            return value
+        self.close()
+        if kind == "error":
+            raise value
+        raise StopIteration
+
+    def _next_local(self) -> tuple[str, Any]:
+        """This process's next element: `("item", value)`, `("end" | "closed", None)` or
+        `("error", exception)`."""
         if self._prefetcher is None:
             try:
-                return next(self._elements)
-            except BaseException:
-                self.close()
-                raise
-        kind, value = self._prefetcher.get()
-        if kind != "item":
-            self.close()
-            if kind == "error":
-                raise value
-            raise StopIteration
-        return value
+                return "item", next(self._elements)
+            except StopIteration:
+                return "end", None
+            except BaseException as e:  # noqa: BLE001 - raised after the processes agree
+                return "error", e
+        return self._prefetcher.get()
+
+    def _check_others(self, kind: str, value: Any) -> None:
+        """Several processes: ends this pass where any process has no batch for this step."""
+        assert self._agree is not None
+        mine = HAS_BATCH if kind == "item" else FAILED if kind == "error" else ENDED
+        states = list(self._agree(mine))
+        if all(state == HAS_BATCH for state in states):
+            return
+        self.close()
+        if mine == FAILED:
+            raise value
+        failed = [i for i, state in enumerate(states) if state == FAILED]
+        step = self._steps
+        if failed:
+            raise RuntimeError(
+                f"jmirror: the input of process {_names(failed)} raised an error at step {step} "
+                f"of this pass over {self._source} (its own output shows it), so every process "
+                "ends the pass there instead of waiting for it in the step's collective."
+            )
+        short = [i for i, state in enumerate(states) if state == ENDED]
+        more = [i for i, state in enumerate(states) if state == HAS_BATCH]
+        if more:
+            warnings.warn(
+                f"jmirror: the input of process {_names(short)} ended after {step} batches, "
+                f"while process {_names(more)} still had more: every process ends this pass "
+                f"over {self._source} at step {step}, and the batches left on process "
+                f"{_names(more)} are not used. Give every process the same number of batches "
+                "per pass to use them all.",
+                UserWarning,
+                stacklevel=4,
+            )
+        raise StopIteration
 
     def close(self) -> None:
         """Stops the pass: stops the prefetch thread and closes the source iterator it opened.
