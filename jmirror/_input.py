@@ -38,6 +38,14 @@ Choices the spec leaves open:
   replica count when the global batch size does not change.
   `distribute_datasets_from_function` has no position: its `.position` is an
   `AttributeError`.
+- Several processes: each process iterates its own source (its rows of each global batch,
+  or its own pipeline's elements). Uneven input never hangs: before each step the processes
+  agree whether every one of them has a batch (see `jmirror._prefetch`), so when one
+  process's source ends first every process's pass ends at that same step, with a
+  `UserWarning` naming the processes that ran short and those whose batches go unused; when
+  one process's source raises, that process gets its error and the others a `RuntimeError`
+  naming it, at the same step. Positions are per process (each counts its own source's
+  batches). One process agrees with nobody and pays nothing for it.
 """
 
 from __future__ import annotations
@@ -742,9 +750,13 @@ def distribute_dataset(
       A `DistributedDataset` yielding `jm.PerReplica` batches (leaves of shape
       `(N, G/N, ...)`), or `(batch, mask)` pairs for `"pad"`, with `mask` a `PerReplica` of
       bools of shape `(N, G/N)`, True exactly on the real examples. Its iterators have
-      `.position`.
+      `.position`. With several processes each process passes its own source of global
+      batches and places its own rows; a pass ends on every process at the step where the
+      first process's source ends (a `UserWarning` names it when others had more).
 
     Raises:
+      RuntimeError: with several processes, while iterating, when another process's source
+        raised (every process stops at that step).
       ValueError: for an invalid `remainder`, `prefetch < 0` or `start`; while iterating, for
         a batch larger than G, leaves of different leading sizes, an incomplete batch with
         `"error"`, a 64-bit integer leaf whose values do not fit 32 bits while 64-bit types
@@ -830,7 +842,10 @@ def distribute_datasets_from_function(
     `dataset_fn` is called with `InputContext(1, 0, N)` at the start of every pass. Its
     elements are per-replica batches: N consecutive elements form one step, element i going to
     replica i, stacked into one `jm.PerReplica`. A final group of fewer than N elements is
-    dropped with a `UserWarning`.
+    dropped with a `UserWarning`. With several processes it is called on each process with
+    `InputContext(num_processes, process_index, N)` and deals `num_local_replicas` elements
+    per step to this process's replicas; a pass ends on every process at the step where the
+    first process's pipeline ends (a `UserWarning` names it when others had more).
 
     Args:
       topology: the strategy's `Topology`: the devices that receive the batches.
@@ -844,6 +859,8 @@ def distribute_datasets_from_function(
       `.position` (an `AttributeError` says so): resume such input in `dataset_fn`.
 
     Raises:
+      RuntimeError: with several processes, while iterating, when another process's
+        `dataset_fn` or its elements raised (every process stops at that step).
       ValueError: for `prefetch < 0`; while iterating, when the elements of a step differ in
         structure, shape or dtype.
       TypeError: when `dataset_fn` is not callable or `prefetch` is not an int.
