@@ -149,6 +149,13 @@ def test_per_process_data_reads_on_one_process_only_when_equal(saved_by_two, str
             manager.data(5)
 
 
+def test_a_failed_write_raises_on_every_process(saved_by_two):
+    _, seen = saved_by_two
+    writer, other = (str(process["failed_save"]) for process in seen)
+    assert writer.startswith(("NotADirectoryError", "FileExistsError")), writer
+    assert other.startswith("RuntimeError") and "process 0" in other and "did not" in other
+
+
 # --- written by 1 x 8, restored by 2 x 4 -------------------------------------------------------
 
 

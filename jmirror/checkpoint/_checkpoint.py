@@ -24,6 +24,11 @@ def save(
     written aggregated, as `strategy.read` gives it; a `PerReplica` with its N components;
     numpy arrays and Python scalars as they are. The checkpoint appears only when complete.
 
+    With several processes (`jm.MultiWorkerMirroredStrategy`) every process calls `save` with
+    its part of the state; the first process writes the checkpoint once (mirrored leaves and
+    numpy arrays as it holds them, every replica's `PerReplica` components) and every process
+    returns once it is complete.
+
     Args:
       directory: the checkpoint's directory; its parent is created if needed.
       state: a pytree of mirrored arrays, `SyncOnRead` and `PerReplica` nodes, numpy arrays
@@ -72,7 +77,9 @@ def restore(
     on any replica count: exactly for integer `SUM` and `ONLY_FIRST_REPLICA`, an integer `MEAN`
     rounded to the nearest integer), `PerReplica` nodes split over the replicas (same replica
     count only), numpy arrays and Python scalars as themselves. Nothing read from the
-    checkpoint is unpickled or evaluated.
+    checkpoint is unpickled or evaluated. With several processes every process calls
+    `restore` and reads the files (a filesystem every process sees); the layout that wrote the
+    checkpoint (how many processes, how many devices each) does not matter.
 
     Args:
       directory: a directory written by `jm.checkpoint.save` (or a manager's step).

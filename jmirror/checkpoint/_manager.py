@@ -76,6 +76,11 @@ class CheckpointManager:
     killed at any moment resumes from `latest_step()`, the newest complete one. Use it as a
     context manager, or call `close()`, so that the last write finishes.
 
+    With several processes (`jm.MultiWorkerMirroredStrategy`) every process opens the manager
+    on the same directory and calls its methods in the same order: a save's collectives run
+    in the calling thread, the first process writes and deletes, and every process sees the
+    same steps. Each process saves its own `data`.
+
     Args:
       directory: the directory of the series (created if missing). One manager at a time
         per directory: opening one removes what killed saves left behind.
@@ -227,7 +232,8 @@ class CheckpointManager:
         Args:
           step: a non-negative int.
           state: as for `jm.checkpoint.save`.
-          data: JSON-able data saved with the step, e.g. `iterator.position`.
+          data: JSON-able data saved with the step, e.g. `iterator.position`; with several
+            processes each process saves its own.
           force: replace the step if it exists (atomically), and save even a step that
             `save_interval_steps` would skip.
 
@@ -340,6 +346,10 @@ class CheckpointManager:
 
     def data(self, step: int | None = None) -> Any:
         """The `data` saved with `step` (the latest when None), e.g. an input position.
+
+        With several processes each process reads the data it saved. A step saved by another
+        number of processes reads the same on every process when all saved the same data (an
+        input position is the same on every process); otherwise it is a `ValueError`.
 
         Example:
             >>> import tempfile, jmirror as jm

@@ -93,6 +93,13 @@ def save(strategy, out_dir, results):
     jm.checkpoint.save(f"{out_dir}/plain", {**state, "count": count}, force=True)
     seen(strategy, jm.checkpoint.restore(f"{out_dir}/plain"), "plain", results)
     seen(strategy, state, "trained", results)
+    blocker = f"{out_dir}/a_file"  # process 0 cannot make a checkpoint below a file
+    open(blocker, "w").close()
+    try:
+        jm.checkpoint.save(f"{blocker}/ckpt", {"n": 1})
+        results["failed_save"] = np.asarray("")
+    except Exception as e:
+        results["failed_save"] = np.asarray(f"{type(e).__name__}: {e}")
 
 
 def restore(strategy, checkpoint_dir, results):
