@@ -107,7 +107,8 @@ def test_demo_on_a_terminal_draws_a_bar_then_the_same_lines():
     raw = b"".join(chunks).decode()
     assert "\x1b[" in raw and "/22" in raw, raw  # rich drew a bar of the epoch's 22 steps
     lines = [line for line in _screen(raw) if line.strip()]  # rich erased its bars
-    assert [bool(EPOCH_LINE.fullmatch(line)) for line in lines[1:3]] == [True, True], lines
+    epochs = [line for line in lines if line.startswith("epoch ")]
+    assert [bool(EPOCH_LINE.fullmatch(line)) for line in epochs] == [True, True], lines
     assert LAST_LINE.fullmatch(lines[-1]), lines[-1]
 
 
@@ -119,3 +120,57 @@ def test_demo_rejects_batch_size_not_divisible_by_devices():
         timeout=60,
     )
     assert result.returncode == 2 and "multiple of --devices" in result.stderr
+
+
+# --- under the launcher: 2 processes x 4 host devices ----------------------------------------
+
+LAUNCH = [sys.executable, "-m", "jmirror.launch", "--processes", "2", "--devices-per-process"]
+LAUNCH += ["4", "-m", "jmirror.demo"]
+under_the_launcher = pytest.mark.skipif(
+    os.environ.get("JMIRROR_TEST_DEVICES", "8") != "8",
+    reason="starts processes: runs once, in the 8-device pass",
+)
+
+
+def _launch_demo(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*LAUNCH, *flags], capture_output=True, text=True, timeout=180)
+
+
+def _process_lines(output: str, index: int) -> list[str]:
+    """The lines process `index` printed, without the launcher's prefix and gloo's chatter."""
+    prefix = f"[{index}] "
+    return [
+        line[len(prefix) :]
+        for line in output.splitlines()
+        if line.startswith(prefix) and "[Gloo]" not in line
+    ]
+
+
+@under_the_launcher
+def test_demo_under_the_launcher_matches_one_process_and_resumes(tmp_path):
+    flags = ["--epochs", "2", "--checkpoint-dir", str(tmp_path)]
+    first = _launch_demo(*flags)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    _assert_plain(first.stdout)
+    lines = _process_lines(first.stdout, 0)
+    assert "8 replicas (pmap) on 2 processes, global batch 128 (16 per replica)" in lines[0]
+    epochs = [line for line in lines if line.startswith("epoch ")]
+    assert [bool(EPOCH_LINE.fullmatch(line)) for line in epochs] == [True, True], lines
+    assert "on process 0's cpu:0" in lines[-2] and "-> OK" in lines[-2], lines
+    assert _process_lines(first.stdout, 1) == []  # only process 0 prints
+    # The launched run saved after each epoch; a longer launched run resumes from epoch 2.
+    second = _launch_demo("--epochs", "3", "--checkpoint-dir", str(tmp_path))
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    lines = _process_lines(second.stdout, 0)
+    assert lines[1].startswith("resuming after epoch 2 from"), lines
+    one_process = _run_demo("--epochs", "3")
+    assert LAST_LINE.fullmatch(lines[-1]), lines
+    assert lines[-1] == one_process[-1]  # same test accuracy, same one-device figure
+
+
+@under_the_launcher
+def test_demo_under_the_launcher_refuses_devices():
+    result = _launch_demo("--devices", "8")
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[0] python -m jmirror.demo: error: --devices 8 does not apply" in result.stderr
+    assert "--devices-per-process" in result.stderr
