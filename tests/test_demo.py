@@ -137,12 +137,16 @@ def _launch_demo(*flags: str) -> subprocess.CompletedProcess:
 
 
 def _process_lines(output: str, index: int) -> list[str]:
-    """The lines process `index` printed, without the launcher's prefix and gloo's chatter."""
+    """The lines process `index` printed, without the launcher's prefix and gloo's chatter.
+
+    Gloo reports each connection ("[Gloo] Rank 0 is connected to 7 peer ranks. ...") in
+    pieces from several threads, so a piece may stand on a line of its own.
+    """
     prefix = f"[{index}] "
     return [
         line[len(prefix) :]
         for line in output.splitlines()
-        if line.startswith(prefix) and "[Gloo]" not in line
+        if line.startswith(prefix) and "[Gloo]" not in line and "peer ranks" not in line
     ]
 
 

@@ -1,0 +1,103 @@
+"""Several processes: steps/s of 2 processes x 4 host devices against 1 process x 8.
+
+The benchmark MLP of `benchmarks/models.py` (64 -> hidden -> hidden -> 10, SGD, global batch
+256, gradients all-reduced MEAN), trained by `jm.MultiWorkerMirroredStrategy` with
+`jm.replicate` (with one process it is `MirroredStrategy()`). Two loops, measured after a
+warm-up that compiles both, each timed over STEPS steps, ROUNDS times (the median printed):
+
+  (a) step: the global batch placed once (its rows on each process's devices), reused;
+  (b) input: the same batch, STEPS times, through `strategy.distribute_dataset` (prefetch=2)
+      each round: placing each process's rows and, with several processes, the per-batch
+      agreement that an uneven source never leaves a process waiting alone.
+
+Run it alone, then under the launcher:
+
+    python benchmarks/processes_bench.py [--hidden 512] [--steps 40] [--rounds 5]
+    python -m jmirror.launch --processes 2 --devices-per-process 4 \\
+        benchmarks/processes_bench.py [--hidden 512] [--steps 40] [--rounds 5]
+
+Alone, it runs on 8 XLA:CPU host devices. Only process 0 prints. The figures exclude start-up
+(processes, the distributed runtime, gloo's connections) and compilation; time the whole
+commands from outside (for example `/usr/bin/time -v`) for what a user waits. On one machine
+the several processes talk through gloo over loopback and share its cores, so 2 x 4 is
+expected to be slower there: this measures that cost, not a gain.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jmirror as jm
+
+jm.distributed.initialize()  # first: nothing alone, joins the others under the launcher
+
+import jax  # noqa: E402
+
+if not jax.distributed.is_initialized():
+    jax.config.update("jax_num_cpu_devices", 8)
+
+import optax  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.models import FEATURES, GLOBAL_BATCH, make_problem  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=40, help="steps per timed round")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per loop")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    strategy = jm.MultiWorkerMirroredStrategy()
+    params, tx, loss_fn, x, y = make_problem(args.hidden)
+    assert x.shape == (GLOBAL_BATCH, FEATURES)
+
+    @jm.replicate(strategy=strategy, donate_argnums=(0, 1))
+    def train_step(params, opt_state, batch):
+        bx, by = batch
+        loss, grads = jax.value_and_grad(loss_fn)(params, bx, by)
+        grads = jm.all_reduce("mean", grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jm.all_reduce("mean", loss)
+
+    state = list(strategy.mirror((params, tx.init(params))))
+    (placed,) = strategy.distribute_dataset([(x, y)], remainder="error", prefetch=0)
+
+    def run(batches) -> float:
+        """Steps/s over `batches`, waiting for the last step."""
+        start = time.perf_counter()
+        loss = None
+        steps = 0
+        for batch in batches:
+            state[0], state[1], loss = train_step(state[0], state[1], batch)
+            steps += 1
+        jax.block_until_ready(loss)
+        return steps / (time.perf_counter() - start)
+
+    def fed():
+        return strategy.distribute_dataset([(x, y)] * args.steps, remainder="error")
+
+    run([placed] * 3)  # compile, warm up
+    run(fed())
+    rates: dict[str, list[float]] = {"step": [], "input": []}
+    for _ in range(args.rounds):  # interleaved, so that drift hits both loops alike
+        rates["step"].append(run([placed] * args.steps))
+        rates["input"].append(run(fed()))
+    if strategy.process_index == 0:
+        layout = f"{strategy.num_processes} x {strategy.num_local_replicas}"
+        for name, values in rates.items():
+            print(
+                f"{layout} {name:>5}: {statistics.median(values):6.1f} steps/s "
+                f"(median of {args.rounds} x {args.steps} steps; min {min(values):.1f}, "
+                f"max {max(values):.1f}), MLP hidden {args.hidden}, global batch {GLOBAL_BATCH}"
+            )
+
+
+if __name__ == "__main__":
+    main()
