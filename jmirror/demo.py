@@ -37,7 +37,7 @@ from flax.training.train_state import TrainState
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import jmirror as jm
-from jmirror import metrics
+from jmirror import metrics, testing
 
 _BAR_WIDTH = 24
 _DEFAULT_DEVICES = 8
@@ -121,7 +121,7 @@ def set_host_device_count(n: int) -> None:
         >>> demo.set_host_device_count(n)
     """
     try:
-        jax.config.update("jax_num_cpu_devices", n)
+        testing.set_host_device_count(n)  # the one place jmirror sets the host device count
     except RuntimeError:
         if len(jax.devices("cpu")) < n:
             raise RuntimeError(
