@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jmirror as jm
-from jmirror import _input
+from jmirror import _batches as batching
 
 
 @pytest.fixture
@@ -171,8 +171,8 @@ def test_skipped_batches_are_never_placed_nor_converted(s, n, monkeypatch, prefe
     for i in (1, 2, 3):  # a skipped batch would fail conversion, let alone placement
         batches[i] = {"x": np.array(["not numbers"] * 4 * n), "y": batches[i]["y"]}
     placed = []
-    place = _input._place
-    monkeypatch.setattr(_input, "_place", lambda *a: placed.append(1) or place(*a))
+    place = batching._place
+    monkeypatch.setattr(batching, "_place", lambda *a: placed.append(1) or place(*a))
     head = iter(s.distribute_dataset(_batches([4 * n] * 6), remainder="drop", prefetch=0))
     for _ in range(4):
         next(head)
