@@ -1,19 +1,13 @@
-"""Test configuration: the host device count is set here, once, before JAX starts.
-
-`JMIRROR_TEST_DEVICES` (default 8) picks how many XLA:CPU host devices the suite sees; `.ci/run`
-runs the suite with 8 and again with 1.
+"""Test configuration. The host device count is set by jmirror's own pytest plugin
+(`jmirror.testing.pytest_plugin`), before any test touches JAX's devices: from
+`JMIRROR_TEST_DEVICES`, else `jmirror_devices = 8` in pyproject.toml. `scripts/test.sh` runs
+the suite with 8 devices and again with 1.
 """
-
-import os
 
 import jax
 import pytest
 
 import jmirror as jm
-from jmirror.testing import set_host_device_count
-
-NUM_DEVICES = int(os.environ.get("JMIRROR_TEST_DEVICES", "8"))
-set_host_device_count(NUM_DEVICES)
 
 BACKENDS = ("pmap", "shard_map")
 

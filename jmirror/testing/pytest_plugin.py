@@ -1,16 +1,20 @@
 """A pytest plugin: run a test suite on N fake CPU host devices with one option.
 
-Installed with jmirror (entry point `pytest11`), it adds `--jmirror-devices N` (or the ini
-option `jmirror_devices = N`), which sets the host device count before any test imports JAX's
-devices, and the fixtures `jmirror_strategy` (a `MirroredStrategy` over every device) and
-`jmirror_emulated` (an `EmulatedStrategy` with as many replicas).
+Installed with jmirror (entry point `pytest11`), it adds `--jmirror-devices N`, which sets the
+host device count before any test touches JAX's devices, and the fixtures `jmirror_strategy`
+(a `MirroredStrategy` over every device) and `jmirror_emulated` (an `EmulatedStrategy` with as
+many replicas). Without the option it takes the environment variable `JMIRROR_TEST_DEVICES`,
+then the ini option `jmirror_devices = N`; with none of them it leaves JAX's count alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
+
+_ENV = "JMIRROR_TEST_DEVICES"
 
 
 def _device_count(text: str) -> int:
@@ -39,11 +43,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     count = config.getoption("--jmirror-devices")
-    if count is None and config.getini("jmirror_devices"):
-        try:
-            count = _device_count(config.getini("jmirror_devices"))
-        except argparse.ArgumentTypeError as e:
-            raise pytest.UsageError(f"the ini option jmirror_devices: {e}") from None
+    for name, text in (
+        (f"the environment variable {_ENV}", os.environ.get(_ENV, "")),
+        ("the ini option jmirror_devices", config.getini("jmirror_devices")),
+    ):
+        if count is None and text:
+            try:
+                count = _device_count(text)
+            except argparse.ArgumentTypeError as e:
+                raise pytest.UsageError(f"{name}: {e}") from None
     if count is not None:
         from jmirror.testing._host import set_host_device_count
 
