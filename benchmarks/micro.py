@@ -190,7 +190,9 @@ def donation_cost(rounds: int) -> list[list[str]]:
     params, tx, loss_fn, x, y = make_problem(2048)
     n = jax.device_count()
     strategy = jm.MirroredStrategy()
-    batch = jax.device_put((x.reshape(n, -1, x.shape[-1]), y.reshape(n, -1)), strategy.topology.stacked)
+    batch = jax.device_put(
+        (x.reshape(n, -1, x.shape[-1]), y.reshape(n, -1)), strategy.topology.stacked
+    )
 
     def train_step(params, opt_state, x, y):
         loss, grads = jax.value_and_grad(loss_fn)(params, x, y)

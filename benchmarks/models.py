@@ -96,7 +96,9 @@ def jmirror_variant(hidden: int, backend: str) -> Variant:
         return optax.apply_updates(params, updates), opt_state, jm.all_reduce("mean", loss)
 
     state = list(strategy.mirror((params, tx.init(params))))
-    batch = jax.device_put((x.reshape(n, -1, FEATURES), y.reshape(n, -1)), strategy.topology.stacked)
+    batch = jax.device_put(
+        (x.reshape(n, -1, FEATURES), y.reshape(n, -1)), strategy.topology.stacked
+    )
     bx, by = jm.PerReplica(batch[0]), jm.PerReplica(batch[1])
 
     def step():
