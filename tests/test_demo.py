@@ -146,8 +146,15 @@ def _process_lines(output: str, index: int) -> list[str]:
     return [
         line[len(prefix) :]
         for line in output.splitlines()
-        if line.startswith(prefix) and "[Gloo]" not in line and "peer ranks" not in line
+        if line.startswith(prefix)
+        and "[Gloo]" not in line
+        and "peer ranks" not in line
+        and not _GLOO_PIECE.fullmatch(line[len(prefix) :])
     ]
+
+
+# A piece of gloo's connection report on a line of its own, such as the peer count "7".
+_GLOO_PIECE = re.compile(r"[\d\s:.]*")
 
 
 @under_the_launcher
