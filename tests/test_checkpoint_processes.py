@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(
 BIG = (256, 1024)
 
 
-def launch(*args, timeout=120):
+def launch(*args, timeout=150):
     """Runs checkpoint_worker.py as 2 processes x 4 devices; its npz of each process."""
     run = subprocess.run(
         [sys.executable, "-m", "jmirror.launch", "--processes", "2", "--devices-per-process"]

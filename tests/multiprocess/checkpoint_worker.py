@@ -14,10 +14,15 @@ directory written by one process of 8 devices. Each process writes what it saw t
 OUT_DIR/process<i>.npz.
 """
 
+import faulthandler
 import sys
 import time
 
 import jmirror as jm
+
+# A watchdog for the test: were a process ever stuck, it prints every thread's stack and ends,
+# so the test fails with where it stood instead of at the harness's timeout.
+faulthandler.dump_traceback_later(90, exit=True)
 
 jm.distributed.initialize()
 
