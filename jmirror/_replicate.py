@@ -56,6 +56,8 @@ class Replicated:
         # The input signatures traced by calls, plain or under an outer transformation
         # (never by .lower()): what `num_compilations` counts.
         self._signatures: set[tuple] = set()
+        # Those of plain calls only: what the retracing warning counts.
+        self._plain_signatures: set[tuple] = set()
         # For each output structure, the flat index of its smallest array: what the bound on
         # steps in flight keeps alive to wait on (never the large outputs).
         self._token_index: dict[Any, int] = {}
@@ -159,9 +161,10 @@ class Replicated:
                 where = _argument_path(path, self._static)
                 message = _HOST_BATCH.format(fn=self, shape=node.shape, path=where, n=n)
                 self._warn_once("host batch", message)
-        if len(self._signatures) > _RETRACE_WARNING_AT:
+        self._plain_signatures.add(self._signature(args, kwargs))
+        if len(self._plain_signatures) > _RETRACE_WARNING_AT:
             seen: dict[str, set[tuple]] = {}
-            for signature in self._signatures:
+            for signature in self._plain_signatures:
                 for where, shape, dtype in signature[1]:
                     seen.setdefault(where, set()).add((shape, dtype))
             changing = [(p, sorted(s)) for p, s in seen.items() if len(s) > 1]
@@ -170,7 +173,9 @@ class Replicated:
                 for p, s in changing[:5]
             )
             message = _RETRACING.format(
-                fn=self, k=len(self._signatures), changing=shown or "(the tree structure changes)"
+                fn=self,
+                k=len(self._plain_signatures),
+                changing=shown or "(the tree structure changes)",
             )
             self._warn_once("retrace", message)
 
@@ -249,19 +254,18 @@ class Replicated:
 
     def _entry(self, strategy: Runner, *args: Any, **kwargs: Any) -> tuple[Any, jax.Array | None]:
         """The step as calls trace it, recording the input signature."""
+        self._signatures.add(self._signature(args, kwargs))
+        return self._step(strategy, *args, **kwargs)
+
+    def _signature(self, args: tuple, kwargs: dict) -> tuple:
+        """The static arguments, and each argument leaf's path, shape and dtype."""
         statics = tuple(args[i] for i in self._static)
         dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
         leaves = jax.tree_util.tree_flatten_with_path((dynamic, kwargs))[0]
-        self._signatures.add(
-            (
-                statics,
-                tuple(
-                    (_argument_path(p, self._static), jnp.shape(x), str(jnp.result_type(x)))
-                    for p, x in leaves
-                ),
-            )
+        return statics, tuple(
+            (_argument_path(p, self._static), jnp.shape(x), str(jnp.result_type(x)))
+            for p, x in leaves
         )
-        return self._step(strategy, *args, **kwargs)
 
     def _step(self, strategy: Runner, *args: Any, **kwargs: Any) -> tuple[Any, jax.Array | None]:
         """The traced step: the result, and a token to wait on when no output can serve."""

@@ -283,6 +283,16 @@ def test_retracing_warning_names_the_changing_argument(strategy):
         f(w, x=jnp.ones(10))  # once per function
 
 
+def test_traced_calls_do_not_count_toward_the_retracing_warning(strategy):
+    f = jm.replicate(lambda x: x.sum(), strategy=strategy)
+    for size in range(1, 12):  # eleven signatures, all traced by the caller's own jit
+        jax.jit(lambda x: f(x))(jnp.ones(size))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f(jnp.ones(1))
+        f(jnp.ones(100))
+
+
 def test_metric_masks_must_not_be_weights():
     with pytest.raises(TypeError, match="dtype float32.*not a weight"):
         Mean.empty().update(jnp.ones(3), mask=jnp.array([1.0, 0.5, 0.0]))
