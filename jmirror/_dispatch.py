@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
+import operator
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -165,8 +167,36 @@ def check_donated(call: str, args: tuple, kwargs: dict, donate_argnums: Sequence
     """Refuses donated arguments that would crash jaxlib: deleted buffers, buffers used twice.
 
     On several devices jaxlib dies (SIGSEGV) on either; on one it raises. Checked in Python
-    before the call, from the arguments' identities (no device work).
+    before every donating call, from the arguments' identities (no device work): the common
+    case costs two C++ flattens and a pass over the leaves; paths are worked out only to
+    explain a problem.
     """
+    per_arg = [jax.tree_util.tree_leaves(a) for a in args]
+    donated = [x for i in donate_argnums if i < len(per_arg) for x in per_arg[i]]
+    ids = list(map(id, itertools.chain(*per_arg, jax.tree_util.tree_leaves(kwargs))))
+    if len(set(ids)) == len(ids) and not _any_deleted(donated):
+        return  # no leaf passed twice (anywhere), no donated leaf deleted
+    _explain_donated(call, args, kwargs, donate_argnums)
+
+
+_CONCRETE: set[type] = set()  # the concrete (never traced) jax.Array classes seen
+_IS_DELETED = operator.methodcaller("is_deleted")
+
+
+def _any_deleted(leaves: list[Any]) -> bool:
+    """Whether a concrete array among `leaves` is deleted (one C-level pass when all are)."""
+    if _CONCRETE.issuperset(map(type, leaves)):
+        return any(map(_IS_DELETED, leaves))
+    for x in leaves:
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            _CONCRETE.add(type(x))
+            if x.is_deleted():
+                return True
+    return False
+
+
+def _explain_donated(call: str, args: tuple, kwargs: dict, donate_argnums: Sequence[int]) -> None:
+    """Raises the `ValueError` for the first donated leaf that is deleted or used twice."""
     donated_ids: dict[int, str] = {}
     for i in donate_argnums:
         if i >= len(args):
