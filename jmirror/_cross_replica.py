@@ -104,16 +104,17 @@ class CrossReplica(abc.ABC):
 
     # --- shared --------------------------------------------------------------------------------
 
-    def check_readable(self, tree: PyTree) -> list[tuple[Any, Any]]:
-        """The top-level nodes of `tree` with paths; raises `TypeError` at a `PerReplica`."""
-        nodes = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_distributed)[0]
-        for path, node in nodes:
+    def check_readable(self, tree: PyTree) -> tuple[list[Any], Any]:
+        """The top-level nodes of `tree` and its structure; raises at a `PerReplica`."""
+        nodes, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_distributed)
+        for i, node in enumerate(nodes):
             if isinstance(node, PerReplica):
+                path = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_distributed)[0][i][0]
                 where = f"{self.where} at path {jax.tree_util.keystr(path) or '<root>'!r}"
                 raise TypeError(_READ_PER_REPLICA.format(where=where))
             if isinstance(node, SyncOnRead) and node.aggregation is Aggregation.NONE:
                 raise ValueError(_READ_NONE)
-        return nodes
+        return nodes, treedef
 
     def reduce(self, op: ReduceOp, value: PyTree, axis: int | None) -> PyTree:
         """`strategy.reduce`: `PerReplica` nodes reduced, other values by the plain rule."""

@@ -141,12 +141,11 @@ class HostOps(CrossReplica):
     def read(self, tree: PyTree) -> PyTree:
         # Every SUM / MEAN component goes to devices[0] in one transfer and is reduced by one
         # compiled function, however many sync-on-read leaves the tree holds.
-        path_nodes = self.check_readable(tree)
-        treedef = jax.tree.structure(tree, is_leaf=is_distributed)
+        nodes, treedef = self.check_readable(tree)
         out: list[Any] = []
         pending: list[tuple[int, Any, int]] = []
         work: list[tuple[ReduceOp, Any]] = []
-        for i, (_, node) in enumerate(path_nodes):
+        for i, node in enumerate(nodes):
             if isinstance(node, SyncOnRead) and node.aggregation in _REDUCED:
                 leaves, inner = jax.tree_util.tree_flatten(node.value)
                 pending.append((i, inner, len(leaves)))

@@ -40,6 +40,7 @@ class Topology:
       local_devices: the devices of `devices` this process can address, in replica order.
       process_index: this process's index; `process_count`: how many processes there are.
       is_emulated: whether every replica runs on one device.
+      device_set: the devices as a set.
     """
 
     devices: tuple[Device, ...]
@@ -51,6 +52,7 @@ class Topology:
     process_index: int
     process_count: int
     is_emulated: bool
+    device_set: frozenset[Device]  # the devices as a set, for layout checks on every read
 
     @classmethod
     def create(cls, devices: Sequence[Device], axis_name: str) -> Topology:
@@ -68,6 +70,7 @@ class Topology:
             process_index=me,
             process_count=len({d.process_index for d in devices}),
             is_emulated=False,
+            device_set=frozenset(devices),
         )
 
     @classmethod
@@ -84,6 +87,7 @@ class Topology:
             process_index=jax.process_index(),
             process_count=1,
             is_emulated=True,
+            device_set=frozenset((device,)),
         )
 
     @property
@@ -118,10 +122,6 @@ class Topology:
     def num_devices(self) -> int:
         """How many distinct devices the replicas run on (1 when emulated)."""
         return 1 if self.is_emulated else len(self.devices)
-
-    @property
-    def device_set(self) -> frozenset[Device]:
-        return frozenset(self.devices)
 
     def is_mirrored(self, x: jax.Array) -> bool:
         """Whether `x` is laid out as a mirrored value of this topology."""
