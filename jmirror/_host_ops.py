@@ -275,11 +275,16 @@ _squeeze = jax.jit(lambda x: x[0])
 
 
 @functools.cache
-def _reduce_fn(op: ReduceOp, axis: int | None) -> Callable[[jax.Array], jax.Array]:
+def reducer(op: ReduceOp, axis: int | None) -> Callable[[jax.Array], jax.Array]:
     """Reduces stacked components (leading replica axis), and axis `axis` of each component."""
     axes = 0 if axis is None else (0, axis + 1 if axis >= 0 else axis)
-    reducer = REDUCERS[op]
-    return jax.jit(lambda x: reducer(x, axis=axes))
+    reduce = REDUCERS[op]
+    return lambda x: reduce(x, axis=axes)
+
+
+@functools.cache
+def _reduce_fn(op: ReduceOp, axis: int | None) -> Callable[[jax.Array], jax.Array]:
+    return jax.jit(reducer(op, axis))
 
 
 @functools.cache
@@ -290,7 +295,7 @@ def _reduce_many(ops: tuple[ReduceOp, ...]) -> Callable[[list[jax.Array]], list[
 
 
 @functools.cache
-def _gather_fn(axis: int) -> Callable[[jax.Array], jax.Array]:
+def concatenate(axis: int) -> Callable[[jax.Array], jax.Array]:
     """Concatenates stacked components along `axis` of each component."""
 
     def gather(x: jax.Array) -> jax.Array:
@@ -298,4 +303,9 @@ def _gather_fn(axis: int) -> Callable[[jax.Array], jax.Array]:
             return x
         return jnp.concatenate(list(x), axis=axis)
 
-    return jax.jit(gather)
+    return gather
+
+
+@functools.cache
+def _gather_fn(axis: int) -> Callable[[jax.Array], jax.Array]:
+    return jax.jit(concatenate(axis))

@@ -24,8 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jmirror._cross_replica import REDUCERS
-from jmirror._host_ops import HostOps
+from jmirror._host_ops import HostOps, concatenate, reducer
 from jmirror._topology import Topology
 from jmirror._values import (
     Aggregation,
@@ -84,7 +83,7 @@ class ProcessHostOps(HostOps):
                 if x.aggregation is Aggregation.ONLY_FIRST_REPLICA:
                     return jax.tree.map(lambda v: self._everywhere(_first, v), x.value)
                 op = ReduceOp.SUM if x.aggregation is Aggregation.SUM else ReduceOp.MEAN
-                return jax.tree.map(lambda v: self._everywhere(_reducer(op, None), v), x.value)
+                return jax.tree.map(lambda v: self._everywhere(reducer(op, None), v), x.value)
             if isinstance(x, jax.Array) and self.topology.is_mirrored(x):
                 return self._on_first_device(x)
             return x
@@ -124,10 +123,10 @@ class ProcessHostOps(HostOps):
         return np.asarray(stacked)[i]  # a PerReplica of this process's components
 
     def reduce_per_replica(self, op: ReduceOp, x: PerReplica, axis: int | None) -> PyTree:
-        return jax.tree.map(lambda v: self._everywhere(_reducer(op, axis), v), x.values)
+        return jax.tree.map(lambda v: self._everywhere(reducer(op, axis), v), x.values)
 
     def _gather_stacked(self, stacked: jax.Array, axis: int) -> jax.Array:
-        return self._everywhere(_concatenate(axis), stacked)
+        return self._everywhere(concatenate(axis), stacked)
 
 
 def globalize(topology: Topology, tree: PyTree) -> PyTree:
@@ -176,20 +175,3 @@ def _jit_mirrored(fn: Callable[[jax.Array], jax.Array], sharding: Any) -> Callab
 
 def _first(x: jax.Array) -> jax.Array:
     return x[0]
-
-
-@functools.cache
-def _reducer(op: ReduceOp, axis: int | None) -> Callable[[jax.Array], jax.Array]:
-    axes = 0 if axis is None else (0, axis + 1 if axis >= 0 else axis)
-    reducer = REDUCERS[op]
-    return lambda x: reducer(x, axis=axes)
-
-
-@functools.cache
-def _concatenate(axis: int) -> Callable[[jax.Array], jax.Array]:
-    def gather(x: jax.Array) -> jax.Array:
-        if x.ndim == 1:
-            return x
-        return jnp.concatenate(list(x), axis=axis)
-
-    return gather
