@@ -13,8 +13,8 @@ import jax
 import numpy as np
 
 import jmirror as jm
+from benchmarks._report import table
 from benchmarks.models import make_problem
-from benchmarks.run import table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,6 +15,7 @@ import sys
 import time
 
 import jmirror.testing as jmt
+from benchmarks._report import table
 
 NUM_DEVICES = int(os.environ.get("JMIRROR_BENCH_DEVICES", "8"))
 
@@ -102,18 +103,6 @@ def peak_memory_mb(name: str, hidden: int) -> float:
     if out.returncode != 0:
         return float("nan")
     return float(out.stdout.strip().splitlines()[-1])
-
-
-def table(title: str, rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
-    lines = [
-        f"\n### {title}\n",
-        "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
-        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
-    ]
-    for row in rows:
-        lines.append("| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |")
-    return "\n".join(lines)
 
 
 def steps_section(size: str, steps: int, rounds: int, memory: bool) -> str:
