@@ -21,7 +21,7 @@ from jmirror._strategy import get_strategy as get_strategy
 from jmirror._values import Aggregation as Aggregation
 from jmirror._values import PerReplica as PerReplica
 from jmirror._values import ReduceOp as ReduceOp
-from jmirror._values import Sharded as Sharded
+from jmirror._values import Sharded as Sharded  # the value kind of jm.shard_update's state
 from jmirror._values import Synchronization as Synchronization
 from jmirror._values import SyncOnRead as SyncOnRead
 from jmirror._values import ValueContext as ValueContext
@@ -36,7 +36,6 @@ __all__ = [
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",
-    "Sharded",
     "SyncOnRead",
     "Synchronization",
     "ValueContext",
