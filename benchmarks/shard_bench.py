@@ -159,7 +159,9 @@ def _bytes_on_first_device(strategy, tree) -> int:
 
     first = strategy.devices[0]
     return sum(
-        s.data.nbytes for leaf in jax.tree.leaves(tree) for s in leaf.addressable_shards
+        s.data.nbytes
+        for leaf in jax.tree.leaves(tree)
+        for s in leaf.addressable_shards
         if s.device == first
     )
 

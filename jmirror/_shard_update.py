@@ -103,10 +103,11 @@ def shard_update(
             return _init_in_replica(inner, params, _pieces(name))
         return _init_placed(inner, params, strategy or _context.current_strategy())
 
-    def update(grads: PyTree, state: PyTree, params: PyTree = None) -> tuple[PyTree, PyTree]:
+    def update(updates: PyTree, state: PyTree, params: PyTree = None) -> tuple[PyTree, PyTree]:
+        # `updates`: this replica's own gradients (optax's name for the argument).
         if not _context.in_replica_context():
             raise RuntimeError(_OUTSIDE.format(name=name))
-        return _update(inner, grads, state, params, _pieces(name))
+        return _update(inner, updates, state, params, _pieces(name))
 
     return optax.GradientTransformation(init, update)
 
@@ -293,4 +294,3 @@ def _new_state(
     for i, x in zip(to_gather, _gather([outs[i] for i in to_gather], pieces)):
         new[i] = x
     return in_def.unflatten(new)
-

@@ -205,9 +205,7 @@ def _run_replica(call: ReplicaCall, round_: _Round, *flat: Any) -> list[jax.Arra
         result = call.fn(*args, **kwargs)
     finally:
         _context.exit_replica()
-    out_top, round_.out_treedef = jax.tree_util.tree_flatten(
-        result, is_leaf=is_distributed
-    )
+    out_top, round_.out_treedef = jax.tree_util.tree_flatten(result, is_leaf=is_distributed)
     out_flat, out_slots = flatten_slots(out_top, inputs=False)
     round_.out_slots = tuple(out_slots)
     return [jnp.asarray(x) for x in out_flat]

@@ -1,5 +1,10 @@
 """jm.shard_update (SPEC section 12) against the mirrored update of the mean gradient."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +13,8 @@ import pytest
 
 import jmirror as jm
 import jmirror.testing as jmt
+
+HERE = Path(__file__).parent / "multiprocess"
 
 # Sizes that are not multiples of 8 (nor of 4): every leaf is padded on 8 and on 4 replicas.
 SHAPES = {"w1": (7, 3), "b1": (3,), "w2": (3, 5), "b2": (5,), "scale": (13,)}
@@ -304,3 +311,59 @@ def test_emulated_strategy_gives_the_same_result():
     (params, state), (oracle_params, oracle_state) = train_both(strategy, TRANSFORMS["lamb"], 3)
     assert_trees_close(strategy.read(params), strategy.read(oracle_params))
     assert_trees_close(strategy.read(state), strategy.read(oracle_state))
+
+
+@pytest.mark.skipif(
+    os.environ.get("JMIRROR_TEST_DEVICES", "8") != "8" or len(jax.devices()) != 8,
+    reason="starts processes: runs once, in the 8-device pass",
+)
+def test_two_processes_of_four_devices_train_like_the_mirrored_update(tmp_path):
+    sys.path.insert(0, str(HERE))
+    from training import batches, init_state
+    from training import loss_fn as mlp_loss
+
+    worker = HERE / "shard_worker.py"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jmirror.launch",
+            "--processes",
+            "2",
+            "--devices-per-process",
+            "4",
+            str(worker),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    seen = [dict(np.load(tmp_path / f"process{i}.npz")) for i in range(2)]
+    strategy = jm.MirroredStrategy()
+    inner = optax.lamb(1e-2)
+
+    @jm.replicate(strategy=strategy)
+    def oracle_step(params, opt_state, batch):
+        grads = jm.all_reduce("mean", jax.grad(mlp_loss)(params, *batch))
+        updates, opt_state = inner.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = init_state()[0]
+    params, opt_state = strategy.mirror((params, inner.init(params)))
+    for b in strategy.distribute_dataset(list(batches(8)), remainder="drop"):
+        params, opt_state = oracle_step(params, opt_state, b)
+    oracle = [np.asarray(x) for x in jax.tree.leaves(strategy.read((params, opt_state)))]
+    tx = jm.shard_update(optax.lamb(1e-2), strategy=strategy)
+    target = {"params": params, "opt": tx.init(params)}
+    for backend in ("pmap", "shard_map"):
+        for process in seen:
+            got = [process[f"{backend}/{i}"] for i in range(len(oracle))]
+            for a, b in zip(got, oracle):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        # The checkpoint of 2 x 4 restores sharded on 1 x 8, equal to what was read there.
+        restored = jm.checkpoint.restore(tmp_path / backend, target=target, strategy=strategy)
+        again = jax.tree.leaves(strategy.read((restored["params"], restored["opt"])))
+        for a, b in zip(again, [seen[0][f"{backend}/{i}"] for i in range(len(oracle))]):
+            np.testing.assert_array_equal(np.asarray(a), b)
