@@ -10,6 +10,10 @@ MEAN of the gradients, then `optax.adam` on mirrored state) measured in the same
   largest model that trains in a fixed per-device budget (target >= 1.6x the mirrored one's);
 - bytes moved by the step's collectives, from its compiled HLO (target: one all-reduce's).
 
+Two sharded variants: the default (one buffer per dtype: one reduce-scatter, one all-gather)
+and `bucket_bytes=4 MiB` (a buffer per 4 MiB of gradients, each reduced as soon as it is
+complete, so XLA does not hold a packed copy of all the gradients beside them).
+
     python -m benchmarks.shard_bench [--rounds 5] [--steps 20] [--json out.json]
 """
 
@@ -24,6 +28,7 @@ from typing import Any
 import jmirror.testing as jmt
 
 NUM_DEVICES = 8
+BUCKET = 4 << 20  # the bucketed variant: jm.shard_update(..., bucket_bytes=4 MiB)
 
 
 def _problem(kind: str, hidden: int = 512, depth: int = 2, batch: int = 256):
@@ -105,6 +110,7 @@ def _steps(strategy, params, loss_fn, x, y):
 
     inner = optax.adam(1e-3)
     sharded_tx = jm.shard_update(optax.adam(1e-3), strategy=strategy)
+    bucketed_tx = jm.shard_update(optax.adam(1e-3), strategy=strategy, bucket_bytes=BUCKET)
 
     @jm.replicate(strategy=strategy, donate_argnums=(0, 1))
     def mirrored(params, state, x, y):
@@ -112,11 +118,14 @@ def _steps(strategy, params, loss_fn, x, y):
         updates, state = inner.update(jm.all_reduce("mean", grads), state, params)
         return optax.apply_updates(params, updates), state, jm.all_reduce("mean", loss)
 
-    @jm.replicate(strategy=strategy, donate_argnums=(0, 1))
-    def sharded(params, state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        updates, state = sharded_tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, jm.all_reduce("mean", loss)
+    def sharded_step(tx):
+        @jm.replicate(strategy=strategy, donate_argnums=(0, 1))
+        def sharded(params, state, x, y):
+            loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, jm.all_reduce("mean", loss)
+
+        return sharded
 
     n = strategy.num_replicas
     batch = (
@@ -124,12 +133,13 @@ def _steps(strategy, params, loss_fn, x, y):
         jm.PerReplica(y.reshape((n, -1) + y.shape[1:])),
     )
     # Each variant gets its own mirrored copy of the parameters (the steps donate them).
-    mirrored_params, sharded_params = strategy.mirror(params), strategy.mirror(params)
-    states = {
-        "mirrored": [mirrored_params, strategy.mirror(inner.init(params))],
-        "sharded": [sharded_params, sharded_tx.init(sharded_params)],
-    }
-    return {"mirrored": mirrored, "sharded": sharded}, states, batch
+    states = {"mirrored": [strategy.mirror(params), strategy.mirror(inner.init(params))]}
+    fns = {"mirrored": mirrored}
+    for name, tx in (("sharded", sharded_tx), ("bucketed", bucketed_tx)):
+        mine = strategy.mirror(params)
+        states[name] = [mine, tx.init(mine)]
+        fns[name] = sharded_step(tx)
+    return fns, states, batch
 
 
 def _time_steps(strategy, problem, rounds: int, steps: int) -> dict[str, float]:
@@ -144,7 +154,7 @@ def _time_steps(strategy, problem, rounds: int, steps: int) -> dict[str, float]:
         jax.block_until_ready(loss)
     order = list(fns)
     for r in range(rounds):
-        for name in order[r % 2 :] + order[: r % 2]:
+        for name in order[r % len(order) :] + order[: r % len(order)]:
             fn, state = fns[name], states[name]
             start = time.perf_counter()
             for _ in range(steps):
@@ -215,8 +225,8 @@ def _largest_in_budget(strategy, depth: int, reference: int) -> dict[str, Any]:
 
     budget, ref_params = peak("mirrored", reference)
     out: dict[str, Any] = {"budget_bytes": budget, "reference_width": reference}
-    for name in ("mirrored", "sharded"):
-        lo, hi = reference // 2, reference * 2
+    for name in ("mirrored", "sharded", "bucketed"):
+        lo, hi = reference // 2, reference * 3
         best = (reference if name == "mirrored" else lo, ref_params)
         while hi - lo > 8:
             mid = (lo + hi) // 2 // 8 * 8
@@ -226,7 +236,8 @@ def _largest_in_budget(strategy, depth: int, reference: int) -> dict[str, Any]:
             else:
                 hi = mid
         out[name] = {"width": best[0], "params": best[1]}
-    out["ratio"] = out["sharded"]["params"] / out["mirrored"]["params"]
+    for name in ("sharded", "bucketed"):
+        out[name]["ratio"] = out[name]["params"] / out["mirrored"]["params"]
     return out
 
 
@@ -269,30 +280,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         memory = _memory(strategy, problem)
         results["steps"][label] = times
         results["memory"][label] = memory
-        ratio = times["sharded"] / times["mirrored"]
-        state_ratio = memory["sharded"]["state_bytes"] / memory["mirrored"]["state_bytes"]
-        peak_ratio = memory["sharded"]["peak_bytes"] / memory["mirrored"]["peak_bytes"]
-        moved = _moved(memory["sharded"]["collectives"], n) / _moved(
-            memory["mirrored"]["collectives"], n
-        )
-        print(
-            f"{label}: step {ratio:.3f}x ({times['sharded'] * 1e3:.2f} / "
-            f"{times['mirrored'] * 1e3:.2f} ms), optimizer bytes/device {state_ratio:.4f} "
-            f"(1/N = {1 / n:.4f}), step peak {peak_ratio:.3f}x, bytes moved {moved:.4f}x; "
-            f"collectives sharded {memory['sharded']['collectives']}, mirrored "
-            f"{memory['mirrored']['collectives']}",
-            flush=True,
-        )
+        for name in ("sharded", "bucketed"):
+            ratio = times[name] / times["mirrored"]
+            state_ratio = memory[name]["state_bytes"] / memory["mirrored"]["state_bytes"]
+            peak_ratio = memory[name]["peak_bytes"] / memory["mirrored"]["peak_bytes"]
+            moved = _moved(memory[name]["collectives"], n) / _moved(
+                memory["mirrored"]["collectives"], n
+            )
+            kinds = [op for op, _ in memory[name]["collectives"]]
+            reduced = [b for op, b in memory[name]["collectives"] if op == "all-reduce"]
+            print(
+                f"{label} [{name}]: step {ratio:.3f}x ({times[name] * 1e3:.2f} / "
+                f"{times['mirrored'] * 1e3:.2f} ms), optimizer bytes/device {state_ratio:.4f} "
+                f"(1/N = {1 / n:.4f}), step peak {peak_ratio:.3f}x, bytes moved {moved:.4f}x; "
+                f"{kinds.count('reduce-scatter')} reduce-scatter, {kinds.count('all-gather')} "
+                f"all-gather, all-reduces of {reduced} bytes"
+                f" (mirrored: {memory['mirrored']['collectives']})",
+                flush=True,
+            )
     search = _largest_in_budget(strategy, args.depth, args.reference_width)
     results["budget"] = search
-    print(
-        f"largest {args.depth}-layer MLP in {search['budget_bytes'] / 2**20:.1f} MiB per device "
-        f"(the mirrored step's need at width {args.reference_width}): mirrored width "
-        f"{search['mirrored']['width']} ({search['mirrored']['params']:,} params), sharded "
-        f"width {search['sharded']['width']} ({search['sharded']['params']:,} params): "
-        f"{search['ratio']:.2f}x the parameters",
-        flush=True,
-    )
+    for name in ("sharded", "bucketed"):
+        print(
+            f"largest {args.depth}-layer MLP in {search['budget_bytes'] / 2**20:.1f} MiB per "
+            f"device (the mirrored step's need at width {args.reference_width}): mirrored width "
+            f"{search['mirrored']['width']} ({search['mirrored']['params']:,} params), {name} "
+            f"width {search[name]['width']} ({search[name]['params']:,} params): "
+            f"{search[name]['ratio']:.2f}x the parameters",
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

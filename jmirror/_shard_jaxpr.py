@@ -22,10 +22,11 @@ The rules, each of which gives exactly the unsharded result:
   the padding replaced by the reduction's identity, then a collective over the replicas
   (`psum`, `pmax`, `pmin`); the result is whole;
 - `jit`, `closed_call`, `remat`, `custom_jvp_call` and `custom_vjp_call` are followed into
-  their jaxprs.
+  their jaxprs; a `cond` whose index is whole runs each branch by these rules (an output is a
+  piece where any branch gives one).
 
 Anything else that touches a piece (a reduction over some axes only, sort, cumsum, gather,
-scatter, slices, concatenation, a transpose of the data, control flow, an unknown primitive)
+scatter, slices, concatenation, a transpose of the data, loops, an unknown primitive)
 mixes elements across positions of a leaf and is a `ValueError` naming the primitive.
 Padding never reaches a result: it is masked in reductions, and only element-wise work sees
 it (whose padded outputs are dropped or zeroed by the caller).
@@ -327,7 +328,49 @@ def _call(eqn: Any, invals: list, pieces: Pieces) -> list:
     return _eval(sub, (), invals, pieces)
 
 
+def _cond(eqn: Any, invals: list, pieces: Pieces) -> list:
+    """A `cond` on a whole index: each branch interpreted, its outputs in one layout."""
+    index, *operands = invals
+    if isinstance(index, Piece):
+        raise _refuse(eqn, invals, pieces, "the branch taken would differ along the leaf")
+    branches = eqn.params["branches"]
+    shapes = [v.shape if isinstance(v, Piece) else None for v in operands]
+    locals_ = [v.local if isinstance(v, Piece) else v for v in operands]
+
+    def rebuild(flat: Sequence[Any]) -> list[Any]:
+        return [x if s is None else Piece(x, s) for x, s in zip(flat, shapes)]
+
+    # First each branch's layouts (abstractly): an output is a piece if any branch's is.
+    is_piece = [False] * len(eqn.outvars)
+    for branch in branches:
+        found: list[list[bool]] = []
+
+        def layouts(*flat: Any, branch=branch, found=found) -> list[Any]:
+            outs = _eval(branch.jaxpr, branch.consts, rebuild(flat), pieces)
+            found.append([isinstance(o, Piece) for o in outs])
+            return [o.local if isinstance(o, Piece) else o for o in outs]
+
+        jax.eval_shape(layouts, *locals_)
+        is_piece = [a or b for a, b in zip(is_piece, found[0])]
+
+    def run_branch(branch: Any) -> Callable[..., list[Any]]:
+        def fn(*flat: Any) -> list[Any]:
+            outs = _eval(branch.jaxpr, branch.consts, rebuild(flat), pieces)
+            return [
+                (o.local if isinstance(o, Piece) else pieces.take(o)) if p else o
+                for o, p in zip(outs, is_piece)
+            ]
+
+        return fn
+
+    outs = lax.switch(index, [run_branch(b) for b in branches], *locals_)
+    return [
+        Piece(o, tuple(v.aval.shape)) if p else o for o, p, v in zip(outs, is_piece, eqn.outvars)
+    ]
+
+
 _RULES: dict[str, Callable[[Any, list, Pieces], list]] = {
+    "cond": _cond,
     "reshape": _same_layout,
     "squeeze": _same_layout,
     "broadcast_in_dim": _same_layout,

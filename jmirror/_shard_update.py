@@ -43,7 +43,7 @@ _OTHER_N = (
 
 
 def shard_update(
-    inner: optax.GradientTransformation, *, strategy: Any = None
+    inner: optax.GradientTransformation, *, strategy: Any = None, bucket_bytes: int | None = None
 ) -> optax.GradientTransformation:
     """Shards a gradient transformation's state and update over the replicas (ZeRO-1).
 
@@ -69,6 +69,12 @@ def shard_update(
       inner: any `optax.GradientTransformation`.
       strategy: the strategy whose replicas `init` shards the state over; `None` means
         `jm.get_strategy()` when `init` is called.
+      bucket_bytes: `None` (the default) packs the gradients of each dtype into one buffer:
+        one reduce-scatter and one all-gather per dtype. XLA then holds that buffer beside
+        the gradients (one more copy of them at the step's peak). An int packs them into
+        buffers of at most about that many bytes (in tree order; a larger leaf has its own),
+        each reduced as soon as its gradients exist: fewer bytes held at once, one
+        reduce-scatter and one all-gather per buffer. The bytes moved are the same.
 
     Returns:
       An `optax.GradientTransformation` whose `update` must run inside a replica function.
@@ -97,6 +103,13 @@ def shard_update(
         (10,)
     """
     name = _name(inner)
+    if bucket_bytes is not None and (
+        isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1
+    ):
+        raise ValueError(
+            f"jm.shard_update(..., bucket_bytes={bucket_bytes!r}): expected None (one buffer "
+            "per dtype) or a positive int (the most bytes of gradients per buffer)."
+        )
 
     def init(params: PyTree) -> PyTree:
         if _context.in_replica_context():
@@ -107,7 +120,7 @@ def shard_update(
         # `updates`: this replica's own gradients (optax's name for the argument).
         if not _context.in_replica_context():
             raise RuntimeError(_OUTSIDE.format(name=name))
-        return _update(inner, updates, state, params, _pieces(name))
+        return _update(inner, updates, state, params, _pieces(name), bucket_bytes)
 
     return optax.GradientTransformation(init, update)
 
@@ -169,14 +182,19 @@ def _init_in_replica(inner: Any, params: PyTree, pieces: Pieces) -> PyTree:
 
 
 def _update(
-    inner: Any, grads: PyTree, state: PyTree, params: PyTree, pieces: Pieces
+    inner: Any,
+    grads: PyTree,
+    state: PyTree,
+    params: PyTree,
+    pieces: Pieces,
+    bucket_bytes: int | None,
 ) -> tuple[PyTree, PyTree]:
     grad_leaves, grad_def = jax.tree.flatten(grads)
     state_nodes, state_def = jax.tree.flatten(state, is_leaf=lambda x: isinstance(x, Sharded))
     _check_state(state, pieces)
     param_leaves, param_def = jax.tree.flatten(params)
 
-    grads_in = _scatter_mean(grad_leaves, pieces)
+    grads_in = _scatter_mean(grad_leaves, pieces, bucket_bytes)
     state_in = [Piece(x.shards, x.shape) if isinstance(x, Sharded) else x for x in state_nodes]
     full_state = [
         jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, Sharded) else jax.typeof(x)
@@ -199,7 +217,7 @@ def _update(
     outs = run(closed, grads_in + state_in + param_leaves, pieces)
     updates_def, new_state_def = out_def[0].children()
     n_updates = updates_def.num_leaves
-    updates = updates_def.unflatten(_gather(outs[:n_updates], pieces))
+    updates = updates_def.unflatten(_gather(outs[:n_updates], pieces, bucket_bytes))
     new_state = _new_state(outs[n_updates:], new_state_def, state_nodes, state_def, pieces)
     return updates, new_state
 
@@ -223,14 +241,30 @@ def _check_state(state: PyTree, pieces: Pieces) -> None:
                 )
 
 
-def _by_dtype(leaves: Sequence[Any]) -> dict[Any, list[int]]:
+def _buffers(leaves: Sequence[Any], bucket_bytes: int | None) -> list[tuple[Any, list[int]]]:
+    """The leaves packed into buffers: one per dtype, or per dtype and bucket of at most
+    `bucket_bytes` (in tree order; a larger leaf has a buffer of its own)."""
     groups: dict[Any, list[int]] = {}
     for i, x in enumerate(leaves):
         groups.setdefault(jnp.result_type(x), []).append(i)
-    return groups
+    if bucket_bytes is None:
+        return list(groups.items())
+    out: list[tuple[Any, list[int]]] = []
+    for dtype, indices in groups.items():
+        bucket: list[int] = []
+        used = 0
+        for i in indices:
+            size = np.size(leaves[i]) * np.dtype(dtype).itemsize
+            if bucket and used + size > bucket_bytes:
+                out.append((dtype, bucket))
+                bucket, used = [], 0
+            bucket.append(i)
+            used += size
+        out.append((dtype, bucket))
+    return out
 
 
-def _scatter_mean(leaves: list[Any], pieces: Pieces) -> list[Any]:
+def _scatter_mean(leaves: list[Any], pieces: Pieces, bucket_bytes: int | None) -> list[Any]:
     """The mean over the replicas of every gradient leaf: this replica's piece of each
     non-scalar leaf (one reduce-scatter per dtype), scalars whole (a small all-reduce)."""
     out: list[Any] = list(leaves)
@@ -238,7 +272,7 @@ def _scatter_mean(leaves: list[Any], pieces: Pieces) -> list[Any]:
     split = [i for i, x in enumerate(leaves) if np.ndim(x) >= 1 and np.size(x)]
     for i in set(range(len(leaves))) - set(split):
         out[i] = lax.pmean(leaves[i], axis) if np.size(leaves[i]) else leaves[i]
-    for dtype, group in _by_dtype([leaves[i] for i in split]).items():
+    for dtype, group in _buffers([leaves[i] for i in split], bucket_bytes):
         indices = [split[j] for j in group]
         stacked = [stack(leaves[i], n) for i in indices]
         buffer = jnp.concatenate(stacked, axis=1).reshape(-1)
@@ -250,12 +284,13 @@ def _scatter_mean(leaves: list[Any], pieces: Pieces) -> list[Any]:
     return out
 
 
-def _gather(outs: list[Any], pieces: Pieces) -> list[Any]:
+def _gather(outs: list[Any], pieces: Pieces, bucket_bytes: int | None = None) -> list[Any]:
     """Whole values of `outs`: the pieces all-gathered (one all-gather per dtype)."""
     whole = list(outs)
     split = [i for i, x in enumerate(outs) if isinstance(x, Piece)]
     n, axis = pieces.n, pieces.axis_name
-    for _, group in _by_dtype([outs[i].local for i in split]).items():
+    sizes = [jax.ShapeDtypeStruct(outs[i].shape, outs[i].local.dtype) for i in split]
+    for _, group in _buffers(sizes, bucket_bytes):
         indices = [split[j] for j in group]
         locals_ = [outs[i].local for i in indices]
         buffer = jnp.concatenate(locals_)

@@ -69,7 +69,11 @@ def mirrored_step(strategy, inner):
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+        x, y = np.asarray(x), np.asarray(y)
+        if np.issubdtype(x.dtype, np.inexact):
+            np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
+        else:
+            np.testing.assert_array_equal(x, y)
 
 
 def train_both(strategy, make, steps=8):
@@ -86,9 +90,20 @@ def train_both(strategy, make, steps=8):
     return (params, state), (oracle_params, oracle_state)
 
 
-@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+# Transformations with a `cond` on a whole (mirrored) value, and others beyond the brief's list.
+MORE = {
+    "multi_steps_adam": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=3),
+    "apply_if_finite_adam": lambda: optax.apply_if_finite(optax.adam(1e-2), 2),
+    "novograd": lambda: optax.novograd(1e-2),
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS) + sorted(MORE))
 def test_eight_steps_equal_the_mirrored_update(strategy, name):
-    (params, state), (oracle_params, oracle_state) = train_both(strategy, TRANSFORMS[name])
+    make = TRANSFORMS.get(name) or MORE[name]
+    (params, state), (oracle_params, oracle_state) = train_both(strategy, make)
     jmt.assert_mirrored(params, strategy)
     assert_trees_close(strategy.read(params), strategy.read(oracle_params))
     assert_trees_close(strategy.read(state), strategy.read(oracle_state))
@@ -172,6 +187,33 @@ def test_one_buffer_per_dtype(strategy, n):
     np.testing.assert_allclose(b, -0.1 * mean, rtol=2e-2)
 
 
+def test_buckets_give_the_same_update_with_one_collective_pair_per_bucket(strategy, n):
+    # In tree order b1, b2, scale, w1, w2 have 12, 20, 52, 84 and 60 bytes; buckets of at
+    # most 100 bytes hold [b1, b2, scale], [w1], [w2]: three reduce-scatters, three gathers.
+    make = TRANSFORMS["clip_adam"]
+    tx = jm.shard_update(make(), strategy=strategy, bucket_bytes=100)
+    params = strategy.mirror(init_params())
+    state = tx.init(params)
+    step = sharded_step(strategy, tx)
+    if n > 1:
+        kinds = [c.op for c in jmt.collectives(step.lower(params, state, batch(strategy)))]
+        assert kinds.count("reduce-scatter") == 3 and kinds.count("all-gather") == 3
+    inner = make()
+    oracle_params, oracle_state = strategy.mirror((init_params(), inner.init(init_params())))
+    oracle = mirrored_step(strategy, inner)
+    for _ in range(3):
+        params, state = step(params, state, batch(strategy))
+        oracle_params, oracle_state = oracle(oracle_params, oracle_state, batch(strategy))
+    assert_trees_close(strategy.read(params), strategy.read(oracle_params))
+    assert_trees_close(strategy.read(state), strategy.read(oracle_state))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1MB"])
+def test_bucket_bytes_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match=r"bucket_bytes=.*positive int"):
+        jm.shard_update(optax.adam(1e-2), bucket_bytes=bad)
+
+
 def test_donated_state_and_params(strategy):
     make = TRANSFORMS["adam"]
     tx, inner = jm.shard_update(make()), make()
@@ -243,6 +285,31 @@ def test_checkpoint_target_chooses_sharded_or_mirrored(strategy, tmp_path):
     jmt.assert_mirrored(as_mirrored, strategy)
     assert_trees_close(strategy.read(as_sharded), strategy.read(mirrored_state), 0, 0)
     assert_trees_close(strategy.read(as_mirrored), strategy.read(mirrored_state), 0, 0)
+
+
+def test_a_step_with_a_non_finite_gradient_is_skipped_as_unsharded(strategy, n):
+    make = MORE["apply_if_finite_adam"]
+    inner, tx = make(), jm.shard_update(make(), strategy=strategy)
+    params = strategy.mirror(init_params())
+    state, oracle_state = tx.init(params), strategy.mirror(inner.init(init_params()))
+
+    @jm.replicate(strategy=strategy)
+    def both(params, state, oracle_state, bad):
+        grads = jax.tree.map(lambda p: p * jnp.where(bad, jnp.inf, 1.0), params)
+        grads = jax.tree.map(lambda g: g * (jm.replica_id() + 1), grads)
+        updates, state = tx.update(grads, state, params)
+        mean = jm.all_reduce("mean", grads)
+        oracle_updates, oracle_state = inner.update(mean, oracle_state, params)
+        return updates, state, oracle_updates, oracle_state
+
+    # The last replica's gradient is infinite in the second step only.
+    for bad in (False, True, False):
+        flags = jm.PerReplica(np.array([bad and i == n - 1 for i in range(n)]))
+        updates, state, oracle_updates, oracle_state = both(params, state, oracle_state, flags)
+        assert_trees_close(strategy.read(updates), strategy.read(oracle_updates))
+        assert_trees_close(strategy.read(state), strategy.read(oracle_state))
+    assert int(strategy.read(state).notfinite_count) == 0
+    assert int(strategy.read(state).total_notfinite) == 1
 
 
 class _Refused:
