@@ -329,6 +329,13 @@ class Replicated:
         for p, candidate in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
             if candidate is leaf:
                 path = ("args" if p[0].idx == 0 else "kwargs") + jax.tree_util.keystr(p[1:])
+        if path.endswith(".shards"):  # a jm.shard_update state made for another N
+            return ValueError(
+                f"{self!r} got a jm.Sharded state leaf at {path} whose pieces have shape "
+                f"{tuple(jnp.shape(leaf))}, cut for another replica count; the strategy has "
+                f"{strategy.num_replicas} replicas. Restore the state through jmirror.checkpoint "
+                "(which re-shards it onto any replica count), or call tx.init on this strategy."
+            )
         return ValueError(
             f"{self!r} got a per-replica leaf of shape {tuple(jnp.shape(leaf))} at {path}; a "
             f"PerReplica / SyncOnRead leaf needs a leading axis of size {strategy.num_replicas} "

@@ -373,6 +373,17 @@ def test_state_of_another_replica_count_is_a_value_error(strategy, n):
         sharded_step(strategy, tx)(strategy.mirror(params), stacked, batch(strategy))
 
 
+def test_state_cut_for_another_replica_count_names_the_leaf_and_the_fix(strategy, n):
+    if n == 1:
+        pytest.skip("needs another replica count")
+    one = jm.MirroredStrategy(num_devices=1, backend=strategy.backend)
+    state = jm.shard_update(optax.adam(1e-2), strategy=one).init(init_params())
+    tx = jm.shard_update(optax.adam(1e-2), strategy=strategy)
+    params = strategy.mirror(init_params())
+    with pytest.raises(ValueError, match=r"jm.Sharded state leaf at args\[1\].*checkpoint"):
+        sharded_step(strategy, tx)(params, state, batch(strategy))
+
+
 def test_emulated_strategy_gives_the_same_result():
     strategy = jmt.EmulatedStrategy(4)
     (params, state), (oracle_params, oracle_state) = train_both(strategy, TRANSFORMS["lamb"], 3)
