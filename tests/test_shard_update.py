@@ -312,6 +312,19 @@ def test_a_step_with_a_non_finite_gradient_is_skipped_as_unsharded(strategy, n):
     assert int(strategy.read(state).total_notfinite) == 1
 
 
+def test_checkpoint_manager_saves_asynchronously_and_restores_sharded(strategy, tmp_path):
+    (params, state), _ = train_both(strategy, TRANSFORMS["adamw"], steps=2)
+    saved = strategy.read(state)
+    with jm.checkpoint.CheckpointManager(tmp_path, strategy=strategy) as manager:
+        manager.save(2, {"opt": state})
+        manager.wait_until_finished()
+        restored = manager.restore(2, target={"opt": state})["opt"]
+    assert isinstance(
+        jax.tree.leaves(restored, is_leaf=lambda x: isinstance(x, jm.Sharded))[1], jm.Sharded
+    )
+    assert_trees_close(strategy.read(restored), saved, 0, 0)
+
+
 class _Refused:
     """Transformations whose update mixes elements across positions of a leaf."""
 
