@@ -15,11 +15,13 @@ from jmirror._context import sync as sync
 from jmirror._input import InputContext as InputContext
 from jmirror._multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from jmirror._replicate import replicate as replicate
+from jmirror._shard_update import shard_update as shard_update
 from jmirror._strategy import MirroredStrategy as MirroredStrategy
 from jmirror._strategy import get_strategy as get_strategy
 from jmirror._values import Aggregation as Aggregation
 from jmirror._values import PerReplica as PerReplica
 from jmirror._values import ReduceOp as ReduceOp
+from jmirror._values import Sharded as Sharded  # the value kind of jm.shard_update's state
 from jmirror._values import Synchronization as Synchronization
 from jmirror._values import SyncOnRead as SyncOnRead
 from jmirror._values import ValueContext as ValueContext
@@ -46,5 +48,6 @@ __all__ = [
     "replica_context",
     "replica_id",
     "replicate",
+    "shard_update",
     "sync",
 ]

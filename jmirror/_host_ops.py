@@ -24,6 +24,7 @@ from jmirror._values import (
     PerReplica,
     PyTree,
     ReduceOp,
+    Sharded,
     SyncOnRead,
     ValueContext,
     is_distributed,
@@ -60,7 +61,7 @@ class HostOps(CrossReplica):
                 )
             # SyncOnRead state is already placed; exactly-mirrored arrays are kept (one
             # sharding for mirrored state, so a step's outputs match its inputs' signature).
-            if isinstance(leaf, SyncOnRead) or (
+            if isinstance(leaf, (SyncOnRead, Sharded)) or (
                 isinstance(leaf, jax.Array) and leaf.sharding == self.topology.mirrored
             ):
                 out[i] = leaf
@@ -151,6 +152,9 @@ class HostOps(CrossReplica):
                 pending.append((i, inner, len(leaves)))
                 work.extend((_REDUCED[node.aggregation], leaf) for leaf in leaves)
                 out.append(None)
+            elif isinstance(node, Sharded):  # the whole leaf, on devices[0]
+                first = jax.device_put(node.shards, self.topology.devices[0])
+                out.append(unshard(node.shape)(first))
             elif isinstance(node, SyncOnRead):  # ONLY_FIRST_REPLICA
                 out.append(jax.tree.map(lambda v: self._component(v, 0), node.value))
             elif isinstance(node, jax.Array) and self.topology.is_mirrored(node):
@@ -272,6 +276,13 @@ def _stack_fn(sharding: Any, n: int) -> Callable[[PyTree], PyTree]:
 
 
 _squeeze = jax.jit(lambda x: x[0])
+
+
+@functools.cache
+def unshard(shape: tuple[int, ...]) -> Callable[[jax.Array], jax.Array]:
+    """The whole leaf of shape `shape` from its stacked `Sharded` pieces (padding dropped)."""
+    size = int(np.prod(shape))
+    return jax.jit(lambda x: x.reshape(-1)[:size].reshape(shape))
 
 
 @functools.cache

@@ -24,13 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jmirror._host_ops import HostOps, concatenate, reducer
+from jmirror._host_ops import HostOps, concatenate, reducer, unshard
 from jmirror._topology import Topology
 from jmirror._values import (
     Aggregation,
     PerReplica,
     PyTree,
     ReduceOp,
+    Sharded,
     SyncOnRead,
     ValueContext,
     is_distributed,
@@ -79,6 +80,8 @@ class ProcessHostOps(HostOps):
         self.check_readable(tree)
 
         def one(x: Any) -> Any:
+            if isinstance(x, Sharded):
+                return self._everywhere(unshard(x.shape), x.shards)
             if isinstance(x, SyncOnRead):
                 if x.aggregation is Aggregation.ONLY_FIRST_REPLICA:
                     return jax.tree.map(lambda v: self._everywhere(_first, v), x.value)

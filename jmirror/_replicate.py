@@ -28,8 +28,16 @@ from jmirror import _context, _dispatch
 from jmirror._backends import executable
 from jmirror._context import Runner
 from jmirror._process_ops import globalize
-from jmirror._tracing import FORCED, SPLIT, STORAGE, ReplicaCall, flatten_slots, trace_and_prove
-from jmirror._values import PerReplica, SyncOnRead, is_distributed
+from jmirror._tracing import (
+    FORCED,
+    SHARDED,
+    SPLIT,
+    STORAGE,
+    ReplicaCall,
+    flatten_slots,
+    trace_and_prove,
+)
+from jmirror._values import PerReplica, Sharded, SyncOnRead, is_distributed
 
 # More input signatures than this compiled by one replicated function earn a warning.
 _RETRACE_WARNING_AT = 8
@@ -273,7 +281,7 @@ class Replicated:
         dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
         top, treedef = jax.tree_util.tree_flatten((dynamic, kwargs), is_leaf=is_distributed)
         flat, slots = flatten_slots(top, inputs=True)
-        split = [slot.kind == SPLIT for slot in slots for _ in range(slot.size)]
+        split = [slot.kind in (SPLIT, SHARDED) for slot in slots for _ in range(slot.size)]
         avals = []
         for leaf, s in zip(flat, split):
             aval = jax.typeof(leaf)
@@ -308,6 +316,8 @@ class Replicated:
                 built.append(SyncOnRead(slot.treedef.unflatten(leaves), slot.aggregation))
             elif slot.kind == FORCED:
                 built.append(PerReplica(slot.treedef.unflatten(leaves)))
+            elif slot.kind == SHARDED:
+                built.append(Sharded(leaves[0], slot.aggregation))
             else:
                 built.append(PerReplica(leaves[0]) if out_split[pos] else leaves[0])
             pos += slot.size
@@ -319,6 +329,13 @@ class Replicated:
         for p, candidate in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
             if candidate is leaf:
                 path = ("args" if p[0].idx == 0 else "kwargs") + jax.tree_util.keystr(p[1:])
+        if path.endswith(".shards"):  # a jm.shard_update state made for another N
+            return ValueError(
+                f"{self!r} got a jm.Sharded state leaf at {path} whose pieces have shape "
+                f"{tuple(jnp.shape(leaf))}, cut for another replica count; the strategy has "
+                f"{strategy.num_replicas} replicas. Restore the state through jmirror.checkpoint "
+                "(which re-shards it onto any replica count), or call tx.init on this strategy."
+            )
         return ValueError(
             f"{self!r} got a per-replica leaf of shape {tuple(jnp.shape(leaf))} at {path}; a "
             f"PerReplica / SyncOnRead leaf needs a leading axis of size {strategy.num_replicas} "

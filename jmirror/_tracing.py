@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jmirror import _context
 from jmirror._context import Runner
 from jmirror._proof import prove
-from jmirror._values import PerReplica, SyncOnRead
+from jmirror._values import PerReplica, Sharded, SyncOnRead, is_distributed
 
 MAX_ROUNDS = 4
 _UNBOUND_AXIS = re.compile(r"unbound axis name: (\S+?)\.?(\s|$)")
@@ -38,6 +38,8 @@ _UNBOUND_AXIS = re.compile(r"unbound axis name: (\S+?)\.?(\s|$)")
 SPLIT, BROADCAST = "split", "broadcast"
 # Kinds of a top-level output slot.
 AUTO, FORCED, STORAGE = "auto", "per_replica", "sync_on_read"
+# A `Sharded` node (`jm.shard_update`), input or output; its `aggregation` holds the shape.
+SHARDED = "sharded"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,10 @@ def flatten_slots(top: Sequence[Any], inputs: bool) -> tuple[list[Any], list[Slo
     flat: list[Any] = []
     slots: list[Slot] = []
     for node in top:
+        if isinstance(node, Sharded):
+            slots.append(Slot(SHARDED, None, node.shape))
+            flat.append(node.shards)
+            continue
         if isinstance(node, SyncOnRead):
             leaves, inner = jax.tree_util.tree_flatten(node.value)
             kind = SPLIT if inputs else STORAGE
@@ -179,7 +185,9 @@ def _run_replica(call: ReplicaCall, round_: _Round, *flat: Any) -> list[jax.Arra
     for slot in call.in_slots:
         leaves = flat[pos : pos + slot.size]
         pos += slot.size
-        if slot.kind == SPLIT and slot.aggregation is not None:
+        if slot.kind == SHARDED:
+            top.append(Sharded(leaves[0], slot.aggregation))
+        elif slot.kind == SPLIT and slot.aggregation is not None:
             top.append(SyncOnRead(slot.treedef.unflatten(leaves), slot.aggregation))
         elif slot.kind == SPLIT:
             top.append(slot.treedef.unflatten(leaves))
@@ -197,9 +205,7 @@ def _run_replica(call: ReplicaCall, round_: _Round, *flat: Any) -> list[jax.Arra
         result = call.fn(*args, **kwargs)
     finally:
         _context.exit_replica()
-    out_top, round_.out_treedef = jax.tree_util.tree_flatten(
-        result, is_leaf=lambda x: isinstance(x, (PerReplica, SyncOnRead))
-    )
+    out_top, round_.out_treedef = jax.tree_util.tree_flatten(result, is_leaf=is_distributed)
     out_flat, out_slots = flatten_slots(out_top, inputs=False)
     round_.out_slots = tuple(out_slots)
     return [jnp.asarray(x) for x in out_flat]

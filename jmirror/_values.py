@@ -1,10 +1,11 @@
-"""Distributed value types: the enums, `PerReplica`, `SyncOnRead` and `ValueContext`."""
+"""Distributed value types: the enums, `PerReplica`, `SyncOnRead`, `Sharded`, `ValueContext`."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -209,6 +210,63 @@ class ValueContext:
     num_replicas: int = 1
 
 
+@jax.tree_util.register_pytree_with_keys_class
+class Sharded:
+    """One leaf of a sharded optimizer state (`jm.shard_update`): 1/N of it on each replica.
+
+    The leaf is flattened (row-major), padded with zeros to a multiple of N and cut into N
+    equal pieces. Outside the replicas `shards` is the stacked pieces (shape `[N, k]`, piece
+    i on device i); inside a replica function it is that replica's own piece (shape `[k]`).
+    `shape` is the whole leaf's shape (static). `strategy.read` gives the whole leaf back.
+
+    Args:
+      shards: the stacked pieces, `[N, k]` with `N * k >= prod(shape)`.
+      shape: the shape of the whole leaf.
+
+    Example:
+        >>> import numpy as np, jmirror as jm
+        >>> node = jm.Sharded(np.arange(4.0).reshape(2, 2), (3,))
+        >>> node.shape, node.size, node.shards.shape
+        ((3,), 3, (2, 2))
+    """
+
+    __slots__ = ("shards", "shape")
+    shards: Any
+    shape: tuple[int, ...]
+
+    def __init__(self, shards: Any, shape: Sequence[int]):
+        object.__setattr__(self, "shards", shards)
+        object.__setattr__(self, "shape", tuple(int(d) for d in shape))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise dataclasses.FrozenInstanceError(f"Sharded is immutable; cannot set {name!r}.")
+
+    @property
+    def size(self) -> int:
+        """The number of elements of the whole leaf (padding excluded)."""
+        return math.prod(self.shape)
+
+    @property
+    def dtype(self) -> Any:
+        """The leaf's dtype."""
+        return self.shards.dtype
+
+    def tree_flatten_with_keys(self):
+        return ((jax.tree_util.GetAttrKey("shards"), self.shards),), self.shape
+
+    @classmethod
+    def tree_unflatten(cls, shape: tuple[int, ...], children) -> Sharded:
+        node = cls.__new__(cls)
+        object.__setattr__(node, "shards", children[0])
+        object.__setattr__(node, "shape", shape)
+        return node
+
+    def __repr__(self) -> str:
+        shards = self.shards
+        found = getattr(shards, "shape", type(shards).__name__)
+        return f"Sharded(shape={self.shape}, shards={found})"
+
+
 def is_distributed(x: object) -> bool:
     """True for the pytree nodes that hold one component per replica."""
-    return isinstance(x, (PerReplica, SyncOnRead))
+    return isinstance(x, (PerReplica, SyncOnRead, Sharded))

@@ -13,8 +13,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jmirror._values import Aggregation, PerReplica, PyTree, SyncOnRead, is_distributed
-from jmirror.checkpoint import _format
+from jmirror._values import Aggregation, PerReplica, PyTree, Sharded, SyncOnRead, is_distributed
+from jmirror.checkpoint import _format, _sharded
 from jmirror.checkpoint._encode import children, container_kind
 
 _GET_VALUE = jax.tree_util.GetAttrKey("value")
@@ -45,6 +45,7 @@ class Leaf:
         if self.kind == "python" and self.python not in _format.PYTHON_TYPES:
             raise _format.corrupt(where, f"Python scalar type {self.python!r} is unknown")
         self.scalar = node.get("scalar") is True
+        self.sharded = self.kind == _sharded.KIND  # restored as a Sharded node
 
     def describe(self) -> str:
         if self.kind == "python":
@@ -149,6 +150,8 @@ def _mismatch(path: tuple, saved: str, expected: str) -> ValueError:
 
 
 def _describe_target(x: Any) -> str:
+    if isinstance(x, Sharded):
+        return f"a Sharded leaf of shape {x.shape} dtype {_format.dtype_name(x.dtype)}"
     if isinstance(x, SyncOnRead):
         return f"a SyncOnRead with aggregation {x.aggregation.value!r}"
     if isinstance(x, PerReplica):
@@ -171,6 +174,11 @@ def _describe_leaf(x: Any) -> str:
 def check_target(tree: Tree, target: Any, stacked: bool = False) -> None:
     """Raises `ValueError` at the first path where `target` differs from the saved tree."""
     if tree.leaf is not None:
+        fits = _sharded.matches(tree.leaf, target)
+        if fits is not None:
+            if not fits:
+                raise _mismatch(tree.path, tree.describe(), _describe_target(target))
+            return
         if is_distributed(target) or children(target) is not None:
             raise _mismatch(tree.path, tree.describe(), _describe_target(target))
         _check_leaf(tree.leaf, target, stacked)
@@ -261,8 +269,11 @@ def _place_leaves(leaves: list[Leaf], arrays: dict[str, np.ndarray], strategy: A
             out[i] = host[()] if leaf.scalar else np.array(host)
         elif leaf.kind == "python":
             out[i] = _format.PYTHON_TYPES[leaf.python](host.item())  # type: ignore[index]
+        elif leaf.kind in ("mirrored", _sharded.KIND):
+            placed["stacked" if leaf.sharded else "mirrored"].append(i)
+            out[i] = _sharded.pieces(host, n) if leaf.sharded else host
         else:
-            placed["mirrored" if leaf.kind == "mirrored" else "stacked"].append(i)
+            placed["stacked"].append(i)
             out[i] = _components(leaf, host, n) if leaf.kind == "aggregated" else host
     topology = strategy.topology
     layouts = {"mirrored": topology.mirrored, "stacked": topology.stacked}
@@ -309,7 +320,8 @@ def _components(leaf: Leaf, value: np.ndarray, n: int) -> np.ndarray:
 
 def _rebuild(tree: Tree, values: Any) -> PyTree:
     if tree.leaf is not None:
-        return next(values)
+        value = next(values)
+        return Sharded(value, tree.leaf.shape) if tree.leaf.sharded else value
     if tree.kind == "sync_on_read":
         return SyncOnRead(_rebuild(tree.children[0][1], values), tree.aggregation)  # type: ignore[arg-type]
     if tree.kind == "per_replica":

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmirror._values import Aggregation, PerReplica, PyTree, SyncOnRead
-from jmirror.checkpoint import _format
+from jmirror._values import Aggregation, PerReplica, PyTree, Sharded, SyncOnRead
+from jmirror.checkpoint import _format, _sharded
 
 _PYTHON_SCALARS = (bool, int, float, complex)
 
@@ -71,6 +71,8 @@ class _Encoder:
 
     def node(self, x: Any, path: tuple) -> dict:
         where = jax.tree_util.keystr(path)
+        if isinstance(x, Sharded):  # saved whole, as read
+            return _leaf(_sharded.KIND, _sharded.read_later(self, x), x.shape, x.shards)
         if isinstance(x, SyncOnRead):
             if x.aggregation is Aggregation.NONE:
                 child = self.stacked(x.value, path + (jax.tree_util.GetAttrKey("value"),))

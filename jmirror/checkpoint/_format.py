@@ -45,7 +45,7 @@ VERSION = 1
 STATE_ITEM = "state"
 METADATA_ITEM = "jmirror"
 
-KINDS = ("mirrored", "numpy", "python", "aggregated", "stacked")
+KINDS = ("mirrored", "numpy", "python", "aggregated", "stacked", "sharded")
 CONTAINERS = ("dict", "list", "tuple", "none", "class")
 PYTHON_TYPES = {"bool": bool, "int": int, "float": float, "complex": complex}
 KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")

@@ -1,0 +1,385 @@
+"""Running an update's jaxpr on 1/N of each sharded leaf, with the unsharded result.
+
+`jm.shard_update` traces the inner transformation's `update` at the parameters' full shapes
+and runs the jaxpr here, on this replica's pieces (Xu et al. 2020 do the same analysis on the
+XLA graph). Every value of the jaxpr is one of two layouts:
+
+- *whole*: the full value, present on this replica (mirrored state, parameters, constants,
+  scalars, and everything computed from them alone);
+- a `Piece`: this replica's piece of a value of shape `shape`, which is the value flattened
+  (row-major), padded to a multiple of N and cut into N pieces of `k` elements (piece i on
+  replica i). The layout depends on the size only, so reshapes keep it.
+
+The rules, each of which gives exactly the unsharded result:
+
+- an equation with only whole inputs runs as it is;
+- an element-wise equation runs on the pieces (a whole operand of the full shape is cut to
+  this replica's piece first, a scalar one is broadcast as in the jaxpr);
+- a reshape, a squeeze, and a broadcast or transpose that only moves size-1 axes keep the
+  piece (the flattened order does not change);
+- a reduction over every axis of a size above 1 (`reduce_sum`, `max`, `min`, `prod`, `and`,
+  `or`, and a `dot_general` contracting every such axis) is the reduction of the piece, with
+  the padding replaced by the reduction's identity, then a collective over the replicas
+  (`psum`, `pmax`, `pmin`); the result is whole;
+- `jit`, `closed_call`, `remat`, `custom_jvp_call` and `custom_vjp_call` are followed into
+  their jaxprs; a `cond` whose index is whole runs each branch by these rules (an output is a
+  piece where any branch gives one).
+
+Anything else that touches a piece (a reduction over some axes only, sort, cumsum, gather,
+scatter, slices, concatenation, a transpose of the data, loops, an unknown primitive)
+mixes elements across positions of a leaf and is a `ValueError` naming the primitive.
+Padding never reaches a result: it is masked in reductions, and only element-wise work sees
+it (whose padded outputs are dropped or zeroed by the caller).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """This replica's piece (`local`, `[k]`) of a value of shape `shape`."""
+
+    local: Any
+    shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+    """How values are cut over the replicas: N, the axis and this replica's index."""
+
+    axis_name: str
+    n: int
+    index: Any  # traced replica index
+    name: str  # how errors name the transformation
+
+    def k(self, size: int) -> int:
+        """The elements per piece of a value of `size` elements."""
+        return -(-size // self.n)
+
+    def take(self, x: Any) -> jax.Array:
+        """This replica's piece of the whole value `x`."""
+        flat = jnp.ravel(x)
+        k = self.k(flat.size)
+        flat = jnp.pad(flat, (0, self.n * k - flat.size))
+        return lax.dynamic_slice_in_dim(flat, self.index * k, k)
+
+    def valid(self, size: int) -> jax.Array:
+        """Which entries of this replica's piece lie inside a value of `size` elements."""
+        k = self.k(size)
+        return self.index * k + lax.iota(np.int32, k) < size
+
+    def zero_padding(self, piece: Piece) -> jax.Array:
+        """The piece's local entries with the padding set to zero."""
+        local = piece.local
+        return jnp.where(self.valid(piece.size), local, jnp.zeros((), local.dtype))
+
+
+def run(closed: jex.ClosedJaxpr, args: Sequence[Any], pieces: Pieces) -> list[Any]:
+    """Evaluates `closed` on `args` (whole values and `Piece`s); outputs in the same layouts."""
+    return _eval(closed.jaxpr, closed.consts, args, pieces)
+
+
+def _eval(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any], pieces: Pieces) -> list:
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jex.Literal) else env[v]
+
+    for var, value in zip(jaxpr.constvars, consts):
+        env[var] = value
+    for var, value in zip(jaxpr.invars, args):
+        env[var] = value
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if any(isinstance(v, Piece) for v in invals):
+            outs = _rule(eqn)(eqn, invals, pieces)
+        else:
+            outs = _bind(eqn, invals)
+        for var, value in zip(eqn.outvars, outs):
+            if not isinstance(var, jex.DropVar):
+                env[var] = value
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _bind(eqn: Any, invals: Sequence[Any], **changes: Any) -> list[Any]:
+    """The equation's primitive applied to `invals` (with some parameters changed)."""
+    params = eqn.primitive.get_bind_params({**eqn.params, **changes})
+    subfuns: Sequence[Any] = ()
+    if isinstance(params, tuple):  # JAX before 0.9: (subfuns, params)
+        subfuns, params = params
+    out = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+# --- the rules ---------------------------------------------------------------------------------
+
+_ELEMENTWISE = frozenset(
+    """abs acos acosh add and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil clamp
+    clz complex conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc
+    exp exp2 expm1 floor ge gt igamma igammac imag integer_pow is_finite le lgamma log log1p
+    logistic lt max min mul ne neg nextafter not or polygamma population_count pow real
+    reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic
+    shift_right_logical sign sin sinh sqrt square sub tan tanh xor zeta""".split()
+)
+_PASS_THROUGH = frozenset({"sharding_constraint", "optimization_barrier"})
+_CALLS = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+}
+
+_REFUSED = (
+    "jm.shard_update({name}): the inner transformation's update applies `{primitive}` to a "
+    "sharded value (a piece of a leaf of shape {shape}), and {why}, so it cannot be computed "
+    "exactly on 1/N of each leaf. Use the transformation unsharded (inner.update on "
+    "jm.all_reduce('mean', grads), with mirrored state), or leave out the part of it that "
+    "uses `{primitive}`."
+)
+_MIXES = "`{primitive}` mixes elements across positions of the leaf"
+_UNKNOWN = "jm.shard_update does not know how `{primitive}` acts on a sharded leaf"
+
+
+def _refuse(eqn: Any, invals: Sequence[Any], pieces: Pieces, why: str = _MIXES) -> ValueError:
+    primitive = eqn.primitive.name
+    shape = next(v.shape for v in invals if isinstance(v, Piece))
+    return ValueError(
+        _REFUSED.format(
+            name=pieces.name, primitive=primitive, shape=shape, why=why.format(primitive=primitive)
+        )
+    )
+
+
+def _rule(eqn: Any) -> Callable[[Any, list, Pieces], list]:
+    name = eqn.primitive.name
+    if name in _ELEMENTWISE:
+        return _elementwise
+    if name in _PASS_THROUGH:
+        return lambda eqn, invals, pieces: list(invals)
+    if name in _CALLS:
+        return _call
+    return _RULES.get(name, _unknown)
+
+
+def _unknown(eqn: Any, invals: list, pieces: Pieces) -> list:
+    mixing = {
+        "sort",
+        "cumsum",
+        "cumprod",
+        "cummax",
+        "cummin",
+        "cumlogsumexp",
+        "gather",
+        "scatter",
+        "scatter-add",
+        "scatter_add",
+        "slice",
+        "dynamic_slice",
+        "dynamic_update_slice",
+        "concatenate",
+        "pad",
+        "rev",
+        "argmax",
+        "argmin",
+        "top_k",
+        "conv_general_dilated",
+        "reduce_window_sum",
+        "fft",
+    }
+    why = _MIXES if eqn.primitive.name in mixing else _UNKNOWN
+    raise _refuse(eqn, invals, pieces, why)
+
+
+def _to_pieces(eqn: Any, invals: list, pieces: Pieces, shape: tuple[int, ...]) -> list[Any]:
+    """The operands of an element-wise equation on the pieces of values of `shape`."""
+    size = math.prod(shape)
+    out = []
+    for v in invals:
+        if isinstance(v, Piece):
+            if v.size != size:
+                raise _refuse(eqn, invals, pieces)
+            out.append(v.local)
+        elif np.ndim(v) == 0:
+            out.append(v)  # scalar operands broadcast, as in the jaxpr
+        elif tuple(np.shape(v)) == shape:
+            out.append(pieces.take(v))
+        else:
+            raise _refuse(eqn, invals, pieces)
+    return out
+
+
+def _elementwise(eqn: Any, invals: list, pieces: Pieces) -> list:
+    shape = tuple(eqn.outvars[0].aval.shape)
+    outs = _bind(eqn, _to_pieces(eqn, invals, pieces, shape))
+    return [Piece(o, tuple(v.aval.shape)) for o, v in zip(outs, eqn.outvars)]
+
+
+def _same_layout(eqn: Any, invals: list, pieces: Pieces) -> list:
+    """reshape / squeeze / broadcast_in_dim that keep the flattened order: the same piece."""
+    (x, *rest) = invals
+    shape = tuple(eqn.outvars[0].aval.shape)
+    name = eqn.primitive.name
+    keeps = math.prod(shape) == x.size and not rest
+    if name == "reshape":
+        keeps = keeps and eqn.params.get("dimensions") is None
+    if name == "transpose":
+        order = [a for a in eqn.params["permutation"] if x.shape[a] != 1]
+        keeps = keeps and order == sorted(order)
+    if not keeps:
+        raise _refuse(eqn, invals, pieces)
+    return [Piece(x.local, shape)]
+
+
+def _all_axes(shape: tuple[int, ...], axes: Sequence[int]) -> bool:
+    """Whether reducing `axes` of `shape` reduces every element into one."""
+    return all(d == 1 or i in axes for i, d in enumerate(shape))
+
+
+def _identity(name: str, dtype: Any) -> Any:
+    dtype = np.dtype(dtype)
+    if name in ("reduce_sum", "reduce_or", "reduce_xor"):
+        return np.zeros((), dtype)
+    if name in ("reduce_prod", "reduce_and"):
+        return np.ones((), dtype)
+    big = name == "reduce_min"
+    if dtype == np.bool_:
+        return np.array(big)
+    if np.issubdtype(dtype, np.inexact):
+        return np.array(np.inf if big else -np.inf, dtype)
+    info = np.iinfo(dtype)
+    return np.array(info.max if big else info.min, dtype)
+
+
+def _reduction(eqn: Any, invals: list, pieces: Pieces) -> list:
+    (x,) = invals
+    name = eqn.primitive.name
+    if not _all_axes(x.shape, eqn.params["axes"]):
+        raise _refuse(
+            eqn,
+            invals,
+            pieces,
+            f"`{name}` over axes {tuple(eqn.params['axes'])} reduces only part of the leaf",
+        )
+    local = x.local
+    masked = jnp.where(pieces.valid(x.size), local, _identity(name, local.dtype))
+    (partial,) = _bind(eqn, [masked], axes=(0,))
+    axis = pieces.axis_name
+    if name == "reduce_sum":
+        total = lax.psum(partial, axis)
+    elif name == "reduce_max":
+        total = lax.pmax(partial, axis)
+    elif name == "reduce_min":
+        total = lax.pmin(partial, axis)
+    elif name in ("reduce_and", "reduce_or"):
+        as_int = partial.astype(np.int32)
+        reduce = lax.pmin if name == "reduce_and" else lax.pmax
+        total = reduce(as_int, axis).astype(partial.dtype)
+    else:  # reduce_prod
+        (total,) = _bind(eqn, [lax.all_gather(partial, axis)], axes=(0,))
+    return [jnp.reshape(total, eqn.outvars[0].aval.shape)]
+
+
+def _dot_general(eqn: Any, invals: list, pieces: Pieces) -> list:
+    (lhs_c, rhs_c), (lhs_b, rhs_b) = eqn.params["dimension_numbers"]
+    a, b = invals
+    shape_a = a.shape if isinstance(a, Piece) else tuple(np.shape(a))
+    shape_b = b.shape if isinstance(b, Piece) else tuple(np.shape(b))
+    # Only a full contraction in the same order (a vdot of two leaves): a sum of products.
+    in_order = [i for i in lhs_c if shape_a[i] != 1] == sorted(i for i in lhs_c if shape_a[i] != 1)
+    in_order = in_order and [j for j in rhs_c if shape_b[j] != 1] == sorted(
+        j for j in rhs_c if shape_b[j] != 1
+    )
+    pairs_match = all(shape_a[i] == shape_b[j] for i, j in zip(lhs_c, rhs_c))
+    full = _all_axes(shape_a, lhs_c) and _all_axes(shape_b, rhs_c)
+    if lhs_b or rhs_b or not (full and in_order and pairs_match):
+        raise _refuse(eqn, invals, pieces, "`dot_general` contracts only part of the leaf")
+    size = math.prod(shape_a)
+    la, lb = (v.local if isinstance(v, Piece) else pieces.take(v) for v in (a, b))
+    la = jnp.where(pieces.valid(size), la, jnp.zeros((), la.dtype))
+    (partial,) = _bind(eqn, [la, lb], dimension_numbers=(((0,), (0,)), ((), ())))
+    total = lax.psum(partial, pieces.axis_name)
+    return [jnp.reshape(total, eqn.outvars[0].aval.shape)]
+
+
+def _call(eqn: Any, invals: list, pieces: Pieces) -> list:
+    sub = eqn.params[_CALLS[eqn.primitive.name]]
+    if isinstance(sub, jex.ClosedJaxpr):
+        return _eval(sub.jaxpr, sub.consts, invals, pieces)
+    return _eval(sub, (), invals, pieces)
+
+
+def _cond(eqn: Any, invals: list, pieces: Pieces) -> list:
+    """A `cond` on a whole index: each branch interpreted, its outputs in one layout."""
+    index, *operands = invals
+    if isinstance(index, Piece):
+        raise _refuse(eqn, invals, pieces, "the branch taken would differ along the leaf")
+    branches = eqn.params["branches"]
+    shapes = [v.shape if isinstance(v, Piece) else None for v in operands]
+    locals_ = [v.local if isinstance(v, Piece) else v for v in operands]
+
+    def rebuild(flat: Sequence[Any]) -> list[Any]:
+        return [x if s is None else Piece(x, s) for x, s in zip(flat, shapes)]
+
+    # First each branch's layouts (abstractly): an output is a piece if any branch's is.
+    is_piece = [False] * len(eqn.outvars)
+    for branch in branches:
+        found: list[list[bool]] = []
+
+        def layouts(*flat: Any, branch=branch, found=found) -> list[Any]:
+            outs = _eval(branch.jaxpr, branch.consts, rebuild(flat), pieces)
+            found.append([isinstance(o, Piece) for o in outs])
+            return [o.local if isinstance(o, Piece) else o for o in outs]
+
+        jax.eval_shape(layouts, *locals_)
+        is_piece = [a or b for a, b in zip(is_piece, found[0])]
+
+    def run_branch(branch: Any) -> Callable[..., list[Any]]:
+        def fn(*flat: Any) -> list[Any]:
+            outs = _eval(branch.jaxpr, branch.consts, rebuild(flat), pieces)
+            return [
+                (o.local if isinstance(o, Piece) else pieces.take(o)) if p else o
+                for o, p in zip(outs, is_piece)
+            ]
+
+        return fn
+
+    outs = lax.switch(index, [run_branch(b) for b in branches], *locals_)
+    return [
+        Piece(o, tuple(v.aval.shape)) if p else o for o, p, v in zip(outs, is_piece, eqn.outvars)
+    ]
+
+
+_RULES: dict[str, Callable[[Any, list, Pieces], list]] = {
+    "cond": _cond,
+    "reshape": _same_layout,
+    "squeeze": _same_layout,
+    "broadcast_in_dim": _same_layout,
+    "transpose": _same_layout,
+    "reduce_sum": _reduction,
+    "reduce_max": _reduction,
+    "reduce_min": _reduction,
+    "reduce_prod": _reduction,
+    "reduce_and": _reduction,
+    "reduce_or": _reduction,
+    "dot_general": _dot_general,
+}

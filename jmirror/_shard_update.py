@@ -1,0 +1,331 @@
+"""`jm.shard_update`: the weight update sharded over the replicas (Xu et al. 2020, ZeRO-1).
+
+`init` splits every parameter-shaped leaf of the inner transformation's state into `Sharded`
+pieces (1/N per device). Inside a replica function `update`
+
+1. reduce-scatters the mean of this replica's own gradients: one `psum_scatter` per dtype of
+   one flat buffer, laid out so that replica i receives piece i of every leaf;
+2. runs the inner transformation's `update`, traced at the full shapes, on the pieces
+   (`jmirror._shard_jaxpr`: element-wise work stays local, reductions over whole leaves become
+   a local reduction plus a collective, anything else is refused);
+3. all-gathers the updates, one `all_gather` per dtype, so they come back mirrored.
+
+The bytes moved equal one all-reduce's (an all-reduce is a reduce-scatter and an all-gather).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jmirror import _context
+from jmirror._shard_jaxpr import Piece, Pieces, run
+from jmirror._values import PyTree, Sharded
+
+_OUTSIDE = (
+    "jm.shard_update({name}).update was called outside a replica function. It takes each "
+    "replica's own gradients and communicates across the replicas, so call it inside the "
+    "function given to jm.replicate / strategy.run (pass the gradients before any "
+    "jm.all_reduce)."
+)
+_OTHER_N = (
+    "jm.shard_update({name}).update got a Sharded state leaf at {path} of shape {shape} "
+    "whose piece has {found} elements; with {n} replicas it needs {k}. The state was made "
+    "for another replica count: restore it through jmirror.checkpoint (which re-shards onto "
+    "any N) or call tx.init again."
+)
+
+
+def shard_update(
+    inner: optax.GradientTransformation, *, strategy: Any = None, bucket_bytes: int | None = None
+) -> optax.GradientTransformation:
+    """Shards a gradient transformation's state and update over the replicas (ZeRO-1).
+
+    Each replica keeps and updates 1/N of every parameter-shaped leaf of `inner`'s state
+    (Xu et al. 2020, "Automatic Cross-Replica Sharding of Weight Update in Data-Parallel
+    Training"; ZeRO stage 1). `tx.init(params)` in cross-replica context returns the sharded
+    state: each leaf of a parameter's shape becomes a `jm.Sharded` (flattened, padded to a
+    multiple of N, 1/N per device); scalars such as step counts stay mirrored. Inside a
+    replica function, `updates, state = tx.update(grads, state, params)` takes this replica's
+    OWN gradients (do not all-reduce them first): it reduce-scatters their mean, runs `inner`
+    on this replica's pieces, and all-gathers the updates, which come back mirrored and equal
+    to `inner.update(jm.all_reduce("mean", grads), state, params)` on the full state.
+
+    Reductions over a whole leaf or the whole tree (`clip_by_global_norm`, the LAMB / LARS
+    trust ratios) give the unsharded result: `inner.update` is traced and each such reduction
+    becomes a local reduction plus a collective, with the padding masked. What cannot be
+    computed exactly on pieces (a reduction over some axes of a leaf, sort, cumsum, gather,
+    control flow over sharded values, an unknown primitive) is a `ValueError` at trace time
+    naming the primitive. `strategy.read(state)` gives the full, unsharded state;
+    `jmirror.checkpoint` saves it once and restores it sharded onto any replica count.
+
+    Args:
+      inner: any `optax.GradientTransformation`.
+      strategy: the strategy whose replicas `init` shards the state over; `None` means
+        `jm.get_strategy()` when `init` is called.
+      bucket_bytes: `None` (the default) packs the gradients of each dtype into one buffer:
+        one reduce-scatter and one all-gather per dtype. XLA then holds that buffer beside
+        the gradients (one more copy of them at the step's peak). An int packs them into
+        buffers of at most about that many bytes (in tree order; a larger leaf has its own),
+        each reduced as soon as its gradients exist: fewer bytes held at once, one
+        reduce-scatter and one all-gather per buffer. The bytes moved are the same.
+
+    Returns:
+      An `optax.GradientTransformation` whose `update` must run inside a replica function.
+
+    Raises:
+      RuntimeError: `update` called outside a replica function.
+      ValueError: at trace time, for a part of `inner` that cannot be computed exactly on
+        1/N of each leaf, or a state sharded for another replica count.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, jmirror as jm
+        >>> strategy = jm.MirroredStrategy()
+        >>> tx = jm.shard_update(optax.adam(0.1))
+        >>> params = strategy.mirror({"w": jnp.ones(10)})
+        >>> state = tx.init(params)
+        >>> @jm.replicate(strategy=strategy)
+        ... def step(params, state, x):
+        ...     grads = jax.grad(lambda p: jnp.mean((x * p["w"]) ** 2))(params)
+        ...     updates, state = tx.update(grads, state, params)  # this replica's own grads
+        ...     return optax.apply_updates(params, updates), state
+        >>> x = jm.PerReplica(jnp.ones((strategy.num_replicas, 10)))
+        >>> params, state = step(params, state, x)
+        >>> [round(float(w), 3) for w in strategy.read(params)["w"][:2]]
+        [0.9, 0.9]
+        >>> strategy.read(state)[0].mu["w"].shape
+        (10,)
+    """
+    name = _name(inner)
+    if bucket_bytes is not None and (
+        isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1
+    ):
+        raise ValueError(
+            f"jm.shard_update(..., bucket_bytes={bucket_bytes!r}): expected None (one buffer "
+            "per dtype) or a positive int (the most bytes of gradients per buffer)."
+        )
+
+    def init(params: PyTree) -> PyTree:
+        if _context.in_replica_context():
+            return _init_in_replica(inner, params, _pieces(name))
+        return _init_placed(inner, params, strategy or _context.current_strategy())
+
+    def update(updates: PyTree, state: PyTree, params: PyTree = None) -> tuple[PyTree, PyTree]:
+        # `updates`: this replica's own gradients (optax's name for the argument).
+        if not _context.in_replica_context():
+            raise RuntimeError(_OUTSIDE.format(name=name))
+        return _update(inner, updates, state, params, _pieces(name), bucket_bytes)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _name(inner: Any) -> str:
+    fn = getattr(inner, "update", None)
+    return getattr(fn, "__qualname__", type(inner).__name__).replace(".<locals>.", ".")
+
+
+def _pieces(name: str) -> Pieces:
+    context = _context.replica_context()
+    axis = context.axis_name
+    return Pieces(axis, context.num_replicas, lax.axis_index(axis), name)
+
+
+def _sharded_shapes(params: PyTree) -> set[tuple[int, ...]]:
+    """The shapes whose state leaves are sharded: those of the non-scalar parameters."""
+    return {tuple(np.shape(p)) for p in jax.tree.leaves(params) if np.ndim(p) >= 1 and np.size(p)}
+
+
+def _is_sharded(leaf: Any, shapes: set[tuple[int, ...]]) -> bool:
+    return hasattr(leaf, "shape") and hasattr(leaf, "dtype") and tuple(leaf.shape) in shapes
+
+
+def stack(x: jax.Array, n: int) -> jax.Array:
+    """The `[N, k]` pieces of a whole leaf: flattened, padded with zeros, cut in N."""
+    flat = jnp.ravel(x)
+    k = -(-flat.size // n)
+    return jnp.pad(flat, (0, n * k - flat.size)).reshape(n, k)
+
+
+def _init_placed(inner: Any, params: PyTree, strategy: Any) -> PyTree:
+    """The sharded state, placed: pieces with the stacked layout, the rest mirrored."""
+    topology = strategy.topology
+    n = topology.num_replicas
+    params = strategy.mirror(params)
+    shapes = _sharded_shapes(params)
+    leaves, treedef = jax.tree.flatten(jax.eval_shape(inner.init, params))
+    sharded = [_is_sharded(leaf, shapes) for leaf in leaves]
+
+    def build(params: PyTree) -> list[jax.Array]:
+        state = jax.tree.leaves(inner.init(params))
+        return [stack(x, n) if s else x for x, s in zip(state, sharded)]
+
+    layouts = [topology.stacked if s else topology.mirrored for s in sharded]
+    placed = jax.jit(build, out_shardings=layouts)(params)
+    return treedef.unflatten(
+        [Sharded(x, leaf.shape) if s else x for x, leaf, s in zip(placed, leaves, sharded)]
+    )
+
+
+def _init_in_replica(inner: Any, params: PyTree, pieces: Pieces) -> PyTree:
+    """The sharded state made inside a replica function: this replica's pieces."""
+    shapes = _sharded_shapes(params)
+    return jax.tree.map(
+        lambda x: Sharded(pieces.take(x), x.shape) if _is_sharded(x, shapes) else x,
+        inner.init(params),
+    )
+
+
+def _update(
+    inner: Any,
+    grads: PyTree,
+    state: PyTree,
+    params: PyTree,
+    pieces: Pieces,
+    bucket_bytes: int | None,
+) -> tuple[PyTree, PyTree]:
+    grad_leaves, grad_def = jax.tree.flatten(grads)
+    state_nodes, state_def = jax.tree.flatten(state, is_leaf=lambda x: isinstance(x, Sharded))
+    _check_state(state, pieces)
+    param_leaves, param_def = jax.tree.flatten(params)
+
+    grads_in = _scatter_mean(grad_leaves, pieces, bucket_bytes)
+    state_in = [Piece(x.shards, x.shape) if isinstance(x, Sharded) else x for x in state_nodes]
+    full_state = [
+        jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, Sharded) else jax.typeof(x)
+        for x in state_nodes
+    ]
+    avals = [jax.typeof(g) for g in grad_leaves] + full_state
+    avals += [jax.typeof(p) for p in param_leaves]
+    sizes = (len(grad_leaves), len(state_nodes))
+    out_def: list[Any] = []
+
+    def flat_update(*flat: Any) -> list[Any]:
+        g = grad_def.unflatten(flat[: sizes[0]])
+        s = state_def.unflatten(flat[sizes[0] : sizes[0] + sizes[1]])
+        p = param_def.unflatten(flat[sizes[0] + sizes[1] :])
+        out, tree = jax.tree.flatten(inner.update(g, s, p))
+        out_def.append(tree)
+        return out
+
+    closed = jax.make_jaxpr(flat_update)(*avals)
+    outs = run(closed, grads_in + state_in + param_leaves, pieces)
+    updates_def, new_state_def = out_def[0].children()
+    n_updates = updates_def.num_leaves
+    updates = updates_def.unflatten(_gather(outs[:n_updates], pieces, bucket_bytes))
+    new_state = _new_state(outs[n_updates:], new_state_def, state_nodes, state_def, pieces)
+    return updates, new_state
+
+
+def _check_state(state: PyTree, pieces: Pieces) -> None:
+    nodes = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, Sharded))
+    for path, node in nodes[0]:
+        if isinstance(node, Sharded):
+            k = pieces.k(node.size)
+            found = tuple(np.shape(node.shards))
+            if found != (k,):
+                raise ValueError(
+                    _OTHER_N.format(
+                        name=pieces.name,
+                        path=jax.tree_util.keystr(path) or "<root>",
+                        shape=node.shape,
+                        found=found,
+                        n=pieces.n,
+                        k=k,
+                    )
+                )
+
+
+def _buffers(leaves: Sequence[Any], bucket_bytes: int | None) -> list[tuple[Any, list[int]]]:
+    """The leaves packed into buffers: one per dtype, or per dtype and bucket of at most
+    `bucket_bytes` (in tree order; a larger leaf has a buffer of its own)."""
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        groups.setdefault(jnp.result_type(x), []).append(i)
+    if bucket_bytes is None:
+        return list(groups.items())
+    out: list[tuple[Any, list[int]]] = []
+    for dtype, indices in groups.items():
+        bucket: list[int] = []
+        used = 0
+        for i in indices:
+            size = np.size(leaves[i]) * np.dtype(dtype).itemsize
+            if bucket and used + size > bucket_bytes:
+                out.append((dtype, bucket))
+                bucket, used = [], 0
+            bucket.append(i)
+            used += size
+        out.append((dtype, bucket))
+    return out
+
+
+def _scatter_mean(leaves: list[Any], pieces: Pieces, bucket_bytes: int | None) -> list[Any]:
+    """The mean over the replicas of every gradient leaf: this replica's piece of each
+    non-scalar leaf (one reduce-scatter per dtype), scalars whole (a small all-reduce)."""
+    out: list[Any] = list(leaves)
+    n, axis = pieces.n, pieces.axis_name
+    split = [i for i, x in enumerate(leaves) if np.ndim(x) >= 1 and np.size(x)]
+    for i in set(range(len(leaves))) - set(split):
+        out[i] = lax.pmean(leaves[i], axis) if np.size(leaves[i]) else leaves[i]
+    for dtype, group in _buffers([leaves[i] for i in split], bucket_bytes):
+        indices = [split[j] for j in group]
+        stacked = [stack(leaves[i], n) for i in indices]
+        buffer = jnp.concatenate(stacked, axis=1).reshape(-1)
+        mine = lax.psum_scatter(buffer, axis, scatter_dimension=0, tiled=True)
+        mine = mine / jnp.asarray(n, dtype)
+        offsets = np.cumsum([0] + [s.shape[1] for s in stacked])
+        for i, start, stop in zip(indices, offsets[:-1], offsets[1:]):
+            out[i] = Piece(mine[start:stop], tuple(np.shape(leaves[i])))
+    return out
+
+
+def _gather(outs: list[Any], pieces: Pieces, bucket_bytes: int | None = None) -> list[Any]:
+    """Whole values of `outs`: the pieces all-gathered (one all-gather per dtype)."""
+    whole = list(outs)
+    split = [i for i, x in enumerate(outs) if isinstance(x, Piece)]
+    n, axis = pieces.n, pieces.axis_name
+    sizes = [jax.ShapeDtypeStruct(outs[i].shape, outs[i].local.dtype) for i in split]
+    for _, group in _buffers(sizes, bucket_bytes):
+        indices = [split[j] for j in group]
+        locals_ = [outs[i].local for i in indices]
+        buffer = jnp.concatenate(locals_)
+        full = lax.all_gather(buffer, axis, tiled=True).reshape(n, buffer.shape[0])
+        offsets = np.cumsum([0] + [x.shape[0] for x in locals_])
+        for i, start, stop in zip(indices, offsets[:-1], offsets[1:]):
+            piece = outs[i]
+            flat = full[:, start:stop].reshape(-1)[: piece.size]
+            whole[i] = flat.reshape(piece.shape)
+    return whole
+
+
+def _new_state(
+    outs: list[Any], out_def: Any, inputs: list[Any], in_def: Any, pieces: Pieces
+) -> PyTree:
+    """The new state in the layout of the old one: `Sharded` where it was, whole elsewhere."""
+    full_in_def = jax.tree.structure(in_def.unflatten([0] * in_def.num_leaves))
+    if out_def != full_in_def:
+        raise ValueError(
+            f"jm.shard_update({pieces.name}): the inner transformation's update returned a "
+            f"state of structure {out_def}, but was given {full_in_def}; jm.shard_update needs "
+            "a transformation whose update keeps the structure of its state (every optax "
+            "transformation does)."
+        )
+    new: list[Any] = [None] * len(outs)
+    to_gather = []
+    for i, (out, old) in enumerate(zip(outs, inputs)):
+        if isinstance(old, Sharded):
+            piece = out if isinstance(out, Piece) else Piece(pieces.take(out), old.shape)
+            local = pieces.zero_padding(piece).astype(old.dtype)
+            new[i] = Sharded(local, old.shape)
+        elif isinstance(out, Piece):
+            to_gather.append(i)
+        else:
+            new[i] = out
+    for i, x in zip(to_gather, _gather([outs[i] for i in to_gather], pieces)):
+        new[i] = x
+    return in_def.unflatten(new)

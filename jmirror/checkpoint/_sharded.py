@@ -1,0 +1,49 @@
+"""Checkpoints of `Sharded` state leaves (`jm.shard_update`): saved whole, restored sharded.
+
+A `Sharded` leaf is written once, as `strategy.read` gives it (the whole leaf, no padding),
+as a leaf of kind `"sharded"`. On restore its layout follows `target`: a `Sharded` target (or
+no target) gets it cut into the restoring strategy's N pieces, so a state saved on 8 replicas
+restores on any other count; a plain target gets it mirrored. A leaf saved mirrored restores
+sharded into a `Sharded` target, so training can switch between the two updates.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from jmirror._values import Sharded
+
+KIND = "sharded"
+
+
+def read_later(encoder: Any, node: Sharded) -> str:
+    """The array name of `node`'s whole value, read with the state's other reads."""
+    names = [encoder._name()]
+    encoder.reads.append((node, names))
+    return names[0]
+
+
+def pieces(host: np.ndarray, n: int) -> np.ndarray:
+    """The `[N, k]` pieces of a whole host array (flattened, zero-padded, cut in N)."""
+    flat = np.ravel(host)
+    k = -(-flat.size // n)
+    return np.pad(flat, (0, n * k - flat.size)).reshape(n, k)
+
+
+def matches(leaf: Any, target: Any) -> bool | None:
+    """Whether `target` fits the saved `leaf` as a `Sharded` node, setting how it restores.
+
+    Returns `None` when neither side is sharded (the plain checks apply), `True` when they
+    fit, `False` when they do not (the caller reports the mismatch).
+    """
+    if isinstance(target, Sharded):
+        if leaf.kind not in (KIND, "mirrored"):
+            return False
+        leaf.sharded = True
+        dtype_ok = leaf.dtype is not None and np.dtype(leaf.dtype) == np.dtype(target.dtype)
+        return tuple(target.shape) == tuple(leaf.shape) and dtype_ok
+    if leaf.kind == KIND:
+        leaf.sharded = False  # a plain target: restore the whole leaf mirrored
+    return None
