@@ -24,7 +24,7 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from jmirror import _context, _dispatch
+from jmirror import _context, _dispatch, _nnx
 from jmirror._backends import executable
 from jmirror._context import Runner
 from jmirror._process_ops import globalize
@@ -100,6 +100,8 @@ class Replicated:
     # --- calling -------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _nnx.has_nodes(self, args, kwargs):
+            return _nnx.call(self, args, kwargs)
         strategy = self._check_call(args)
         if strategy.topology.process_count > 1:
             args, kwargs = self._globalize(strategy, args, kwargs)
@@ -221,6 +223,8 @@ class Replicated:
             >>> isinstance(step.lower(jnp.ones(3)), jax.stages.Lowered)
             True
         """
+        if _nnx.has_nodes(self, args, kwargs):
+            return _nnx.call(self, args, kwargs, lower=True)
         strategy = self._check_call(args)
         lowerable = self._lowerable_by_donation[self._donates(strategy, args)]
         return lowerable.lower(strategy, *args, **kwargs)
@@ -272,6 +276,7 @@ class Replicated:
         statics = tuple(args[i] for i in self._static)
         dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
         top, treedef = jax.tree_util.tree_flatten((dynamic, kwargs), is_leaf=is_distributed)
+        _nnx.check_nested(self, treedef)
         flat, slots = flatten_slots(top, inputs=True)
         split = [slot.kind == SPLIT for slot in slots for _ in range(slot.size)]
         avals = []

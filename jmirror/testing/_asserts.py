@@ -15,6 +15,13 @@ def _strategy(strategy: MirroredStrategy | None) -> MirroredStrategy:
     return get_strategy() if strategy is None else strategy
 
 
+def _host(x: Any) -> np.ndarray:
+    """`x` as a NumPy array; a typed PRNG key array as its key data (`jax.random.key_data`)."""
+    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
 def _paths(tree: PyTree) -> list[tuple[str, Any]]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_distributed)
     return [(jax.tree_util.keystr(p) or "<root>", leaf) for p, leaf in flat]
@@ -38,7 +45,7 @@ def assert_mirrored(tree: PyTree, strategy: MirroredStrategy | None = None) -> N
                 f"assert_mirrored: leaf {path} is not mirrored over the {strategy.num_replicas} "
                 f"device(s) of the strategy; found {found}."
             )
-        copies = [np.asarray(c) for c in strategy.local_results(leaf)]
+        copies = [_host(c) for c in strategy.local_results(leaf)]
         for i, copy in enumerate(copies[1:], start=1):
             if not np.array_equal(copy, copies[0], equal_nan=True):
                 raise AssertionError(
@@ -80,7 +87,7 @@ def assert_replicas_equal(
     first = jax.tree.leaves(parts[0])
     for i, part in enumerate(parts[1:], start=1):
         for (path, a), b in zip(_paths(parts[0]), jax.tree.leaves(part)):
-            a, b = np.asarray(a), np.asarray(b)
+            a, b = _host(a), _host(b)
             if not np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True):
                 raise AssertionError(
                     f"assert_replicas_equal: leaf {path} differs between replica 0 and replica "
