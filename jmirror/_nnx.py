@@ -123,6 +123,8 @@ def call(replicated: Any, args: tuple, kwargs: dict, lower: bool = False) -> Any
     duplicate = {k for k, _ in aliases}
     unique = [v for k, v in enumerate(variables) if k not in duplicate]
     for variable, value in zip(unique, values):
+        if type(value) is SyncOnRead:
+            value = MetricComponents(value.value, value.aggregation)
         variable.set_raw_value(value)
     refs = jax.tree_util.tree_leaves(result, is_leaf=_is_ref)
     if any(isinstance(r, _Ref) for r in refs):
@@ -341,14 +343,21 @@ def _metric_roles(nnx: Any, root: Any) -> dict[int, Aggregation]:
     return roles
 
 
-def _leaf_metrics(nnx: Any, root: Any, prefix: str = "") -> list[tuple[str, Any, list]]:
+def _where(path: tuple) -> str:
+    """`args[i]...` / `kwargs[...]` for a path into `([dynamic args], kwargs)`."""
+    if path[0].idx == 1:
+        return "kwargs" + jax.tree_util.keystr(path[1:])
+    return f"args[{path[1].idx}]" + jax.tree_util.keystr(path[2:])
+
+
+def _leaf_metrics(nnx: Any, root: Any) -> list[tuple[str, Any, list]]:
     """Every metric holding state of its own, with its path and its own `Variable`s."""
     metric_type = nnx.metrics.Metric
     out = []
     is_metric = lambda x: isinstance(x, metric_type)  # noqa: E731
     for path, node in jax.tree_util.tree_flatten_with_path(root, is_leaf=is_metric)[0]:
         if is_metric(node):
-            out.extend(_own_metrics(nnx, prefix + jax.tree_util.keystr(path), node))
+            out.extend(_own_metrics(nnx, _where(path), node))
     return out
 
 
@@ -389,6 +398,8 @@ def _aggregation(nnx: Any, path: str, metric: Any, own: list) -> Aggregation:
 
 
 def _is_number(x: Any) -> bool:
+    if isinstance(x, SyncOnRead):
+        x = x.value
     dtype = getattr(x, "dtype", None)
     if dtype is None:
         return isinstance(x, (int, float)) and not isinstance(x, bool)
@@ -404,6 +415,40 @@ def _start_metric(variable: Any, replica_id: jax.Array) -> None:
         return
     value = jnp.asarray(value)
     variable.set_raw_value(jnp.where(replica_id == 0, value, jnp.zeros_like(value)))
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class MetricComponents(SyncOnRead):
+    """A metric `Variable`'s sync-on-read state outside the replicas.
+
+    A `SyncOnRead` whose components the metric's own `reset()` (and any `variable[...] = v`
+    on the host) can overwrite: replica 0's component becomes `v` and the others zero, so
+    reading gives `v`. Reading it in any other way is a `TypeError` that points to
+    `strategy.read(metric)`.
+    """
+
+    __slots__ = ()
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if index is not Ellipsis:
+            raise TypeError(_METRIC_ITEM)
+        stacked = self.value
+        value = jnp.asarray(value, stacked.dtype)
+        fresh = jnp.zeros_like(stacked).at[0].set(value)
+        object.__setattr__(self, "value", jax.device_put(fresh, stacked.sharding))
+
+    def __getitem__(self, index: Any) -> Any:
+        raise TypeError(_METRIC_ITEM)
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(_METRIC_ITEM)
+
+
+_METRIC_ITEM = (
+    "This metric's state is sync-on-read (one component per replica, written by a replicated "
+    "function): read the metric with strategy.read(metric).compute(); reset it with "
+    "metric.reset() or assign a whole value with variable[...] = value."
+)
 
 
 # --- reading -------------------------------------------------------------------------------
