@@ -163,9 +163,7 @@ def _twin(replicated: Any, aliases: tuple) -> Any:
     twin = twins.get(aliases)
     if twin is None:
         entry = _Entry(replicated._fn, replicated._static, aliases, repr(replicated))
-        twin = type(replicated)(
-            entry, replicated._strategy, replicated._donate, replicated._static
-        )
+        twin = type(replicated)(entry, replicated._strategy, replicated._donate, replicated._static)
         twins[aliases] = twin
     return twin
 
@@ -225,7 +223,7 @@ class _Entry:
         before = jax.tree_util.tree_structure(root, is_leaf=is_variable)
         replica_id = _context.replica_context().replica_id
         roles = _metric_roles(nnx, root)
-        for k, role in roles.items():
+        for k in roles:
             _start_metric(variables[k], replica_id)
         folded = _fold_streams(nnx, root, replica_id)
         refs = _refs_of(nnx, root)
@@ -331,9 +329,7 @@ def _metric_roles(nnx: Any, root: Any) -> dict[int, Aggregation]:
     """For each argument `Variable` (by position) that is a metric's state, how it is read:
     `SUM` for sums, `NONE` for a `Welford` (combined by `read_metrics`)."""
     is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    variables = [
-        x for x in jax.tree_util.tree_leaves(root, is_leaf=is_variable) if is_variable(x)
-    ]
+    variables = [x for x in jax.tree_util.tree_leaves(root, is_leaf=is_variable) if is_variable(x)]
     position = {id(v): k for k, v in reversed(list(enumerate(variables)))}
     roles: dict[int, Aggregation] = {}
     for path, metric, own in _leaf_metrics(nnx, root):

@@ -311,6 +311,115 @@ def test_typed_keys_mirror_read_assert_local_results(strategy):
 
 def test_sync_of_a_key_by_sum_is_a_type_error(strategy):
     with pytest.raises(TypeError, match="only_first_replica"):
-        strategy.run(lambda k: jm.sync(jax.random.fold_in(k, jm.replica_id()), "sum"), (
-            jax.random.key(0),
-        ))
+        strategy.run(
+            lambda k: jm.sync(jax.random.fold_in(k, jm.replica_id()), "sum"), (jax.random.key(0),)
+        )
+
+
+# --- recipes with an NNX (model, optimizer) pair ---------------------------------------------
+
+
+class _Mlp(nnx.Module):
+    def __init__(self, rngs, axis_name=None, dtype=jnp.float32):
+        self.hidden = nnx.Linear(6, 16, dtype=dtype, rngs=rngs)
+        self.bn = nnx.BatchNorm(16, axis_name=axis_name, dtype=dtype, rngs=rngs)
+        self.out = nnx.Linear(16, 3, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.bn(self.hidden(x))))
+
+
+def _recipe_batches(n, steps=3):
+    rs = np.random.RandomState(2)
+    xs = rs.randn(steps, 4 * n, 6).astype(np.float32)
+    ys = rs.randint(0, 3, (steps, 4 * n)).astype(np.int32)
+    return [{"x": x, "y": y} for x, y in zip(xs, ys)]
+
+
+def _recipe_loss(model, batch):
+    logits = model(batch["x"]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def _recipe_pair(axis_name, dtype=jnp.float32):
+    model = _Mlp(nnx.Rngs(0), axis_name=axis_name, dtype=dtype)
+    return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+
+@nnx.jit
+def _one_device_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(_recipe_loss)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+
+def _split_tree(n, batch):
+    return jm.PerReplica(jax.tree.map(lambda a: a.reshape(n, -1, *a.shape[1:]), batch))
+
+
+def _assert_params_close(strategy, model, ref):
+    got = strategy.read(nnx.state(model, nnx.Param))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(nnx.state(ref, nnx.Param))):
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-6)
+
+
+def test_recipes_make_train_step_with_nnx_pair(strategy):
+    from jmirror import recipes
+
+    n = strategy.num_replicas
+    model, optimizer = _recipe_pair(strategy.axis_name)
+    ref_model, ref_optimizer = _recipe_pair(None)
+    step = recipes.make_train_step(_recipe_loss, strategy=strategy)
+    for batch in _recipe_batches(n):
+        state, loss = step((model, optimizer), _split_tree(n, batch))
+        assert state[0] is model and state[1] is optimizer
+        ref_loss = _one_device_step(ref_model, ref_optimizer, batch)
+        np.testing.assert_allclose(strategy.read(loss), ref_loss, rtol=2e-4)
+    _assert_params_close(strategy, model, ref_model)
+    jmt.assert_mirrored(nnx.state(model), strategy)  # BatchNorm over the replica axis
+    with pytest.raises(TypeError, match=r"\(model, optimizer\)"):
+        step((optimizer, model), _split_tree(n, _recipe_batches(n)[0]))
+
+
+def test_recipes_accumulating_step_with_nnx_pair(strategy):
+    from jmirror import recipes
+
+    n = strategy.num_replicas
+    model, optimizer = _recipe_pair(None)
+    model.bn.use_running_average = True  # micro-batches: normalize with fixed statistics
+    ref_model, ref_optimizer = _recipe_pair(None)
+    ref_model.bn.use_running_average = True
+    step = recipes.make_accumulating_train_step(_recipe_loss, 2, strategy=strategy)
+    for batch in _recipe_batches(n):
+        _, loss = step((model, optimizer), _split_tree(n, batch))
+        ref_loss = _one_device_step(ref_model, ref_optimizer, batch)
+        np.testing.assert_allclose(strategy.read(loss), ref_loss, rtol=2e-4)
+    _assert_params_close(strategy, model, ref_model)
+    assert int(strategy.read(optimizer.step[...])) == 3
+
+
+def test_recipes_loss_scaled_step_with_nnx_triple(strategy):
+    from jmirror import recipes
+
+    n = strategy.num_replicas
+    model, optimizer = _recipe_pair(strategy.axis_name, dtype=jnp.float16)
+    ref_model, ref_optimizer = _recipe_pair(None, dtype=jnp.float16)
+    step = recipes.make_loss_scaled_train_step(_recipe_loss, strategy=strategy)
+    batches = _recipe_batches(n)
+    huge = recipes.DynamicLossScale.create(initial_scale=2.0**30)
+    kernel = np.asarray(model.out.kernel[...])
+    state, _ = step((model, optimizer, huge), _split_tree(n, batches[0]))  # overflows
+    assert state[0] is model and float(strategy.read(state[2].scale)) == 2.0**29
+    np.testing.assert_array_equal(strategy.read(model.out.kernel[...]), kernel)  # skipped
+    assert int(strategy.read(optimizer.step[...])) == 0
+    loss_scale = recipes.DynamicLossScale.create(initial_scale=2.0**4)
+    for batch in batches:
+        (model, optimizer, loss_scale), loss = step(
+            (model, optimizer, loss_scale), _split_tree(n, batch)
+        )
+        ref_loss = _one_device_step(ref_model, ref_optimizer, batch)
+        np.testing.assert_allclose(strategy.read(loss), ref_loss, rtol=2e-3)
+    assert int(strategy.read(optimizer.step[...])) == len(batches)
+    got = strategy.read(nnx.state(model, nnx.Param))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(nnx.state(ref_model, nnx.Param))):
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-3)
