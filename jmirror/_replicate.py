@@ -200,6 +200,13 @@ class Replicated:
         def split(v: Any) -> Any:
             if jnp.shape(v)[:1] != (topology.num_replicas,):
                 raise self._bad_split(strategy, args, kwargs, v)
+            if isinstance(v, jax.Array) and not v.sharding.is_equivalent_to(
+                topology.stacked, v.ndim
+            ):
+                # Stacked over these devices in another order (another strategy's batch):
+                # slice i goes to this strategy's replica i.
+                moved.append(v)
+                return jax.device_put(v, topology.stacked)
             return place(v, topology.stacked)
 
         def node(x: Any) -> Any:
@@ -324,8 +331,25 @@ class Replicated:
         for p, candidate in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
             if candidate is leaf:
                 path = ("args" if p[0].idx == 0 else "kwargs") + jax.tree_util.keystr(p[1:])
+        found = f"{self!r} got a per-replica leaf of shape {tuple(jnp.shape(leaf))} at {path}"
+        sharding = getattr(leaf, "sharding", None)
+        if (
+            isinstance(sharding, jax.sharding.NamedSharding)
+            and sharding.mesh.axis_names == (strategy.axis_name,)
+            and sharding.device_set != strategy.topology.device_set
+        ):
+            # Placed per replica by another strategy: a notebook cell re-run after the
+            # strategy was created again, say.
+            return ValueError(
+                f"{found}, placed per replica over the {len(sharding.device_set)} device(s) of "
+                "another strategy: it came from that strategy's distribute_dataset (or one of "
+                f"its steps), not from this strategy's ({strategy.num_replicas} replicas). A "
+                "batch belongs to the strategy that placed it: after creating the strategy "
+                "again (as re-running a notebook cell does), call the new strategy's "
+                "distribute_dataset again."
+            )
         return ValueError(
-            f"{self!r} got a per-replica leaf of shape {tuple(jnp.shape(leaf))} at {path}; a "
+            f"{found}; a "
             f"PerReplica / SyncOnRead leaf needs a leading axis of size {strategy.num_replicas} "
             "(the number of replicas), one slice per replica. Reshape the global batch to "
             "(num_replicas, per_replica_batch, ...) or use strategy.distribute_dataset, which "
