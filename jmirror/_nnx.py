@@ -25,6 +25,7 @@ top-level arguments only (and of the items of tuple, list and dict arguments).
 from __future__ import annotations
 
 import sys
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -58,22 +59,43 @@ def has_nodes(replicated: Any, args: tuple, kwargs: dict) -> bool:
     nnx = _flax()
     if nnx is None or type(replicated._fn) is _Entry:
         return False
-    kinds = _graph_types(nnx)
     static = replicated._static
     for i, a in enumerate(args):
-        if _holds(a, kinds) and i not in static:
+        if _holds(a) and i not in static:
             return True
-    return any(_holds(a, kinds) for a in kwargs.values()) if kwargs else False
+    return any(_holds(a) for a in kwargs.values()) if kwargs else False
 
 
-def _holds(a: Any, kinds: tuple[type, ...]) -> bool:
-    if isinstance(a, kinds):
+# Per type: whether it is an NNX graph type (`nnx.Pytree` or `nnx.Variable`; `isinstance`
+# against `nnx.Variable` runs a Python `__instancecheck__`, a dict lookup does not).
+_IS_GRAPH_TYPE: dict[type, bool] = {}
+_IS_VARIABLE_TYPE: dict[type, bool] = {}
+
+
+def _is_graph(x: Any) -> bool:
+    t = type(x)
+    known = _IS_GRAPH_TYPE.get(t)
+    if known is None:
+        known = _IS_GRAPH_TYPE[t] = isinstance(x, _graph_types(_flax()))
+    return known
+
+
+def _is_variable(x: Any) -> bool:
+    t = type(x)
+    known = _IS_VARIABLE_TYPE.get(t)
+    if known is None:
+        known = _IS_VARIABLE_TYPE[t] = isinstance(x, _flax().Variable)
+    return known
+
+
+def _holds(a: Any) -> bool:
+    if _is_graph(a):
         return True
     t = type(a)
     if t is tuple or t is list:
-        return any(isinstance(x, kinds) for x in a[:_SCAN_ITEMS])
+        return any(_is_graph(x) for x in a[:_SCAN_ITEMS])
     if t is dict:
-        return any(isinstance(x, kinds) for _, x in zip(range(_SCAN_ITEMS), a.values()))
+        return any(_is_graph(x) for _, x in zip(range(_SCAN_ITEMS), a.values()))
     return False
 
 
@@ -82,8 +104,9 @@ def check_nested(replicated: Any, treedef: Any) -> None:
     nnx = _flax()
     if nnx is None or type(replicated._fn) is _Entry:
         return
-    kinds = _graph_types(nnx)
-    found = _find_type(treedef, kinds)
+    # Variables alone pass: an `nnx.State` (what `nnx.split` returns) holds Variables, and
+    # is threaded through a step functionally.
+    found = _find_type(treedef, (nnx.Pytree,))
     if found is not None:
         raise TypeError(
             f"{replicated!r} got an NNX object ({found.__name__}) nested deeper than one "
@@ -125,7 +148,7 @@ def call(replicated: Any, args: tuple, kwargs: dict, lower: bool = False) -> Any
     for variable, value in zip(unique, values):
         if type(value) is SyncOnRead:
             value = MetricComponents(value.value, value.aggregation)
-        variable.set_raw_value(value)
+        _set_raw_value(variable, value)
     refs = jax.tree_util.tree_leaves(result, is_leaf=_is_ref)
     if any(isinstance(r, _Ref) for r in refs):
         tops = _tops(replicated, args, kwargs)
@@ -135,26 +158,29 @@ def call(replicated: Any, args: tuple, kwargs: dict, lower: bool = False) -> Any
     return result
 
 
+def _set_raw_value(variable: Any, value: Any) -> None:
+    """`variable.set_raw_value(value)` outside any trace, without its per-call trace check
+    (as flax's own `nnx.jit` applies its updates); `set_raw_value` where that slot is gone."""
+    if isinstance(getattr(type(variable), "_raw_value", None), types.MemberDescriptorType):
+        object.__setattr__(variable, "_raw_value", value)
+    else:
+        variable.set_raw_value(value)
+
+
 def _dynamic(replicated: Any, args: tuple, kwargs: dict) -> tuple[list, dict]:
     static = replicated._static
     return [a for i, a in enumerate(args) if i not in static], kwargs
 
 
 def _variables(replicated: Any, args: tuple, kwargs: dict) -> list[Any]:
-    variable = _flax().Variable
-    leaves = jax.tree_util.tree_leaves(
-        _dynamic(replicated, args, kwargs), is_leaf=lambda x: isinstance(x, variable)
-    )
-    return [x for x in leaves if isinstance(x, variable)]
+    leaves = jax.tree_util.tree_leaves(_dynamic(replicated, args, kwargs), is_leaf=_is_variable)
+    return [x for x in leaves if _is_variable(x)]
 
 
 def _tops(replicated: Any, args: tuple, kwargs: dict) -> list[Any]:
     """The outermost NNX objects of the arguments, in flattening order."""
-    kinds = _graph_types(_flax())
-    leaves = jax.tree_util.tree_leaves(
-        _dynamic(replicated, args, kwargs), is_leaf=lambda x: isinstance(x, kinds)
-    )
-    return [x for x in leaves if isinstance(x, kinds)]
+    leaves = jax.tree_util.tree_leaves(_dynamic(replicated, args, kwargs), is_leaf=_is_graph)
+    return [x for x in leaves if _is_graph(x)]
 
 
 def _twin(replicated: Any, aliases: tuple) -> Any:
@@ -451,11 +477,9 @@ _METRIC_ITEM = (
 
 
 def holds_metrics(tree: Any) -> bool:
-    """Whether `tree` holds an NNX metric at its top or one container deep."""
-    nnx = _flax()
-    if nnx is None:
-        return False
-    return _holds(tree, (nnx.metrics.Metric,))
+    """Whether `tree` holds NNX objects (metrics among them) at its top or one container
+    deep."""
+    return _flax() is not None and _holds(tree)
 
 
 def read_metrics(gathered: Callable[[Any], jax.Array], tree: Any) -> Any:
