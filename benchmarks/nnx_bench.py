@@ -62,11 +62,11 @@ def _setup(batch: int):
     rs = np.random.RandomState(0)
     x = rs.randn(batch, 12, 12, 1).astype(np.float32)
     y = rs.randint(0, 10, batch).astype(np.int32)
-    split = (
-        lambda a: jm.PerReplica(  # noqa: E731
-            jax.device_put(a.reshape(n, -1, *a.shape[1:]), strategy.topology.stacked)
-        )
-    )
+
+    def split(a):
+        stacked = a.reshape(n, -1, *a.shape[1:])
+        return jm.PerReplica(jax.device_put(stacked, strategy.topology.stacked))
+
     px, py = split(x), split(y)
 
     # jm in-place
