@@ -459,15 +459,16 @@ class MetricComponents(SyncOnRead):
         fresh = jnp.zeros_like(stacked).at[0].set(value)
         object.__setattr__(self, "value", jax.device_put(fresh, stacked.sharding))
 
-    def __getitem__(self, index: Any) -> Any:
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(_METRIC_ITEM)
 
-    def __array__(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(_METRIC_ITEM)
+    __getitem__ = __array__ = __jax_array__ = __float__ = __int__ = __bool__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
+    __truediv__ = __rtruediv__ = __floordiv__ = __pow__ = __rpow__ = __neg__ = _refuse
 
 
 _METRIC_ITEM = (
-    "This metric's state is sync-on-read (one component per replica, written by a replicated "
+    "jm: this metric's state is sync-on-read (one component per replica, written by a replicated "
     "function): read the metric with strategy.read(metric).compute(); reset it with "
     "metric.reset() or assign a whole value with variable[...] = value."
 )

@@ -408,6 +408,15 @@ def replicate(
     jmirror proves identical on every replica come back mirrored, `SyncOnRead` outputs stay
     `SyncOnRead`, and every other leaf comes back as a `PerReplica`.
 
+    flax NNX objects (`nnx.Module`, `nnx.Optimizer`, `nnx.Rngs`, `nnx.Variable`, metrics; also
+    as items of a tuple, list or dict argument) are taken with `nnx.jit`'s semantics: what the
+    function changes in them is written back into the caller's objects after the call,
+    mirrored where proven identical, else as a `PerReplica` inside the `Variable`; metrics
+    come back sync-on-read (`strategy.read(metrics).compute()`). Inside, every `nnx.Rngs`
+    stream but `params` draws per replica (the replica id folded into its key) while its
+    state stays mirrored; `jm.sync(rngs.noise(), "only_first_replica")` gives every replica
+    the same key.
+
     Args:
       fn: the replica function.
       strategy: the `MirroredStrategy` to run on; `None` means `jm.get_strategy()` at call
@@ -437,6 +446,17 @@ def replicate(
         0.2
         >>> isinstance(new_w, jm.PerReplica)
         False
+
+        An NNX object changed in place is written back, as `nnx.jit` does:
+
+        >>> from flax import nnx
+        >>> counter = nnx.Variable(jnp.zeros(()))
+        >>> @jm.replicate(strategy=strategy)
+        ... def bump(counter):
+        ...     counter[...] += 1.0
+        >>> bump(counter); bump(counter)
+        >>> float(strategy.read(counter[...]))
+        2.0
     """
     if fn is None:
         return functools.partial(

@@ -49,6 +49,8 @@ def test_multimetric_read_compute_equals_one_device(strategy):
         ref.update(logits=jnp.asarray(logits), labels=jnp.asarray(labels), values=loss)
         _assert_same(strategy.read(metrics).compute(), ref.compute())
     assert isinstance(metrics.loss.total.get_raw_value(), jm.SyncOnRead)
+    with pytest.raises(TypeError, match=r"strategy.read\(metric\).compute\(\)"):
+        metrics.compute()  # the components, not a value: the message says what to do
     # Reading leaves the caller's metrics as they were; reset works outside as usual.
     _assert_same(strategy.read(metrics).compute(), ref.compute())
     metrics.reset()
