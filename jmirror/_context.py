@@ -225,7 +225,7 @@ class ReplicaContext:
     def _sync_leaf(self, aggregation: Aggregation, x: Any, varying: bool) -> Any:
         if aggregation is Aggregation.NONE:
             return x
-        if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        if _is_key(x):
             return self._sync_key(aggregation, x, varying)
         if aggregation is Aggregation.SUM:
             return (
@@ -550,3 +550,9 @@ def merge_call(
         True
     """
     return replica_context("jm.merge_call").merge_call(merge_fn, args, kwargs)
+
+
+def _is_key(x: Any) -> bool:
+    """Whether `x` is a typed PRNG key array (`jax.random.key`)."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)

@@ -235,16 +235,16 @@ class _Entry:
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, list[Any]]:
         nnx = _flax()
-        args = list(args)
-        dynamic = [i for i in range(len(args)) if i not in self.static]
-        root = ([args[i] for i in dynamic], kwargs)
+        arguments = list(args)
+        dynamic = [i for i in range(len(arguments)) if i not in self.static]
+        root = ([arguments[i] for i in dynamic], kwargs)
         is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
         flat = jax.tree_util.tree_flatten_with_path(root, is_leaf=is_variable)[0]
         found = [(p, x) for p, x in flat if isinstance(x, nnx.Variable)]
         for j, i in self.aliases:
             _set_at(root, found[j][0], found[i][1])
         for i, x in zip(dynamic, root[0]):
-            args[i] = x
+            arguments[i] = x
         variables = [x for _, x in found]
         before = jax.tree_util.tree_structure(root, is_leaf=is_variable)
         replica_id = _context.replica_context().replica_id
@@ -253,7 +253,7 @@ class _Entry:
             _start_metric(variables[k], replica_id)
         folded = _fold_streams(nnx, root, replica_id)
         refs = _refs_of(nnx, root)
-        result = self.user_fn(*args, **kwargs)
+        result = self.user_fn(*arguments, **kwargs)
         for variable, original, key in folded:
             if variable.get_raw_value() is key:
                 variable.set_raw_value(original)

@@ -372,17 +372,17 @@ def accumulate_gradients(
                 f"num_micro_batches={num_micro_batches}. Use a per-replica batch size that is "
                 "a multiple of num_micro_batches."
             )
+    micro_loss = loss_fn
     if isinstance(params, nnx.Module):
         graphdef, params, rest = nnx.split(params, nnx.Param, ...)
-        model_loss = loss_fn
 
-        def loss_fn(p: PyTree, micro_batch: PyTree) -> jax.Array:
-            return model_loss(nnx.merge(graphdef, p, rest, copy=True), micro_batch)
+        def micro_loss(p: PyTree, micro_batch: PyTree) -> jax.Array:
+            return loss_fn(nnx.merge(graphdef, p, rest, copy=True), micro_batch)
 
     micro = jax.tree.map(
         lambda x: jnp.reshape(x, (num_micro_batches, -1) + jnp.shape(x)[1:]), batch
     )
-    grad_fn = jax.value_and_grad(loss_fn)
+    grad_fn = jax.value_and_grad(micro_loss)
     first = jax.tree.map(lambda x: x[0], micro)
     shapes = jax.eval_shape(grad_fn, params, first)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
@@ -569,7 +569,7 @@ def make_loss_scaled_train_step(
     def train_step(state: LossScaleTrainState, batch: PyTree):
         pair = _nnx_pair(state, "make_loss_scaled_train_step")
         if pair is not None:
-            return _nnx_loss_scaled_step(loss_fn, state, batch)
+            return _nnx_loss_scaled_step(loss_fn, tuple(state), batch)  # type: ignore[arg-type]
         loss_scale = state.loss_scale
 
         def scaled_loss(params: PyTree) -> tuple[jax.Array, jax.Array]:

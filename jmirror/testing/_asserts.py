@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jmirror._strategy import MirroredStrategy, get_strategy
@@ -17,7 +18,7 @@ def _strategy(strategy: MirroredStrategy | None) -> MirroredStrategy:
 
 def _host(x: Any) -> np.ndarray:
     """`x` as a NumPy array; a typed PRNG key array as its key data (`jax.random.key_data`)."""
-    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+    if _is_key(x):
         x = jax.random.key_data(x)
     return np.asarray(x)
 
@@ -94,3 +95,9 @@ def assert_replicas_equal(
                     f"{i} (rtol={rtol}, atol={atol}): {a!r} vs {b!r}."
                 )
     del first
+
+
+def _is_key(x: Any) -> bool:
+    """Whether `x` is a typed PRNG key array (`jax.random.key`)."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
