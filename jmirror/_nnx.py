@@ -55,15 +55,27 @@ def _graph_types(nnx: Any) -> tuple[type, ...]:
 
 
 def has_nodes(replicated: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether a call passes NNX objects (at the top level or one container deep)."""
-    nnx = _flax()
-    if nnx is None or type(replicated._fn) is _Entry:
+    """Whether a call passes NNX objects (at the top level or one container deep).
+
+    The fast path of every call: a set lookup per top-level argument whose type is known to
+    hold no NNX object (arrays, `PerReplica`, numbers, ...).
+    """
+    if "flax.nnx" not in sys.modules:
         return False
-    static = replicated._static
+    plain = _PLAIN_TYPES
+    found = False
     for i, a in enumerate(args):
-        if _holds(a) and i not in static:
-            return True
-    return any(_holds(a) for a in kwargs.values()) if kwargs else False
+        if type(a) not in plain and _holds(a) and i not in replicated._static:
+            found = True
+            break
+    if not found and kwargs:
+        found = any(type(a) not in plain and _holds(a) for a in kwargs.values())
+    return found and type(replicated._fn) is not _Entry
+
+
+# Types that are neither NNX objects nor containers `has_nodes` looks into.
+_PLAIN_TYPES: set[type] = set()
+_CONTAINERS = (tuple, list, dict)
 
 
 # Per type: whether it is an NNX graph type (`nnx.Pytree` or `nnx.Variable`; `isinstance`
@@ -92,6 +104,9 @@ def _holds(a: Any) -> bool:
     if _is_graph(a):
         return True
     t = type(a)
+    if t not in _CONTAINERS:
+        _PLAIN_TYPES.add(t)
+        return False
     if t is tuple or t is list:
         return any(_is_graph(x) for x in a[:_SCAN_ITEMS])
     if t is dict:
