@@ -12,7 +12,8 @@ with adam) data-parallel on 8 host devices, one global batch per step:
   `NamedSharding(mesh, P())`, the batch sharded over the mesh, one `nnx.jit` step on the
   global batch (GSPMD partitions it).
 
-Rounds are interleaved (a round runs every variant for `--steps` steps); the table gives each
+Rounds are interleaved (a round runs every variant for `--steps` steps, each variant leading a
+round in turn); the table gives each
 variant's median steps/s and its ratio to (a). Target: the in-place step >= 0.97x (a).
 
     python -m benchmarks.nnx_bench [--rounds 7] [--steps 30] [--batch 128]
@@ -123,10 +124,46 @@ def _setup(batch: int):
         return loss
 
     del jnp
-    return {
+    variants = {
         "jm in-place": run_in_place,
         "(a) split/merge by hand": run_by_hand,
         "(b) nnx.jit + sharding": run_jit,
+    }
+    return variants, _bookkeeping(in_place, model, optimizer, px, py, held)
+
+
+def _bookkeeping(in_place, model, optimizer, px, py, held) -> dict[str, float]:
+    """Host microseconds per call of what the in-place step adds to the hand-written one."""
+    import timeit
+
+    import jax
+    from flax import nnx
+
+    from jmirror import _nnx
+
+    args = (model, optimizer, px, py)
+    variables = _nnx._variables(in_place, args, {})
+    values = [v.get_raw_value() for v in variables]
+
+    def write_back():
+        for v, x in zip(variables, values):
+            _nnx._set_raw_value(v, x)
+
+    def micro(fn) -> float:
+        return min(timeit.repeat(fn, number=500, repeat=5)) / 500 * 1e6
+
+    return {
+        "find the Variables": micro(lambda: _nnx._variables(in_place, args, {})),
+        "write them back": micro(write_back),
+        "jit flattens the objects": micro(lambda: jax.tree_util.tree_flatten(args)),
+        "jit flattens an nnx.State (a)": micro(
+            lambda: jax.tree_util.tree_flatten((held["state"], px, py))
+        ),
+        "plain-path check (has_nodes)": micro(
+            lambda: _nnx.has_nodes(in_place, (held["state"], px, py), {})
+        ),
+        "(variables)": float(len(variables)),
+        "(nnx.split, for scale)": micro(lambda: nnx.split((model, optimizer))),
     }
 
 
@@ -138,12 +175,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parser.parse_args(argv)
     import jax
 
-    variants = _setup(args.batch)
+    variants, bookkeeping = _setup(args.batch)
     for run in variants.values():  # compile and warm up
         jax.block_until_ready(run(3))
     rates: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, run in variants.items():
+    names = list(variants)
+    for r in range(args.rounds):
+        for name in names[r % 3 :] + names[: r % 3]:  # each variant leads a round in turn
+            run = variants[name]
             start = time.perf_counter()
             jax.block_until_ready(run(args.steps))
             rates[name].append(args.steps / (time.perf_counter() - start))
@@ -155,6 +194,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print("|---|---|---|")
     for name, rate in medians.items():
         print(f"| {name} | {rate:.1f} | {rate / base:.3f} |")
+    print("host bookkeeping per call (µs, best of 5 x 500):")
+    for name, us in bookkeeping.items():
+        print(f"  {name}: {us:.1f}")
     return medians
 
 
