@@ -209,6 +209,12 @@ def _twin(replicated: Any, aliases: tuple) -> Any:
     return twin
 
 
+def twin_compilations(replicated: Any) -> int:
+    """The input signatures compiled by `replicated`'s NNX twins."""
+    twins = _TWINS.get(replicated)
+    return sum(t.num_compilations for t in twins.values()) if twins else 0
+
+
 @jax.tree_util.register_pytree_node_class
 class _Ref:
     """A returned NNX object that was reached from the arguments: no leaves, a path."""

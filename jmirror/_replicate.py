@@ -240,7 +240,7 @@ class Replicated:
     def num_compilations(self) -> int:
         """How many input signatures calls have compiled so far (`.lower()` and calls traced
         by an outer transformation do not count)."""
-        return len(self._signatures)
+        return len(self._signatures) + _nnx.twin_compilations(self)
 
     def _check_call(self, args: tuple) -> Any:
         if _context.in_replica_context() or _context.merge_context() is not None:
