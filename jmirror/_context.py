@@ -225,6 +225,8 @@ class ReplicaContext:
     def _sync_leaf(self, aggregation: Aggregation, x: Any, varying: bool) -> Any:
         if aggregation is Aggregation.NONE:
             return x
+        if _is_key(x):
+            return self._sync_key(aggregation, x, varying)
         if aggregation is Aggregation.SUM:
             return (
                 all_reduce_leaf(ReduceOp.SUM, x, self.axis_name)
@@ -240,6 +242,17 @@ class ReplicaContext:
         wide = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
         first = jnp.where(self.replica_id == 0, wide, jnp.zeros_like(wide))
         return lax.psum(first, self.axis_name).astype(x.dtype)
+
+    def _sync_key(self, aggregation: Aggregation, key: jax.Array, varying: bool) -> jax.Array:
+        """A typed PRNG key array synchronized through its key data (`ONLY_FIRST_REPLICA`)."""
+        if aggregation is not Aggregation.ONLY_FIRST_REPLICA:
+            raise TypeError(
+                f"jm.sync(tree, {aggregation.name}) got a typed PRNG key array ({key.dtype}); "
+                "keys cannot be summed or averaged. Use jm.sync(key, 'only_first_replica') to "
+                "give every replica replica 0's key."
+            )
+        data = self._sync_leaf(aggregation, jax.random.key_data(key), varying)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(key))
 
     def merge_call(
         self, merge_fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None
@@ -537,3 +550,9 @@ def merge_call(
         True
     """
     return replica_context("jm.merge_call").merge_call(merge_fn, args, kwargs)
+
+
+def _is_key(x: Any) -> bool:
+    """Whether `x` is a typed PRNG key array (`jax.random.key`)."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)

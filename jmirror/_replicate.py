@@ -24,7 +24,7 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from jmirror import _context, _dispatch
+from jmirror import _context, _dispatch, _nnx
 from jmirror._backends import executable
 from jmirror._context import Runner
 from jmirror._process_ops import globalize
@@ -108,6 +108,8 @@ class Replicated:
     # --- calling -------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _nnx.has_nodes(self, args, kwargs):
+            return _nnx.call(self, args, kwargs)
         strategy = self._check_call(args)
         if strategy.topology.process_count > 1:
             args, kwargs = self._globalize(strategy, args, kwargs)
@@ -206,6 +208,13 @@ class Replicated:
         def split(v: Any) -> Any:
             if jnp.shape(v)[:1] != (topology.num_replicas,):
                 raise self._bad_split(strategy, args, kwargs, v)
+            if isinstance(v, jax.Array) and not v.sharding.is_equivalent_to(
+                topology.stacked, v.ndim
+            ):
+                # Stacked over these devices in another order (another strategy's batch):
+                # slice i goes to this strategy's replica i.
+                moved.append(v)
+                return jax.device_put(v, topology.stacked)
             return place(v, topology.stacked)
 
         def node(x: Any) -> Any:
@@ -229,6 +238,8 @@ class Replicated:
             >>> isinstance(step.lower(jnp.ones(3)), jax.stages.Lowered)
             True
         """
+        if _nnx.has_nodes(self, args, kwargs):
+            return _nnx.call(self, args, kwargs, lower=True)
         strategy = self._check_call(args)
         lowerable = self._lowerable_by_donation[self._donates(strategy, args)]
         return lowerable.lower(strategy, *args, **kwargs)
@@ -237,7 +248,7 @@ class Replicated:
     def num_compilations(self) -> int:
         """How many input signatures calls have compiled so far (`.lower()` and calls traced
         by an outer transformation do not count)."""
-        return len(self._signatures)
+        return len(self._signatures) + _nnx.twin_compilations(self)
 
     def _check_call(self, args: tuple) -> Any:
         if _context.in_replica_context() or _context.merge_context() is not None:
@@ -280,6 +291,7 @@ class Replicated:
         statics = tuple(args[i] for i in self._static)
         dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
         top, treedef = jax.tree_util.tree_flatten((dynamic, kwargs), is_leaf=is_distributed)
+        _nnx.check_nested(self, treedef)
         flat, slots = flatten_slots(top, inputs=True)
         split = [slot.kind in (SPLIT, SHARDED) for slot in slots for _ in range(slot.size)]
         avals = []
@@ -329,6 +341,7 @@ class Replicated:
         for p, candidate in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
             if candidate is leaf:
                 path = ("args" if p[0].idx == 0 else "kwargs") + jax.tree_util.keystr(p[1:])
+        found = f"{self!r} got a per-replica leaf of shape {tuple(jnp.shape(leaf))} at {path}"
         if path.endswith(".shards"):  # a jm.shard_update state made for another N
             return ValueError(
                 f"{self!r} got a jm.Sharded state leaf at {path} whose pieces have shape "
@@ -336,8 +349,24 @@ class Replicated:
                 f"{strategy.num_replicas} replicas. Restore the state through jmirror.checkpoint "
                 "(which re-shards it onto any replica count), or call tx.init on this strategy."
             )
+        sharding = getattr(leaf, "sharding", None)
+        if (
+            isinstance(sharding, jax.sharding.NamedSharding)
+            and sharding.mesh.axis_names == (strategy.axis_name,)
+            and sharding.device_set != strategy.topology.device_set
+        ):
+            # Placed per replica by another strategy: a notebook cell re-run after the
+            # strategy was created again, say.
+            return ValueError(
+                f"{found}, placed per replica over the {len(sharding.device_set)} device(s) of "
+                "another strategy: it came from that strategy's distribute_dataset (or one of "
+                f"its steps), not from this strategy's ({strategy.num_replicas} replicas). A "
+                "batch belongs to the strategy that placed it: after creating the strategy "
+                "again (as re-running a notebook cell does), call the new strategy's "
+                "distribute_dataset again."
+            )
         return ValueError(
-            f"{self!r} got a per-replica leaf of shape {tuple(jnp.shape(leaf))} at {path}; a "
+            f"{found}; a "
             f"PerReplica / SyncOnRead leaf needs a leading axis of size {strategy.num_replicas} "
             "(the number of replicas), one slice per replica. Reshape the global batch to "
             "(num_replicas, per_replica_batch, ...) or use strategy.distribute_dataset, which "
@@ -396,6 +425,15 @@ def replicate(
     jmirror proves identical on every replica come back mirrored, `SyncOnRead` outputs stay
     `SyncOnRead`, and every other leaf comes back as a `PerReplica`.
 
+    flax NNX objects (`nnx.Module`, `nnx.Optimizer`, `nnx.Rngs`, `nnx.Variable`, metrics; also
+    as items of a tuple, list or dict argument) are taken with `nnx.jit`'s semantics: what the
+    function changes in them is written back into the caller's objects after the call,
+    mirrored where proven identical, else as a `PerReplica` inside the `Variable`; metrics
+    come back sync-on-read (`strategy.read(metrics).compute()`). Inside, every `nnx.Rngs`
+    stream but `params` draws per replica (the replica id folded into its key) while its
+    state stays mirrored; `jm.sync(rngs.noise(), "only_first_replica")` gives every replica
+    the same key.
+
     Args:
       fn: the replica function.
       strategy: the `MirroredStrategy` to run on; `None` means `jm.get_strategy()` at call
@@ -425,6 +463,17 @@ def replicate(
         0.2
         >>> isinstance(new_w, jm.PerReplica)
         False
+
+        An NNX object changed in place is written back, as `nnx.jit` does:
+
+        >>> from flax import nnx
+        >>> counter = nnx.Variable(jnp.zeros(()))
+        >>> @jm.replicate(strategy=strategy)
+        ... def bump(counter):
+        ...     counter[...] += 1.0
+        >>> bump(counter); bump(counter)
+        >>> float(strategy.read(counter[...]))
+        2.0
     """
     if fn is None:
         return functools.partial(

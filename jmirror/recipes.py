@@ -17,6 +17,11 @@ the global batch.
   micro-batches with `jm.merge_call` inside `lax.scan`.
 - `DynamicLossScale`, `make_loss_scaled_train_step`: float16 loss scaling whose
   finite-gradients verdict is agreed by every replica.
+
+flax NNX: wherever a recipe takes a `TrainState`, it also takes an NNX `(model, optimizer)`
+pair (`nnx.Module`, `nnx.Optimizer`), updated in place and returned as the same objects;
+`loss_fn` then takes the model where it took `params` (`loss_fn(model, batch)`). The loss
+scaling step takes `(model, optimizer, loss_scale)`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from flax.training import train_state
 from jax import lax
 
@@ -89,7 +95,10 @@ def make_train_step(
 
     The step is `step(state, batch, key=None) -> (state, loss)` (with `has_aux`,
     `(state, loss, aux)`, `aux` per replica). `state` is a mirrored `TrainState`
-    (`strategy.mirror(TrainState.create(...))`), `batch` a `PerReplica` of this step's
+    (`strategy.mirror(TrainState.create(...))`) or an NNX `(model, optimizer)` pair,
+    updated in place (its rng streams other than `params` draw per replica, and a
+    `BatchNorm(axis_name=strategy.axis_name)` keeps its statistics mirrored); `loss_fn`
+    then takes the model: `loss_fn(model, batch[, key])`. `batch` is a `PerReplica` of this step's
     global batch, and `loss` the mean over replicas of `loss_fn`'s value. When `key` is
     given, `loss_fn` is called as `loss_fn(params, batch, replica_key)` with
     `replica_key = fold_in_replica(key, state.step)`: per-replica, per-step dropout noise.
@@ -120,15 +129,44 @@ def make_train_step(
     """
 
     def train_step(state: train_state.TrainState, batch: PyTree, key: Any = None):
-        args = (batch,) if key is None else (batch, fold_in_replica(key, state.step))
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
-        out, grads = grad_fn(state.params, *args)
+        pair = _nnx_pair(state, "make_train_step")
+        step = state.step if pair is None else pair[1].step[...]
+        args = (batch,) if key is None else (batch, fold_in_replica(key, step))
+        if pair is None:
+            out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(state.params, *args)
+        else:
+            out, grads = nnx.value_and_grad(loss_fn, has_aux=has_aux)(pair[0], *args)
         loss, aux = out if has_aux else (out, None)
         grads, loss = all_reduce(ReduceOp.MEAN, (grads, loss))
-        state = state.apply_gradients(grads=grads)
+        state = _apply(state, pair, grads)
         return (state, loss, aux) if has_aux else (state, loss)
 
     return replicate(train_step, strategy=strategy)
+
+
+def _nnx_pair(state: Any, recipe: str) -> tuple[Any, Any] | None:
+    """`(model, optimizer)` when `state` starts with an NNX model and optimizer, else None."""
+    if not isinstance(state, (tuple, list)):
+        return None
+    if len(state) >= 2 and isinstance(state[0], nnx.Module):
+        if isinstance(state[1], nnx.Optimizer):
+            return state[0], state[1]
+    if any(isinstance(x, (nnx.Module, nnx.Optimizer)) for x in state):
+        raise TypeError(
+            f"recipes.{recipe} expects a flax TrainState or an NNX (model, optimizer) pair; "
+            f"found a {type(state).__name__} of {[type(x).__name__ for x in state]}. Pass "
+            "(model, optimizer), with optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)."
+        )
+    return None
+
+
+def _apply(state: Any, pair: tuple[Any, Any] | None, grads: PyTree) -> Any:
+    """The state after one optimizer step: a new `TrainState`, or the pair updated in place."""
+    if pair is None:
+        return state.apply_gradients(grads=grads)
+    model, optimizer = pair
+    optimizer.update(model, grads)
+    return state
 
 
 # --- (b) batch norm ------------------------------------------------------------------------------
@@ -293,7 +331,9 @@ def accumulate_gradients(
 
     Args:
       loss_fn: `loss_fn(params, micro_batch)` returning the mean loss over the micro-batch.
-      params: the parameters (mirrored).
+      params: the parameters (mirrored), or an NNX model: then `loss_fn(model, micro_batch)`
+        and the gradients are the `nnx.State` of its `nnx.Param`s, as `nnx.grad` gives
+        (changes `loss_fn` makes to other state, such as batch statistics, are not kept).
       batch: the replica's batch, every leaf with a leading size divisible by
         `num_micro_batches`.
       num_micro_batches: how many micro-batches to cut the replica's batch into.
@@ -332,10 +372,17 @@ def accumulate_gradients(
                 f"num_micro_batches={num_micro_batches}. Use a per-replica batch size that is "
                 "a multiple of num_micro_batches."
             )
+    micro_loss = loss_fn
+    if isinstance(params, nnx.Module):
+        graphdef, params, rest = nnx.split(params, nnx.Param, ...)
+
+        def micro_loss(p: PyTree, micro_batch: PyTree) -> jax.Array:
+            return loss_fn(nnx.merge(graphdef, p, rest, copy=True), micro_batch)
+
     micro = jax.tree.map(
         lambda x: jnp.reshape(x, (num_micro_batches, -1) + jnp.shape(x)[1:]), batch
     )
-    grad_fn = jax.value_and_grad(loss_fn)
+    grad_fn = jax.value_and_grad(micro_loss)
     first = jax.tree.map(lambda x: x[0], micro)
     shapes = jax.eval_shape(grad_fn, params, first)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
@@ -354,7 +401,8 @@ def make_accumulating_train_step(
 ) -> Replicated:
     """Returns a replicated train step that accumulates gradients over micro-batches.
 
-    The step is `step(state, batch) -> (state, loss)` for a mirrored flax `TrainState`; it
+    The step is `step(state, batch) -> (state, loss)` for a mirrored flax `TrainState` or
+    an NNX `(model, optimizer)` pair (updated in place; `loss_fn(model, micro_batch)`); it
     applies the gradients of `accumulate_gradients` once, like one step on the global batch.
 
     Args:
@@ -378,8 +426,10 @@ def make_accumulating_train_step(
     """
 
     def train_step(state: train_state.TrainState, batch: PyTree):
-        loss, grads = accumulate_gradients(loss_fn, state.params, batch, num_micro_batches)
-        return state.apply_gradients(grads=grads), loss
+        pair = _nnx_pair(state, "make_accumulating_train_step")
+        params = state.params if pair is None else pair[0]
+        loss, grads = accumulate_gradients(loss_fn, params, batch, num_micro_batches)
+        return _apply(state, pair, grads), loss
 
     return replicate(train_step, strategy=strategy)
 
@@ -484,7 +534,10 @@ def make_loss_scaled_train_step(
 ) -> Replicated:
     """Returns a replicated float16 train step with dynamic loss scaling.
 
-    The step is `step(state, batch) -> (state, loss)` for a mirrored `LossScaleTrainState`.
+    The step is `step(state, batch) -> (state, loss)` for a mirrored `LossScaleTrainState`,
+    or for an NNX `(model, optimizer, loss_scale)` triple (a `DynamicLossScale`; the model
+    and optimizer are updated in place, or left as they were on a skipped step, and the
+    triple comes back with the new loss scale; `loss_fn(model, batch)`).
     Each replica differentiates `loss * scale` (so small float16 gradients do not flush to
     zero), divides the gradients by the scale and checks them for infinities and NaNs. The
     replicas then agree on one verdict, `jm.all_reduce(MIN, finite)`: when any replica
@@ -514,6 +567,9 @@ def make_loss_scaled_train_step(
     """
 
     def train_step(state: LossScaleTrainState, batch: PyTree):
+        pair = _nnx_pair(state, "make_loss_scaled_train_step")
+        if pair is not None:
+            return _nnx_loss_scaled_step(loss_fn, tuple(state), batch)  # type: ignore[arg-type]
         loss_scale = state.loss_scale
 
         def scaled_loss(params: PyTree) -> tuple[jax.Array, jax.Array]:
@@ -521,14 +577,43 @@ def make_loss_scaled_train_step(
             return loss.astype(jnp.float32) * loss_scale.scale, loss
 
         (_, loss), grads = jax.value_and_grad(scaled_loss, has_aux=True)(state.params)
-        grads = jax.tree.map(lambda g: g / loss_scale.scale.astype(g.dtype), grads)
-        finite_here = jnp.all(
-            jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
-        )
-        finite = all_reduce(ReduceOp.MIN, finite_here.astype(jnp.int32)) == 1
+        grads, finite = _unscaled_finite(grads, loss_scale)
         grads, loss = all_reduce(ReduceOp.MEAN, (grads, loss.astype(jnp.float32)))
         updated = state.apply_gradients(grads=grads)
         state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, state)
         return state.replace(loss_scale=loss_scale.adjust(finite)), loss
 
     return replicate(train_step, strategy=strategy)
+
+
+def _unscaled_finite(grads: PyTree, loss_scale: DynamicLossScale) -> tuple[PyTree, jax.Array]:
+    """Gradients divided by the scale, and whether every replica's are finite."""
+    grads = jax.tree.map(lambda g: g / loss_scale.scale.astype(g.dtype), grads)
+    finite_here = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    return grads, all_reduce(ReduceOp.MIN, finite_here.astype(jnp.int32)) == 1
+
+
+def _nnx_loss_scaled_step(loss_fn: LossFn, state: tuple, batch: PyTree) -> tuple[tuple, Any]:
+    """The loss-scaled step for an NNX `(model, optimizer, loss_scale)` triple."""
+    if len(state) != 3 or not isinstance(state[2], DynamicLossScale):
+        raise TypeError(
+            "recipes.make_loss_scaled_train_step expects an NNX (model, optimizer, loss_scale) "
+            f"triple with a recipes.DynamicLossScale; found {[type(x).__name__ for x in state]}."
+        )
+    model, optimizer, loss_scale = state
+
+    def scaled_loss(model: Any) -> tuple[jax.Array, jax.Array]:
+        loss = loss_fn(model, batch)
+        return loss.astype(jnp.float32) * loss_scale.scale, loss
+
+    (_, loss), grads = nnx.value_and_grad(scaled_loss, has_aux=True)(model)
+    grads, finite = _unscaled_finite(grads, loss_scale)
+    grads, loss = all_reduce(ReduceOp.MEAN, (grads, loss.astype(jnp.float32)))
+    before = jax.tree.map(lambda x: x, nnx.state((model, optimizer)))  # a snapshot
+    optimizer.update(model, grads)
+    after = nnx.state((model, optimizer))
+    nnx.update(
+        (model, optimizer),
+        jax.tree.map(lambda new, old: jnp.where(finite, new, old), after, before),
+    )
+    return (model, optimizer, loss_scale.adjust(finite)), loss

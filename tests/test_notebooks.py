@@ -20,6 +20,7 @@ EXPECTED = {
     "03_migrating_from_tf_distribute.ipynb",
     "04_from_pmap_and_flax.ipynb",
     "05_checkpoints.ipynb",
+    "06_nnx.ipynb",
 }
 # Notebooks that must work on however many devices the kernel sees, 1 included.
 ANY_DEVICE_COUNT = {"04_from_pmap_and_flax.ipynb"}

@@ -263,3 +263,25 @@ def test_a_training_loop_compiles_once_from_mirror_of_device_arrays(strategy, n)
     for _ in range(3):
         w = step(w, x)
     assert step.num_compilations == 1
+
+
+def test_batch_of_another_strategys_distribute_dataset_names_it(backend, n):
+    # A notebook cell re-run after the strategy was created again, with other devices.
+    if n == 1:
+        pytest.skip("needs two strategies with different device counts")
+    old = jm.MirroredStrategy(num_devices=n // 2, backend=backend)
+    source = [np.ones((n, 2), np.float32)]
+    batch = next(iter(old.distribute_dataset(source, remainder="drop")))
+    new = jm.MirroredStrategy(backend=backend)
+    step = jm.replicate(lambda x: jm.all_reduce("sum", x.sum()), strategy=new)
+    with pytest.raises(
+        ValueError, match="another strategy: it came from that strategy's distribute_dataset"
+    ):
+        step(batch)
+    # The same devices in another order: the batch's slice i is this strategy's replica i.
+    flipped = jm.MirroredStrategy(devices=jax.devices()[::-1], backend=backend)
+    batch = next(iter(new.distribute_dataset(source, remainder="drop")))
+    ids = jm.replicate(lambda x: x[0, 0] * 0 + jm.replica_id(), strategy=flipped)(batch)
+    assert flipped.gather(ids).tolist() == list(range(n))
+    total = jm.replicate(lambda x: jm.all_reduce("sum", x.sum()), strategy=flipped)(batch)
+    assert float(flipped.read(total)) == 2.0 * n

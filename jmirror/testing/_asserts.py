@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jmirror._strategy import MirroredStrategy, get_strategy
@@ -13,6 +14,13 @@ from jmirror._values import PerReplica, PyTree, is_distributed
 
 def _strategy(strategy: MirroredStrategy | None) -> MirroredStrategy:
     return get_strategy() if strategy is None else strategy
+
+
+def _host(x: Any) -> np.ndarray:
+    """`x` as a NumPy array; a typed PRNG key array as its key data (`jax.random.key_data`)."""
+    if _is_key(x):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
 
 
 def _paths(tree: PyTree) -> list[tuple[str, Any]]:
@@ -38,7 +46,7 @@ def assert_mirrored(tree: PyTree, strategy: MirroredStrategy | None = None) -> N
                 f"assert_mirrored: leaf {path} is not mirrored over the {strategy.num_replicas} "
                 f"device(s) of the strategy; found {found}."
             )
-        copies = [np.asarray(c) for c in strategy.local_results(leaf)]
+        copies = [_host(c) for c in strategy.local_results(leaf)]
         for i, copy in enumerate(copies[1:], start=1):
             if not np.array_equal(copy, copies[0], equal_nan=True):
                 raise AssertionError(
@@ -80,10 +88,16 @@ def assert_replicas_equal(
     first = jax.tree.leaves(parts[0])
     for i, part in enumerate(parts[1:], start=1):
         for (path, a), b in zip(_paths(parts[0]), jax.tree.leaves(part)):
-            a, b = np.asarray(a), np.asarray(b)
+            a, b = _host(a), _host(b)
             if not np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True):
                 raise AssertionError(
                     f"assert_replicas_equal: leaf {path} differs between replica 0 and replica "
                     f"{i} (rtol={rtol}, atol={atol}): {a!r} vs {b!r}."
                 )
     del first
+
+
+def _is_key(x: Any) -> bool:
+    """Whether `x` is a typed PRNG key array (`jax.random.key`)."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)

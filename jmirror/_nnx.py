@@ -1,0 +1,538 @@
+"""flax NNX objects as arguments of replica functions, with `nnx.jit`'s write-back semantics.
+
+An `nnx.Module`, `nnx.Optimizer`, `nnx.Rngs`, `nnx.Variable` or metric passed to a replicated
+function (directly, or inside a tuple, list or dict argument) is a pytree whose leaves are
+its `Variable`s' values. Each call
+
+1. finds the caller's `Variable` objects (`jax.tree_util` with the `Variable`s as leaves);
+2. runs the step through a *twin* `Replicated` whose replica function (`_Entry`) wraps the
+   user's: it folds the replica id into every rng stream but `params`, starts metrics as
+   sync-on-read components, calls the function, restores the streams' keys and returns the
+   result with every `Variable`'s new value;
+3. writes those values back into the caller's `Variable`s (`set_raw_value`): a value proven
+   identical on every replica comes back mirrored, a metric's state as a `SyncOnRead`, any
+   other value as a `PerReplica` (never replica 0's value).
+
+Shared references (one `Variable` reached through two paths) are found by identity and made
+one object again inside the trace, so a change through one path is seen through the other;
+the value is written back once. NNX objects that the function returns and that were reached
+from its arguments come back as the caller's own objects.
+
+Nothing here runs for calls without NNX objects: `has_nodes` looks at the types of the
+top-level arguments only (and of the items of tuple, list and dict arguments).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jmirror import _context
+from jmirror._values import Aggregation, PerReplica, SyncOnRead
+
+# Items of a container argument looked at by `has_nodes`; NNX objects deeper in the
+# arguments are refused once per input signature by `check_nested`.
+_SCAN_ITEMS = 16
+# The rng stream that draws identically on every replica.
+PARAMS_STREAM = "params"
+
+_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _flax() -> Any:
+    """`flax.nnx` when it has been imported (no NNX object can exist before), else None."""
+    return sys.modules.get("flax.nnx")
+
+
+def _graph_types(nnx: Any) -> tuple[type, ...]:
+    return (nnx.Pytree, nnx.Variable)
+
+
+def has_nodes(replicated: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a call passes NNX objects (at the top level or one container deep).
+
+    The fast path of every call: a set lookup per top-level argument whose type is known to
+    hold no NNX object (arrays, `PerReplica`, numbers, ...).
+    """
+    if "flax.nnx" not in sys.modules:
+        return False
+    plain = _PLAIN_TYPES
+    found = False
+    for i, a in enumerate(args):
+        if type(a) not in plain and _holds(a) and i not in replicated._static:
+            found = True
+            break
+    if not found and kwargs:
+        found = any(type(a) not in plain and _holds(a) for a in kwargs.values())
+    return found and type(replicated._fn) is not _Entry
+
+
+# Types that are neither NNX objects nor containers `has_nodes` looks into.
+_PLAIN_TYPES: set[type] = set()
+_CONTAINERS = (tuple, list, dict)
+
+
+# Per type: whether it is an NNX graph type (`nnx.Pytree` or `nnx.Variable`; `isinstance`
+# against `nnx.Variable` runs a Python `__instancecheck__`, a dict lookup does not).
+_IS_GRAPH_TYPE: dict[type, bool] = {}
+_IS_VARIABLE_TYPE: dict[type, bool] = {}
+
+
+def _is_graph(x: Any) -> bool:
+    t = type(x)
+    known = _IS_GRAPH_TYPE.get(t)
+    if known is None:
+        known = _IS_GRAPH_TYPE[t] = isinstance(x, _graph_types(_flax()))
+    return known
+
+
+def _is_variable(x: Any) -> bool:
+    t = type(x)
+    known = _IS_VARIABLE_TYPE.get(t)
+    if known is None:
+        known = _IS_VARIABLE_TYPE[t] = isinstance(x, _flax().Variable)
+    return known
+
+
+def _holds(a: Any) -> bool:
+    if _is_graph(a):
+        return True
+    t = type(a)
+    if t not in _CONTAINERS:
+        _PLAIN_TYPES.add(t)
+        return False
+    if t is tuple or t is list:
+        return any(_is_graph(x) for x in a[:_SCAN_ITEMS])
+    if t is dict:
+        return any(_is_graph(x) for _, x in zip(range(_SCAN_ITEMS), a.values()))
+    return False
+
+
+def check_nested(replicated: Any, treedef: Any) -> None:
+    """Refuses NNX objects that `has_nodes` did not see (traced calls only, once each)."""
+    nnx = _flax()
+    if nnx is None or type(replicated._fn) is _Entry:
+        return
+    # Variables alone pass: an `nnx.State` (what `nnx.split` returns) holds Variables, and
+    # is threaded through a step functionally.
+    found = _find_type(treedef, (nnx.Pytree,))
+    if found is not None:
+        raise TypeError(
+            f"{replicated!r} got an NNX object ({found.__name__}) nested deeper than one "
+            "container in its arguments, where jm.replicate cannot write its changes back as "
+            "nnx.jit does. Pass NNX objects as arguments, or as items of a tuple, list or dict "
+            "argument (at most the first 16 items are looked at)."
+        )
+
+
+def _find_type(treedef: Any, kinds: tuple[type, ...]) -> type | None:
+    data = treedef.node_data()
+    if data is not None and isinstance(data[0], type) and issubclass(data[0], kinds):
+        return data[0]
+    for child in treedef.children():
+        found = _find_type(child, kinds)
+        if found is not None:
+            return found
+    return None
+
+
+# --- one call --------------------------------------------------------------------------------
+
+
+def call(replicated: Any, args: tuple, kwargs: dict, lower: bool = False) -> Any:
+    """Runs `replicated` on arguments holding NNX objects and writes their state back."""
+    variables = _variables(replicated, args, kwargs)
+    seen: dict[int, int] = {}
+    aliases = []
+    for k, v in enumerate(variables):
+        first = seen.setdefault(id(v), k)
+        if first != k:
+            aliases.append((k, first))
+    twin = _twin(replicated, tuple(aliases))
+    if lower:
+        return twin.lower(*args, **kwargs)
+    result, values = twin(*args, **kwargs)
+    duplicate = {k for k, _ in aliases}
+    unique = [v for k, v in enumerate(variables) if k not in duplicate]
+    for variable, value in zip(unique, values):
+        if type(value) is SyncOnRead:
+            value = MetricComponents(value.value, value.aggregation)
+        _set_raw_value(variable, value)
+    refs = jax.tree_util.tree_leaves(result, is_leaf=_is_ref)
+    if any(isinstance(r, _Ref) for r in refs):
+        tops = _tops(replicated, args, kwargs)
+        result = jax.tree.map(
+            lambda r: r.resolve(tops) if isinstance(r, _Ref) else r, result, is_leaf=_is_ref
+        )
+    return result
+
+
+def _set_raw_value(variable: Any, value: Any) -> None:
+    """`variable.set_raw_value(value)` outside any trace, without its per-call trace check
+    (as flax's own `nnx.jit` applies its updates); `set_raw_value` where that slot is gone."""
+    if isinstance(getattr(type(variable), "_raw_value", None), types.MemberDescriptorType):
+        object.__setattr__(variable, "_raw_value", value)
+    else:
+        variable.set_raw_value(value)
+
+
+def _dynamic(replicated: Any, args: tuple, kwargs: dict) -> tuple[list, dict]:
+    static = replicated._static
+    return [a for i, a in enumerate(args) if i not in static], kwargs
+
+
+def _variables(replicated: Any, args: tuple, kwargs: dict) -> list[Any]:
+    leaves = jax.tree_util.tree_leaves(_dynamic(replicated, args, kwargs), is_leaf=_is_variable)
+    return [x for x in leaves if _is_variable(x)]
+
+
+def _tops(replicated: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """The outermost NNX objects of the arguments, in flattening order."""
+    leaves = jax.tree_util.tree_leaves(_dynamic(replicated, args, kwargs), is_leaf=_is_graph)
+    return [x for x in leaves if _is_graph(x)]
+
+
+def _twin(replicated: Any, aliases: tuple) -> Any:
+    """The `Replicated` that runs `replicated`'s function through `_Entry`, per alias set."""
+    twins = _TWINS.setdefault(replicated, {})
+    twin = twins.get(aliases)
+    if twin is None:
+        entry = _Entry(replicated._fn, replicated._static, aliases, repr(replicated))
+        twin = type(replicated)(entry, replicated._strategy, replicated._donate, replicated._static)
+        twins[aliases] = twin
+    return twin
+
+
+def twin_compilations(replicated: Any) -> int:
+    """The input signatures compiled by `replicated`'s NNX twins."""
+    twins = _TWINS.get(replicated)
+    return sum(t.num_compilations for t in twins.values()) if twins else 0
+
+
+@jax.tree_util.register_pytree_node_class
+class _Ref:
+    """A returned NNX object that was reached from the arguments: no leaves, a path."""
+
+    def __init__(self, top: int, path: tuple):
+        self.top, self.path = top, path
+
+    def tree_flatten(self):
+        return (), (self.top, self.path)
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple, children: Any) -> _Ref:
+        return cls(*aux)
+
+    def resolve(self, tops: list[Any]) -> Any:
+        node = tops[self.top]
+        for key in self.path:
+            node = node[key] if isinstance(node, (list, tuple, dict)) else getattr(node, key)
+        return node
+
+
+def _is_ref(x: Any) -> bool:
+    return isinstance(x, _Ref)
+
+
+# --- inside the trace ----------------------------------------------------------------------
+
+
+class _Entry:
+    """The replica function of a twin: the user's, with NNX state in and out."""
+
+    # Slots: `functools.update_wrapper` in `Replicated` would copy a `__dict__` over its own.
+    __slots__ = ("user_fn", "static", "aliases", "name", "__name__", "__qualname__")
+
+    def __init__(self, fn: Callable[..., Any], static: tuple, aliases: tuple, name: str):
+        self.user_fn, self.static, self.aliases, self.name = fn, static, aliases, name
+        self.__name__ = getattr(fn, "__name__", "replica_fn")
+        self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, list[Any]]:
+        nnx = _flax()
+        arguments = list(args)
+        dynamic = [i for i in range(len(arguments)) if i not in self.static]
+        root = ([arguments[i] for i in dynamic], kwargs)
+        is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+        flat = jax.tree_util.tree_flatten_with_path(root, is_leaf=is_variable)[0]
+        found = [(p, x) for p, x in flat if isinstance(x, nnx.Variable)]
+        for j, i in self.aliases:
+            _set_at(root, found[j][0], found[i][1])
+        for i, x in zip(dynamic, root[0]):
+            arguments[i] = x
+        variables = [x for _, x in found]
+        before = jax.tree_util.tree_structure(root, is_leaf=is_variable)
+        replica_id = _context.replica_context().replica_id
+        roles = _metric_roles(nnx, root)
+        for k in roles:
+            _start_metric(variables[k], replica_id)
+        folded = _fold_streams(nnx, root, replica_id)
+        refs = _refs_of(nnx, root)
+        result = self.user_fn(*arguments, **kwargs)
+        for variable, original, key in folded:
+            if variable.get_raw_value() is key:
+                variable.set_raw_value(original)
+        after_flat, after = jax.tree_util.tree_flatten(root, is_leaf=is_variable)
+        if after != before:
+            raise ValueError(
+                f"{self.name} changed the structure of its NNX arguments (a Variable or "
+                "submodule added, removed or replaced by another kind, or a static attribute "
+                "changed); jm.replicate writes back the values of the Variables that existed "
+                "before the call. Create every Variable and set static attributes (such as "
+                "model.train() / model.eval()) before calling the replicated function."
+            )
+        after_vars = [x for x in after_flat if isinstance(x, nnx.Variable)]
+        duplicate = {j for j, _ in self.aliases}
+        values = []
+        for k, variable in enumerate(after_vars):
+            if k in duplicate:
+                continue
+            value = variable.get_raw_value()
+            if k in roles:
+                value = SyncOnRead(value, roles[k])
+            values.append(value)
+        if refs:
+            result = jax.tree.map(
+                lambda x: refs.get(id(x), x),
+                result,
+                is_leaf=lambda x: isinstance(x, _graph_types(nnx)),
+            )
+        return result, values
+
+
+def _set_at(root: Any, path: tuple, value: Any) -> None:
+    """Sets the item or attribute at a `jax.tree_util` path of `root` (lists, dicts, NNX)."""
+    node = root
+    for key in path[:-1]:
+        node = _child(node, key)
+    key = path[-1]
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        setattr(node, key.name, value)
+    else:
+        node[key.idx if isinstance(key, jax.tree_util.SequenceKey) else key.key] = value
+
+
+def _child(node: Any, key: Any) -> Any:
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return getattr(node, key.name)
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return node[key.idx]
+    return node[key.key]
+
+
+def _refs_of(nnx: Any, root: Any) -> dict[int, _Ref]:
+    """For every NNX object reachable from the arguments, the `_Ref` that names it."""
+    kinds = _graph_types(nnx)
+    leaves = jax.tree_util.tree_leaves(root, is_leaf=lambda x: isinstance(x, kinds))
+    refs: dict[int, _Ref] = {}
+    for t, top in enumerate(x for x in leaves if isinstance(x, kinds)):
+        refs.setdefault(id(top), _Ref(t, ()))
+        if isinstance(top, nnx.Variable):
+            continue
+        for path, node in nnx.iter_graph(top):
+            if isinstance(node, kinds):
+                refs.setdefault(id(node), _Ref(t, tuple(path)))
+    return refs
+
+
+# --- rng streams -----------------------------------------------------------------------------
+
+
+def _fold_streams(nnx: Any, root: Any, replica_id: jax.Array) -> list[tuple[Any, Any, Any]]:
+    """Folds the replica id into the key of every rng stream but `params` (once per key)."""
+    leaves = jax.tree_util.tree_leaves(root, is_leaf=lambda x: isinstance(x, nnx.RngStream))
+    folded, seen = [], set()
+    for stream in leaves:
+        if not isinstance(stream, nnx.RngStream) or stream.tag == PARAMS_STREAM:
+            continue
+        variable = stream.key
+        if id(variable) in seen:
+            continue
+        seen.add(id(variable))
+        original = variable.get_raw_value()
+        key = _fold_in(original, replica_id)
+        variable.set_raw_value(key)
+        folded.append((variable, original, key))
+    return folded
+
+
+def _fold_in(key: jax.Array, data: jax.Array) -> jax.Array:
+    if key.ndim == 0:
+        return jax.random.fold_in(key, data)
+    flat = key.reshape(-1)
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(flat, data).reshape(key.shape)
+
+
+# --- metrics ---------------------------------------------------------------------------------
+
+
+def _metric_roles(nnx: Any, root: Any) -> dict[int, Aggregation]:
+    """For each argument `Variable` (by position) that is a metric's state, how it is read:
+    `SUM` for sums, `NONE` for a `Welford` (combined by `read_metrics`)."""
+    is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    variables = [x for x in jax.tree_util.tree_leaves(root, is_leaf=is_variable) if is_variable(x)]
+    position = {id(v): k for k, v in reversed(list(enumerate(variables)))}
+    roles: dict[int, Aggregation] = {}
+    for path, metric, own in _leaf_metrics(nnx, root):
+        role = _aggregation(nnx, path, metric, own)
+        for v in own:
+            roles[position[id(v)]] = role
+    return roles
+
+
+def _where(path: tuple) -> str:
+    """`args[i]...` / `kwargs[...]` for a path into `([dynamic args], kwargs)`."""
+    if path[0].idx == 1:
+        return "kwargs" + jax.tree_util.keystr(path[1:])
+    return f"args[{path[1].idx}]" + jax.tree_util.keystr(path[2:])
+
+
+def _leaf_metrics(nnx: Any, root: Any) -> list[tuple[str, Any, list]]:
+    """Every metric holding state of its own, with its path and its own `Variable`s."""
+    metric_type = nnx.metrics.Metric
+    out = []
+    is_metric = lambda x: isinstance(x, metric_type)  # noqa: E731
+    for path, node in jax.tree_util.tree_flatten_with_path(root, is_leaf=is_metric)[0]:
+        if is_metric(node):
+            out.extend(_own_metrics(nnx, _where(path), node))
+    return out
+
+
+def _own_metrics(nnx: Any, path: str, metric: Any) -> list[tuple[str, Any, list]]:
+    kinds = (nnx.metrics.Metric, nnx.Variable)
+
+    def is_leaf(x: Any) -> bool:
+        return x is not metric and isinstance(x, kinds)
+
+    out, own = [], []
+    for p, node in jax.tree_util.tree_flatten_with_path(metric, is_leaf=is_leaf)[0]:
+        if isinstance(node, nnx.metrics.Metric):
+            out.extend(_own_metrics(nnx, path + jax.tree_util.keystr(p), node))
+        elif isinstance(node, nnx.Variable):
+            own.append(node)
+    if own:
+        out.append((path, metric, own))
+    return out
+
+
+def _aggregation(nnx: Any, path: str, metric: Any, own: list) -> Aggregation:
+    metrics = nnx.metrics
+    if isinstance(metric, metrics.Welford) and len(own) == 3:
+        return Aggregation.NONE
+    if not isinstance(metric, metrics.Welford) and all(
+        isinstance(v, metrics.MetricState) and _is_number(v.get_raw_value()) for v in own
+    ):
+        return Aggregation.SUM
+    raise TypeError(
+        f"jm.replicate cannot aggregate the metric {type(metric).__qualname__} at "
+        f"{path or '<root>'} across replicas: jmirror reads nnx.metrics.Average and Accuracy "
+        "(sums), Welford (combined with Chan's parallel formula), MultiMetric of those, and "
+        "metrics whose every state is an nnx.metrics.MetricState holding a sum of numbers. "
+        f"Found state {[type(v).__name__ for v in own]}. Keep sums in MetricState "
+        "variables, or update this metric outside the replicated function from "
+        "strategy.gather / strategy.reduce of the step's outputs."
+    )
+
+
+def _is_number(x: Any) -> bool:
+    if isinstance(x, SyncOnRead):
+        x = x.value
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+    return jnp.issubdtype(dtype, jnp.number)
+
+
+def _start_metric(variable: Any, replica_id: jax.Array) -> None:
+    """A metric's state as this replica's component: its own if sync-on-read already, else
+    the value on replica 0 and zero elsewhere (so reading gives the value back exactly)."""
+    value = variable.get_raw_value()
+    if isinstance(value, SyncOnRead):
+        variable.set_raw_value(value.value)
+        return
+    value = jnp.asarray(value)
+    variable.set_raw_value(jnp.where(replica_id == 0, value, jnp.zeros_like(value)))
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class MetricComponents(SyncOnRead):
+    """A metric `Variable`'s sync-on-read state outside the replicas.
+
+    A `SyncOnRead` whose components the metric's own `reset()` (and any `variable[...] = v`
+    on the host) can overwrite: replica 0's component becomes `v` and the others zero, so
+    reading gives `v`. Reading it in any other way is a `TypeError` that points to
+    `strategy.read(metric)`.
+    """
+
+    __slots__ = ()
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if index is not Ellipsis:
+            raise TypeError(_METRIC_ITEM)
+        stacked = self.value
+        value = jnp.asarray(value, stacked.dtype)
+        fresh = jnp.zeros_like(stacked).at[0].set(value)
+        object.__setattr__(self, "value", jax.device_put(fresh, stacked.sharding))
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(_METRIC_ITEM)
+
+    __getitem__ = __array__ = __jax_array__ = __float__ = __int__ = __bool__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
+    __truediv__ = __rtruediv__ = __floordiv__ = __pow__ = __rpow__ = __neg__ = _refuse
+
+
+_METRIC_ITEM = (
+    "jm: this metric's state is sync-on-read (one component per replica, written by a replicated "
+    "function): read the metric with strategy.read(metric).compute(); reset it with "
+    "metric.reset() or assign a whole value with variable[...] = value."
+)
+
+
+# --- reading -------------------------------------------------------------------------------
+
+
+def holds_metrics(tree: Any) -> bool:
+    """Whether `tree` holds NNX objects (metrics among them) at its top or one container
+    deep."""
+    return _flax() is not None and _holds(tree)
+
+
+def read_metrics(gathered: Callable[[Any], jax.Array], tree: Any) -> Any:
+    """`tree` with every sync-on-read `Welford` combined across replicas (Chan et al.), as
+    a copy; `gathered(x)` gives a stacked leaf's components on one device."""
+    nnx = _flax()
+    welford = nnx.metrics.Welford
+
+    def one(node: Any) -> Any:
+        if not isinstance(node, welford):
+            return node
+        parts = [getattr(node, n).get_raw_value() for n in ("count", "mean", "m2")]
+        if not all(isinstance(p, SyncOnRead) for p in parts):
+            return node
+        copy = jax.tree.map(lambda x: x, node, is_leaf=lambda x: isinstance(x, SyncOnRead))
+        count, mean, m2 = _chan(*(gathered(p.value) for p in parts))
+        copy.count.set_raw_value(count)
+        copy.mean.set_raw_value(mean)
+        copy.m2.set_raw_value(m2)
+        return copy
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, (welford, PerReplica)))
+
+
+@jax.jit
+def _chan(count: jax.Array, mean: jax.Array, m2: jax.Array) -> tuple[jax.Array, ...]:
+    """Chan, Golub and LeVeque's parallel combination of Welford states (leading axis)."""
+    n = jnp.sum(count, axis=0)
+    weights = count.astype(mean.dtype)
+    total = jnp.sum(weights, axis=0)
+    safe = jnp.where(total == 0, 1, total)
+    combined = jnp.sum(weights * mean, axis=0) / safe
+    spread = jnp.sum(m2, axis=0) + jnp.sum(weights * (mean - combined) ** 2, axis=0)
+    return n.astype(count.dtype), combined, spread

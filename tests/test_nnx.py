@@ -1,0 +1,447 @@
+"""flax NNX objects as arguments of replica functions (SPEC 11): write-back, rngs, keys.
+
+Oracles: one device's `nnx.jit` step on the global batch, NumPy, and `nnx.Dropout` run on
+one device with the key each replica is documented to draw from.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jmirror as jm
+import jmirror.testing as jmt
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, axis_name=None, rate=0.25):
+        self.conv = nnx.Conv(1, 4, kernel_size=(3, 3), use_bias=False, rngs=rngs)
+        self.bn = nnx.BatchNorm(4, axis_name=axis_name, rngs=rngs)
+        self.drop = nnx.Dropout(rate, rngs=rngs)
+        self.head = nnx.Linear(4 * 6 * 6, 3, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.relu(self.bn(self.conv(x)))
+        x = self.drop(x.reshape(x.shape[0], -1))
+        return self.head(x)
+
+
+def _np(x):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
+def _loss(model, x, y):
+    logits = model(x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def _data(n, steps, per_replica=4):
+    rs = np.random.RandomState(0)
+    xs = rs.randn(steps, n * per_replica, 6, 6, 1).astype(np.float32)
+    ys = rs.randint(0, 3, (steps, n * per_replica)).astype(np.int32)
+    return xs, ys
+
+
+def _split(n, batch):
+    return jm.PerReplica(batch.reshape(n, -1, *batch.shape[1:]))
+
+
+def _pair(axis_name, deterministic=True):
+    model = Net(nnx.Rngs(params=0, dropout=1), axis_name=axis_name)
+    model.drop.deterministic = deterministic
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+
+def _replicated_step(strategy):
+    @jm.replicate(strategy=strategy)
+    def train_step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(_loss)(model, x, y)
+        optimizer.update(model, jm.all_reduce("mean", grads))
+        return jm.all_reduce("mean", loss)
+
+    return train_step
+
+
+def test_in_place_step_equals_one_device_nnx_jit(strategy):
+    n = strategy.num_replicas
+    xs, ys = _data(n, steps=4)
+    model, optimizer = _pair(strategy.axis_name)
+    ref_model, ref_optimizer = _pair(None)
+    kernel = model.conv.kernel
+    train_step = _replicated_step(strategy)
+
+    @nnx.jit
+    def ref_step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(_loss)(model, x, y)
+        optimizer.update(model, grads)
+        return loss
+
+    for x, y in zip(xs, ys):
+        loss = train_step(model, optimizer, _split(n, x), _split(n, y))
+        ref_loss = ref_step(ref_model, ref_optimizer, x, y)
+        np.testing.assert_allclose(strategy.read(loss), ref_loss, rtol=2e-4)
+    assert int(strategy.read(optimizer.step[...])) == len(xs)
+    assert model.conv.kernel is kernel  # the caller's objects, updated in place
+    got = strategy.read(nnx.state(model))
+    want = nnx.state(ref_model)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(_np(a), _np(b), rtol=2e-3, atol=1e-6, err_msg=str(path))
+    jmt.assert_mirrored(nnx.state(model, nnx.Param), strategy)
+    jmt.assert_mirrored(nnx.state(optimizer), strategy)
+    assert train_step.num_compilations == 1  # compiled once, the NNX twin counted
+
+
+def test_landed_failure_loss_changes_and_step_advances(strategy):
+    # The issue: five calls gave the same loss, optimizer.step stayed 0.
+    n = strategy.num_replicas
+    xs, ys = _data(n, steps=1)
+    model, optimizer = _pair(strategy.axis_name)
+    train_step = _replicated_step(strategy)
+    x, y = _split(n, xs[0]), _split(n, ys[0])
+    losses = [float(strategy.read(train_step(model, optimizer, x, y))) for _ in range(3)]
+    assert losses[0] > losses[1] > losses[2]
+    assert int(strategy.read(optimizer.step[...])) == 3
+
+
+def test_unproven_state_is_written_back_per_replica_and_read_names_it(strategy):
+    n = strategy.num_replicas
+    xs, _ = _data(n, steps=1)
+    model = Net(nnx.Rngs(0), axis_name=None)  # batch statistics of the local batch only
+    model.drop.deterministic = True
+
+    @jm.replicate(strategy=strategy)
+    def forward(model, x):
+        return jm.all_reduce("mean", model(x).mean())
+
+    forward(model, _split(n, xs[0]))
+    mean = model.bn.mean.get_raw_value()
+    assert isinstance(mean, jm.PerReplica)
+    assert isinstance(model.conv.kernel.get_raw_value(), jax.Array)  # untouched: mirrored
+    components = strategy.local_results(mean)
+    for i, component in enumerate(components):  # each replica's own statistics
+        local = jnp.asarray(xs[0].reshape(n, -1, 6, 6, 1)[i])
+        ref = Net(nnx.Rngs(0))
+        ref(local)
+        np.testing.assert_allclose(component, ref.bn.mean[...], rtol=1e-5, atol=1e-7)
+    with pytest.raises(TypeError, match=r"bn.*mean"):
+        strategy.read(model)
+    forward(model, _split(n, xs[0]))  # a PerReplica Variable goes back in as components
+
+
+def test_shared_references_identity_and_returned_objects(strategy):
+    class Tied(nnx.Module):
+        def __init__(self, rngs):
+            self.shared = nnx.Linear(2, 2, rngs=rngs)
+            self.again = self.shared
+            self.count = nnx.Variable(jnp.zeros((), jnp.int32))
+
+    model = Tied(nnx.Rngs(0))
+    kernel = model.shared.kernel[...]
+    seen = {}
+
+    @jm.replicate(strategy=strategy)
+    def step(model, also):
+        seen["tied"] = model.shared.kernel is model.again.kernel
+        model.again.kernel[...] = model.again.kernel[...] + 1.0
+        model.count[...] += 1
+        also.count[...] += 1  # the same object through another argument
+        return model, model.shared, jnp.asarray(1.0)
+
+    out_model, out_layer, one = step(model, model)
+    assert seen["tied"]
+    assert out_model is model and out_layer is model.shared
+    assert model.again is model.shared
+    np.testing.assert_allclose(strategy.read(model.shared.kernel[...]), kernel + 1.0)
+    assert int(strategy.read(model.count[...])) == 2
+    assert float(strategy.read(one)) == 1.0
+
+
+def test_variable_and_containers_as_arguments(strategy):
+    counter = nnx.Variable(jnp.zeros(()))
+    layer = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+
+    @jm.replicate(strategy=strategy)
+    def step(pair, state, scale):
+        counter, layer = pair
+        counter[...] += scale
+        state["layer"].bias[...] += 1.0
+        return counter[...]
+
+    out = step((counter, layer), {"layer": layer}, 2.0)
+    assert float(strategy.read(out)) == 2.0
+    assert float(strategy.read(counter[...])) == 2.0
+    np.testing.assert_allclose(strategy.read(layer.bias[...]), np.ones(3))
+
+
+def test_keyword_arguments_and_an_exception_leave_the_objects_unchanged(strategy):
+    layer = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    bias = layer.bias[...]
+
+    @jm.replicate(strategy=strategy)
+    def failing(x, *, layer):
+        layer.bias[...] += x
+        raise KeyError("from the step")
+
+    @jm.replicate(strategy=strategy)
+    def step(x, *, layer):
+        layer.bias[...] += x
+        return layer.bias[...].sum()
+
+    with pytest.raises(KeyError, match="from the step"):
+        failing(1.0, layer=layer)
+    assert layer.bias[...] is bias  # nothing written back
+    total = step(1.0, layer=layer)
+    assert float(strategy.read(total)) == 3.0
+    np.testing.assert_allclose(strategy.read(layer.bias[...]), np.ones(3))
+
+
+def test_nnx_object_nested_too_deep_is_refused(strategy):
+    layer = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+
+    @jm.replicate(strategy=strategy)
+    def step(tree):
+        return tree["a"]["b"].bias[...]
+
+    with pytest.raises(TypeError, match="nested deeper"):
+        step({"a": {"b": layer}})
+
+
+def test_structure_change_inside_is_refused(strategy):
+    layer = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+
+    @jm.replicate(strategy=strategy)
+    def step(layer):
+        layer.extra = nnx.Variable(jnp.ones(()))
+        return 0.0
+
+    with pytest.raises(ValueError, match="changed the structure"):
+        step(layer)
+    assert not hasattr(layer, "extra")
+
+
+def test_strategy_run_and_lower_with_nnx(strategy):
+    counter = nnx.Variable(jnp.zeros(()))
+
+    def bump(counter):
+        counter[...] += 1.0
+
+    strategy.run(bump, (counter,))
+    strategy.run(bump, (counter,))
+    assert float(strategy.read(counter[...])) == 2.0
+    lowered = jm.replicate(bump, strategy=strategy).lower(counter)
+    assert isinstance(lowered, jax.stages.Lowered)
+
+
+def test_donated_nnx_arguments(strategy):
+    model, optimizer = _pair(strategy.axis_name)
+    n = strategy.num_replicas
+    xs, ys = _data(n, steps=2)
+
+    @jm.replicate(strategy=strategy, donate_argnums=(0, 1))
+    def train_step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(_loss)(model, x, y)
+        optimizer.update(model, jm.all_reduce("mean", grads))
+        return jm.all_reduce("mean", loss)
+
+    for x, y in zip(xs, ys):
+        train_step(model, optimizer, _split(n, x), _split(n, y))
+    assert int(strategy.read(optimizer.step[...])) == 2
+    assert not model.conv.kernel[...].is_deleted()
+
+
+# --- rngs ------------------------------------------------------------------------------------
+
+
+def test_dropout_masks_differ_per_replica_and_rng_state_stays_mirrored(strategy):
+    n = strategy.num_replicas
+    rngs = nnx.Rngs(params=0, dropout=7)
+    drop = nnx.Dropout(0.5, rngs=rngs)
+    key = drop.rngs.key[...]
+
+    @jm.replicate(strategy=strategy)
+    def masks(drop):
+        return drop(jnp.ones((64,)))
+
+    for step in range(3):
+        out = masks(drop)
+        components = [np.asarray(c) for c in strategy.local_results(out)]
+        for r, component in enumerate(components):  # the oracle: one device, the folded key
+            drawn = jax.random.fold_in(jax.random.fold_in(key, r), step)
+            keep = jax.random.bernoulli(drawn, 0.5, (64,))
+            np.testing.assert_array_equal(component, np.where(keep, 2.0, 0.0))
+        for i in range(n):
+            for j in range(i):
+                assert not np.array_equal(components[i], components[j])
+        state = nnx.state(drop)
+        jmt.assert_mirrored(state, strategy)  # what the proof says: key and count mirrored
+        assert int(strategy.read(drop.rngs.count[...])) == step + 1
+        np.testing.assert_array_equal(
+            jax.random.key_data(strategy.read(drop.rngs.key[...])), jax.random.key_data(key)
+        )
+
+
+def test_params_stream_draws_identically_and_sync_gives_identical_draws(strategy):
+    rngs = nnx.Rngs(params=0, dropout=1)
+
+    @jm.replicate(strategy=strategy)
+    def build(rngs):
+        layer = nnx.Linear(3, 2, rngs=rngs)
+        same = jax.random.normal(jm.sync(rngs.dropout(), "only_first_replica"), (4,))
+        differ = jax.random.normal(rngs.dropout(), (4,))
+        return layer.kernel[...], same, differ
+
+    kernel, same, differ = build(rngs)
+    jmt.assert_mirrored(kernel, strategy)
+    jmt.assert_mirrored(same, strategy)
+    if strategy.num_replicas > 1:
+        assert isinstance(differ, jm.PerReplica)
+    np.testing.assert_allclose(
+        strategy.read(kernel), nnx.Linear(3, 2, rngs=nnx.Rngs(params=0)).kernel[...], rtol=1e-6
+    )
+    jmt.assert_mirrored(nnx.state(rngs), strategy)
+    assert int(strategy.read(rngs.dropout.count[...])) == 2
+
+
+# --- typed keys ------------------------------------------------------------------------------
+
+
+def test_typed_keys_mirror_read_assert_local_results(strategy):
+    n = strategy.num_replicas
+    key = jax.random.key(3)
+    mirrored = strategy.mirror({"key": key, "rngs": nnx.Rngs(0)})
+    jmt.assert_mirrored(mirrored, strategy)
+    read = strategy.read(mirrored["key"])
+    np.testing.assert_array_equal(jax.random.key_data(read), jax.random.key_data(key))
+    keys = strategy.split_key(key)
+    parts = strategy.local_results(keys)
+    want = jax.random.key_data(jax.random.split(key, n))
+    for i, part in enumerate(parts):
+        np.testing.assert_array_equal(jax.random.key_data(part), want[i])
+    jmt.assert_replicas_equal(strategy.local_results(mirrored["key"])[0], strategy)
+    per_replica = jm.PerReplica(jax.random.split(key, n))
+    drawn = strategy.run(lambda k: jax.random.uniform(k), (per_replica,))
+    ref = jax.vmap(jax.random.uniform)(jax.random.split(key, n))
+    np.testing.assert_array_equal(strategy.gather(drawn), ref)
+    if n > 1:
+        with pytest.raises(AssertionError, match="differs"):
+            jmt.assert_replicas_equal(keys, strategy)
+
+
+def test_sync_of_a_key_by_sum_is_a_type_error(strategy):
+    with pytest.raises(TypeError, match="only_first_replica"):
+        strategy.run(
+            lambda k: jm.sync(jax.random.fold_in(k, jm.replica_id()), "sum"), (jax.random.key(0),)
+        )
+
+
+# --- recipes with an NNX (model, optimizer) pair ---------------------------------------------
+
+
+class _Mlp(nnx.Module):
+    def __init__(self, rngs, axis_name=None, dtype=jnp.float32):
+        self.hidden = nnx.Linear(6, 16, dtype=dtype, rngs=rngs)
+        self.bn = nnx.BatchNorm(16, axis_name=axis_name, dtype=dtype, rngs=rngs)
+        self.out = nnx.Linear(16, 3, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.bn(self.hidden(x))))
+
+
+def _recipe_batches(n, steps=3):
+    rs = np.random.RandomState(2)
+    xs = rs.randn(steps, 4 * n, 6).astype(np.float32)
+    ys = rs.randint(0, 3, (steps, 4 * n)).astype(np.int32)
+    return [{"x": x, "y": y} for x, y in zip(xs, ys)]
+
+
+def _recipe_loss(model, batch):
+    logits = model(batch["x"]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+def _recipe_pair(axis_name, dtype=jnp.float32):
+    model = _Mlp(nnx.Rngs(0), axis_name=axis_name, dtype=dtype)
+    return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+
+@nnx.jit
+def _one_device_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(_recipe_loss)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+
+def _split_tree(n, batch):
+    return jm.PerReplica(jax.tree.map(lambda a: a.reshape(n, -1, *a.shape[1:]), batch))
+
+
+def _assert_params_close(strategy, model, ref):
+    got = strategy.read(nnx.state(model, nnx.Param))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(nnx.state(ref, nnx.Param))):
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-6)
+
+
+def test_recipes_make_train_step_with_nnx_pair(strategy):
+    from jmirror import recipes
+
+    n = strategy.num_replicas
+    model, optimizer = _recipe_pair(strategy.axis_name)
+    ref_model, ref_optimizer = _recipe_pair(None)
+    step = recipes.make_train_step(_recipe_loss, strategy=strategy)
+    for batch in _recipe_batches(n):
+        state, loss = step((model, optimizer), _split_tree(n, batch))
+        assert state[0] is model and state[1] is optimizer
+        ref_loss = _one_device_step(ref_model, ref_optimizer, batch)
+        np.testing.assert_allclose(strategy.read(loss), ref_loss, rtol=2e-4)
+    _assert_params_close(strategy, model, ref_model)
+    jmt.assert_mirrored(nnx.state(model), strategy)  # BatchNorm over the replica axis
+    with pytest.raises(TypeError, match=r"\(model, optimizer\)"):
+        step((optimizer, model), _split_tree(n, _recipe_batches(n)[0]))
+
+
+def test_recipes_accumulating_step_with_nnx_pair(strategy):
+    from jmirror import recipes
+
+    n = strategy.num_replicas
+    model, optimizer = _recipe_pair(None)
+    model.bn.use_running_average = True  # micro-batches: normalize with fixed statistics
+    ref_model, ref_optimizer = _recipe_pair(None)
+    ref_model.bn.use_running_average = True
+    step = recipes.make_accumulating_train_step(_recipe_loss, 2, strategy=strategy)
+    for batch in _recipe_batches(n):
+        _, loss = step((model, optimizer), _split_tree(n, batch))
+        ref_loss = _one_device_step(ref_model, ref_optimizer, batch)
+        np.testing.assert_allclose(strategy.read(loss), ref_loss, rtol=2e-4)
+    _assert_params_close(strategy, model, ref_model)
+    assert int(strategy.read(optimizer.step[...])) == 3
+
+
+def test_recipes_loss_scaled_step_with_nnx_triple(strategy):
+    from jmirror import recipes
+
+    n = strategy.num_replicas
+    model, optimizer = _recipe_pair(strategy.axis_name, dtype=jnp.float16)
+    ref_model, ref_optimizer = _recipe_pair(None, dtype=jnp.float16)
+    step = recipes.make_loss_scaled_train_step(_recipe_loss, strategy=strategy)
+    batches = _recipe_batches(n)
+    huge = recipes.DynamicLossScale.create(initial_scale=2.0**30)
+    kernel = np.asarray(model.out.kernel[...])
+    state, _ = step((model, optimizer, huge), _split_tree(n, batches[0]))  # overflows
+    assert state[0] is model and float(strategy.read(state[2].scale)) == 2.0**29
+    np.testing.assert_array_equal(strategy.read(model.out.kernel[...]), kernel)  # skipped
+    assert int(strategy.read(optimizer.step[...])) == 0
+    loss_scale = recipes.DynamicLossScale.create(initial_scale=2.0**4)
+    for batch in batches:
+        (model, optimizer, loss_scale), loss = step(
+            (model, optimizer, loss_scale), _split_tree(n, batch)
+        )
+        ref_loss = _one_device_step(ref_model, ref_optimizer, batch)
+        np.testing.assert_allclose(strategy.read(loss), ref_loss, rtol=2e-3)
+    assert int(strategy.read(optimizer.step[...])) == len(batches)
+    got = strategy.read(nnx.state(model, nnx.Param))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(nnx.state(ref_model, nnx.Param))):
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-3)
