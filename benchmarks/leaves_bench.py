@@ -156,14 +156,14 @@ def per_call(leaves: int, calls: int, rounds: int) -> dict[str, float]:
     tree = {f"layer{i}": np.full((4,), i, np.float32) for i in range(leaves)}
     x = jax.device_put(np.ones((n,), np.float32), strategy.topology.stacked)
     step = jm.replicate(
-        lambda t, x: jax.tree.map(lambda v: v + jm.all_reduce("mean", x), t),
+        lambda t, x: (lambda m: jax.tree.map(lambda v: v + m, t))(jm.all_reduce("mean", x)),
         strategy=strategy,
         donate_argnums=0,
     )
     inner = step._jitted_by_donation[True]  # what jm.replicate dispatches to
     spent = _time_inner(step)
     plain = jax.jit(
-        lambda t, x: jax.tree.map(lambda v: v + jnp.mean(x), t),
+        lambda t, x: (lambda m: jax.tree.map(lambda v: v + m, t))(jnp.mean(x)),
         donate_argnums=0,
         out_shardings=NamedSharding(strategy.mesh, P()),
     )
@@ -180,7 +180,38 @@ def per_call(leaves: int, calls: int, rounds: int) -> dict[str, float]:
         "direct": lambda s: inner(strategy, s, jm.PerReplica(x))[0],
         "plain jit": lambda s: plain(s, px),
     }
-    return _interleaved_calls(state, calls_of, calls, rounds, spent)
+    out = _interleaved_calls(state, calls_of, calls, rounds, spent)
+    out["own warm"] = _warm_own(step, strategy, (state["jm"], jm.PerReplica(x)), calls=20)
+    return out
+
+
+def _warm_own(step, strategy, args: tuple, calls: int = 200, rounds: int = 5) -> float:
+    """jmirror's own Python per call, warm: `step` called in a tight loop with its jit replaced
+    by a stub that returns at once (no device work, nothing donated; a ready scalar as the
+    in-flight token), minus the same loop over the stub alone. Median seconds per call over
+    `rounds`."""
+    import numpy as np
+
+    jitted = step._jitted_by_donation
+    fixed = (None, strategy.mirror(np.zeros((), np.int8)))
+
+    def stub(*_args, **_kwargs):
+        return fixed
+
+    step._jitted_by_donation = {True: stub, False: stub}
+    try:
+        values = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(calls):
+                step(*args)
+            middle = time.perf_counter()
+            for _ in range(calls):
+                stub(strategy, *args)
+            values.append((2 * middle - start - time.perf_counter()) / calls)
+        return statistics.median(values)
+    finally:
+        step._jitted_by_donation = jitted
 
 
 def _interleaved_calls(
@@ -242,14 +273,17 @@ def per_call_mlp(calls: int, rounds: int) -> dict[str, float]:
         "jm": lambda s: step(*s, bx, by)[:2],
         "direct": lambda s: inner(strategy, *s, bx, by)[0][:2],
     }
-    return _interleaved_calls(state, calls_of, calls, rounds, spent)
+    out = _interleaved_calls(state, calls_of, calls, rounds, spent)
+    out["own warm"] = _warm_own(step, strategy, (*state["jm"], bx, by))
+    return out
 
 
 _FIRST_CALL_MODES = ("jit", "shard_map", "packed shard_map", "jm")
 
 
 def first_call(mode: str, leaves: int) -> dict[str, float]:
-    """Seconds of the first call (compile included) of the pass-through step over `leaves`.
+    """Seconds of the first call (compile included) of the pass-through step over `leaves`:
+    every leaf plus the mean of a per-replica value (one collective).
 
     `jit`: plain `jax.jit` over `NamedSharding` inputs (XLA's automatic partitioner);
     `shard_map`: a hand `jax.jit(jax.shard_map(...))` of the same step, one input per leaf;
@@ -279,7 +313,7 @@ def first_call(mode: str, leaves: int) -> dict[str, float]:
         return jax.tree.map(lambda v: v + m, t)
 
     if mode == "jit":
-        step = jax.jit(lambda t, x: jax.tree.map(lambda v: v + jnp.mean(x), t))
+        step = jax.jit(lambda t, x: (lambda m: jax.tree.map(lambda v: v + m, t))(jnp.mean(x)))
     elif mode == "shard_map":
         step = jax.jit(
             jax.shard_map(body, mesh=mesh, in_specs=(P(), P(axis)), out_specs=P(), check_vma=False)
@@ -288,7 +322,7 @@ def first_call(mode: str, leaves: int) -> dict[str, float]:
         step = jax.jit(_packed(body, mesh, axis))
     else:
         replicated = jm.replicate(
-            lambda t, x: jax.tree.map(lambda v: v + jm.all_reduce("mean", x), t),
+            lambda t, x: (lambda m: jax.tree.map(lambda v: v + m, t))(jm.all_reduce("mean", x)),
             strategy=strategy,
         )
         x = jm.PerReplica(x)
@@ -393,6 +427,7 @@ def main_per_call(leaves: list[int], calls: int, rounds: int) -> None:
                 f"{own:.1f}",
                 "" if plain is None else f"{own / plain:.4f}",
                 f"{own / r['direct' + suffix]:.4f}",
+                f"{r['own warm']:.1f}" if clock == "wall" else "",
             ]
             print(f"| {label} ({clock}) | " + " | ".join(cells) + " |")
 

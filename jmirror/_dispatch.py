@@ -268,7 +268,8 @@ def _safe(
     if len(ids) != len(donated):
         return False
     others = [a for i, a in enumerate(per_arg) if i not in argnums]
-    others.append(jax.tree_util.tree_leaves(kwargs))
+    if kwargs:
+        others.append(jax.tree_util.tree_leaves(kwargs))
     if not ids.isdisjoint(map(id, itertools.chain.from_iterable(others))):
         return False
     if concrete:

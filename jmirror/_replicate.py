@@ -250,7 +250,7 @@ class Replicated:
         """The step as `.lower()` exposes it: the result only."""
         return self._step(False, strategy, *args, **kwargs)[0]
 
-    def _entry(self, strategy: Runner, *args: Any, **kwargs: Any) -> tuple[Any, jax.Array]:
+    def _entry(self, strategy: Runner, *args: Any, **kwargs: Any) -> tuple[Any, jax.Array | None]:
         """The step as calls trace it, recording the input signature: the result and a token."""
         self._signatures.add(self._signature(args, kwargs))
         return self._step(True, strategy, *args, **kwargs)
