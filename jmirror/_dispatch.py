@@ -14,6 +14,15 @@ does, except on several XLA:CPU host devices for arguments holding a leaf of `LA
 bytes or more, where donating made steps much slower (benchmarks/RESULTS.md). Before a donating
 call, `check_donated` refuses arguments that jaxlib would crash on (a deleted buffer, or one
 buffer passed twice), with a `ValueError` instead of the process dying.
+
+**Per call, flat in the tree's size.** A replicated function asks its `Donation`
+(`dispatch.donation_for(donate_argnums)`) on every call. The policy depends only on the donated
+leaves' shapes and dtypes, so it is decided once per input signature: the key is the identity
+of the leaves' abstract values, which JAX shares between every output of one compiled program
+(so `state = step(state, ...)` hits the same key every call) and which the cache keeps alive
+(so an identity is never reused while it is a key). The check then costs C-level passes over
+the flattened leaves (no Python code runs per leaf); paths are worked out only to explain a
+problem.
 """
 
 from __future__ import annotations
@@ -137,6 +146,10 @@ class Dispatch:
         """Whether a step donates the arguments `donated` under this policy."""
         return donates(self.donation, self.topology.platform, self.topology.num_devices, donated)
 
+    def donation_for(self, donate_argnums: Sequence[int]) -> Donation:
+        """The donation of one function's `donate_argnums` under this policy (see `Donation`)."""
+        return Donation(self, tuple(donate_argnums))
+
     def wait_for_room(self) -> None:
         """Blocks until fewer than `max_in_flight` steps are queued on the platform."""
         self.in_flight.wait_for_room(self.max_in_flight)
@@ -158,9 +171,110 @@ def in_flight_for(platform: str) -> InFlight:
 
 def donates(donation: str, platform: str, num_devices: int, donated: Sequence[Any]) -> bool:
     """Whether a step donates the arguments `donated` under the policy `donation`."""
-    if donation == "always" or platform != "cpu" or num_devices == 1:
+    return _donates_any_size(donation, platform, num_devices) or _all_small(
+        jax.tree.leaves(donated)
+    )
+
+
+def _donates_any_size(donation: str, platform: str, num_devices: int) -> bool:
+    return donation == "always" or platform != "cpu" or num_devices == 1
+
+
+# How many input signatures a `Donation` remembers (more: it starts again, still correct).
+_DECISIONS_KEPT = 16
+
+
+class Donation:
+    """The donation of one replicated function's `donate_argnums` under one `Dispatch`.
+
+    `check(call, args, kwargs)` runs before every call: whether it donates (the policy,
+    decided once per input signature) and, if so, the check that no donated buffer is deleted
+    or passed twice. Neither runs Python code per leaf in the common case.
+    """
+
+    def __init__(self, dispatch: Dispatch, argnums: tuple[int, ...]):
+        self.argnums = argnums
+        topology = dispatch.topology
+        self._always = _donates_any_size(dispatch.donation, topology.platform, topology.num_devices)
+        # Donated leaves' aval identities -> (those avals, kept alive; the decision).
+        self._decided: dict[tuple[int, ...], tuple[tuple[Any, ...], bool]] = {}
+
+    def donates(self, args: tuple) -> bool:
+        """Whether a call with positional arguments `args` donates (no check)."""
+        if not self.argnums:
+            return False
+        if self._always:
+            return True
+        donated = self._donated(list(map(_LEAVES, args)))
+        return self._policy(donated, _all_concrete(donated))
+
+    def check(self, call: object, args: tuple, kwargs: dict) -> bool:
+        """Whether this call donates; if it does, refuses what would crash jaxlib.
+
+        Raises:
+          ValueError: a donated leaf is deleted (donated to an earlier call) or is passed
+            twice in this call, naming its path (`call` names the function).
+        """
+        if not self.argnums:
+            return False
+        per_arg = list(map(_LEAVES, args))
+        donated = self._donated(per_arg)
+        concrete = _all_concrete(donated)
+        if not (self._always or self._policy(donated, concrete)):
+            return False
+        if not _safe(donated, concrete, per_arg, kwargs, self.argnums):
+            _explain_donated(call, args, kwargs, self.argnums)
         return True
-    return all(getattr(x, "nbytes", 0) < LARGE_DONATION for x in jax.tree.leaves(donated))
+
+    def _donated(self, per_arg: list[list[Any]]) -> list[Any]:
+        n = len(per_arg)
+        if len(self.argnums) == 1:
+            i = self.argnums[0]
+            return per_arg[i] if i < n else []
+        return list(itertools.chain.from_iterable(per_arg[i] for i in self.argnums if i < n))
+
+    def _policy(self, donated: list[Any], concrete: bool) -> bool:
+        """`donates` for these leaves under "auto" on several CPU devices, once per signature.
+
+        The key holds the ids of the leaves' avals; the cache holds those avals, so an id in
+        a key is never reused by another object while the key exists.
+        """
+        if not concrete:
+            return _all_small(donated)
+        key = tuple(map(id, map(_AVAL, donated)))
+        known = self._decided.get(key)
+        if known is None:
+            if len(self._decided) >= _DECISIONS_KEPT:
+                self._decided.clear()
+            avals = tuple(map(_AVAL, donated))
+            known = self._decided[key] = (avals, _all_small(donated))
+        return known[1]
+
+
+def _all_small(donated: Sequence[Any]) -> bool:
+    return all(getattr(x, "nbytes", 0) < LARGE_DONATION for x in donated)
+
+
+def _safe(
+    donated: list[Any],
+    concrete: bool,
+    per_arg: list[list[Any]],
+    kwargs: dict,
+    argnums: tuple[int, ...],
+) -> bool:
+    """Whether no donated leaf is deleted or appears twice (C-level passes when `concrete`:
+    every donated leaf is a concrete `jax.Array`)."""
+    ids = set(map(id, donated))
+    if len(ids) != len(donated):
+        return False
+    others = [a for i, a in enumerate(per_arg) if i not in argnums]
+    if kwargs:
+        others.append(jax.tree_util.tree_leaves(kwargs))
+    if not ids.isdisjoint(map(id, itertools.chain.from_iterable(others))):
+        return False
+    if concrete:
+        return not any(map(_IS_DELETED, donated))
+    return not _any_deleted(donated)
 
 
 def check_donated(call: str, args: tuple, kwargs: dict, donate_argnums: Sequence[int]) -> None:
@@ -168,19 +282,32 @@ def check_donated(call: str, args: tuple, kwargs: dict, donate_argnums: Sequence
 
     On several devices jaxlib dies (SIGSEGV) on either; on one it raises. Checked in Python
     before every donating call, from the arguments' identities (no device work): the common
-    case costs two C++ flattens and a pass over the leaves; paths are worked out only to
+    case costs C++ flattens and C-level passes over the leaves; paths are worked out only to
     explain a problem.
     """
-    per_arg = [jax.tree_util.tree_leaves(a) for a in args]
-    donated = [x for i in donate_argnums if i < len(per_arg) for x in per_arg[i]]
-    ids = list(map(id, itertools.chain(*per_arg, jax.tree_util.tree_leaves(kwargs))))
-    if len(set(ids)) == len(ids) and not _any_deleted(donated):
-        return  # no leaf passed twice (anywhere), no donated leaf deleted
-    _explain_donated(call, args, kwargs, donate_argnums)
+    argnums = tuple(donate_argnums)
+    per_arg = list(map(_LEAVES, args))
+    donated = list(itertools.chain.from_iterable(per_arg[i] for i in argnums if i < len(per_arg)))
+    if not _safe(donated, _all_concrete(donated), per_arg, kwargs, argnums):
+        _explain_donated(call, args, kwargs, argnums)
 
 
 _CONCRETE: set[type] = set()  # the concrete (never traced) jax.Array classes seen
 _IS_DELETED = operator.methodcaller("is_deleted")
+_AVAL = operator.attrgetter("aval")
+_LEAVES = jax.tree_util.tree_leaves
+
+
+def _all_concrete(leaves: list[Any]) -> bool:
+    """Whether every leaf is a concrete (placed, never traced) `jax.Array`: one C-level pass
+    once each class has been seen."""
+    if _CONCRETE.issuperset(map(type, leaves)):
+        return True
+    for x in leaves:
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            return False
+        _CONCRETE.add(type(x))
+    return True
 
 
 def _any_deleted(leaves: list[Any]) -> bool:
@@ -195,7 +322,9 @@ def _any_deleted(leaves: list[Any]) -> bool:
     return False
 
 
-def _explain_donated(call: str, args: tuple, kwargs: dict, donate_argnums: Sequence[int]) -> None:
+def _explain_donated(
+    call: object, args: tuple, kwargs: dict, donate_argnums: Sequence[int]
+) -> None:
     """Raises the `ValueError` for the first donated leaf that is deleted or used twice."""
     donated_ids: dict[int, str] = {}
     for i in donate_argnums:
@@ -233,7 +362,7 @@ _TWICE = (
 )
 
 
-def _check_not_donated(call: str, tree: Any, prefix: str, donated_ids: dict[int, str]) -> None:
+def _check_not_donated(call: object, tree: Any, prefix: str, donated_ids: dict[int, str]) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         first = donated_ids.get(id(leaf))
         if first is not None:

@@ -10,10 +10,12 @@ function.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -31,6 +33,14 @@ from jmirror._values import (
 )
 
 _REDUCED = {Aggregation.SUM: ReduceOp.SUM, Aggregation.MEAN: ReduceOp.MEAN}
+_MIRROR_PMAP_LAYOUT = (
+    "strategy.mirror got a jax.Array of shape {shape} at {path}{others} laid out the jax.pmap "
+    "way (its leading axis of {n} split over the strategy's {n} devices, as "
+    "flax.jax_utils.replicate and prefetch_to_device return it): mirroring keeps that axis, "
+    "so every replica holds all {n} slices. If it is replicated state, mirror the one copy: "
+    "strategy.mirror(jax_utils.unreplicate(x)); if it is a per-replica batch, pass it to the "
+    "replicated function as jm.PerReplica(x) instead of mirroring it."
+)
 
 
 class HostOps(CrossReplica):
@@ -67,10 +77,30 @@ class HostOps(CrossReplica):
                 out[i] = leaf
             else:
                 todo.append(i)
+        self._warn_pmap_layout([leaves[i] for i in todo])
         if todo:
             for i, x in zip(todo, self._place_mirrored([leaves[i][1] for i in todo])):
                 out[i] = x
         return treedef.unflatten(out)
+
+    def _warn_pmap_layout(self, leaves: list[tuple[Any, Any]]) -> None:
+        """Warns (once per call) of leaves laid out the pmap way: mirroring keeps their axis."""
+        found = [
+            (path, x)
+            for path, x in leaves
+            if isinstance(x, jax.Array)
+            and not isinstance(x, jax.core.Tracer)
+            and self.topology.is_pmap_layout(x)
+        ]
+        if found:
+            path, x = found[0]
+            message = _MIRROR_PMAP_LAYOUT.format(
+                path=jax.tree_util.keystr(path) or "the top level",
+                shape=x.shape,
+                n=self.num_replicas,
+                others=f" (and {len(found) - 1} more leaves like it)" if len(found) > 1 else "",
+            )
+            warnings.warn(message, UserWarning, stacklevel=4)
 
     def _place_mirrored(self, sources: list[Any]) -> list[jax.Array]:
         """Mirrored copies of `sources` that own their buffers.

@@ -9,7 +9,11 @@ For each input signature it
    the others as `PerReplica`, `SyncOnRead` outputs as `SyncOnRead`.
 
 Each call goes through the strategy's dispatch policy (`jmirror._dispatch`): donated arguments
-are checked, the call waits for room in the bound on steps in flight, and the step is tracked.
+are checked, the call waits for room in the bound on steps in flight, and the step is tracked
+by a scalar token the compiled step returns beside its result. What a call does in Python does
+not grow with the tree: the donation policy is decided once per input signature, the donated
+check is C-level passes, and the warnings about arguments (host batches, pmap-layout arrays,
+retracing) look at the arguments only when a call compiled.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from jmirror import _context, _dispatch, _nnx
 from jmirror._backends import executable
 from jmirror._context import Runner
 from jmirror._process_ops import globalize
+from jmirror._shim import compiled_count
 from jmirror._tracing import (
     FORCED,
     SHARDED,
@@ -61,14 +66,14 @@ class Replicated:
         self._strategy = strategy
         self._donate = donate_argnums
         self._static = static_argnums
+        self._min_args = max(static_argnums) + 1 if static_argnums else 0
         # The input signatures traced by calls, plain or under an outer transformation
         # (never by .lower()): what `num_compilations` counts.
         self._signatures: set[tuple] = set()
         # Those of plain calls only: what the retracing warning counts.
         self._plain_signatures: set[tuple] = set()
-        # For each output structure, the flat index of its smallest array: what the bound on
-        # steps in flight keeps alive to wait on (never the large outputs).
-        self._token_index: dict[Any, int] = {}
+        # The last strategy called on and its `Donation` of `donate_argnums`.
+        self._donation: tuple[Any, _dispatch.Donation] | None = None
         # Every (shape, dtype) seen at each argument path, for the retracing warning.
         self._seen: dict[str, set[tuple]] = {}
         self._warned: set[str] = set()
@@ -90,11 +95,14 @@ class Replicated:
         self._lowerable_by_donation = jitted(self._entry_result)
         functools.update_wrapper(self, fn)
 
-    def _donates(self, strategy: Runner, args: tuple) -> bool:
-        """Whether this call donates `donate_argnums`, under the strategy's donation policy."""
-        if not self._donate:
-            return False
-        return strategy.dispatch.donates([args[i] for i in self._donate if i < len(args)])
+    def _donation_on(self, strategy: Runner) -> _dispatch.Donation:
+        """The donation of `donate_argnums` under `strategy`'s policy (kept for the next call)."""
+        last = self._donation
+        if last is not None and last[0] is strategy:
+            return last[1]
+        donation = strategy.dispatch.donation_for(self._donate)
+        self._donation = (strategy, donation)
+        return donation
 
     def __repr__(self) -> str:
         name = getattr(self._fn, "__qualname__", repr(self._fn))
@@ -113,12 +121,10 @@ class Replicated:
         strategy = self._check_call(args)
         if strategy.topology.process_count > 1:
             args, kwargs = self._globalize(strategy, args, kwargs)
-        donate = self._donates(strategy, args)
-        if donate:
-            _dispatch.check_donated(repr(self), args, kwargs, self._donate)
+        donate = self._donation_on(strategy).check(self, args, kwargs)
         strategy.dispatch.wait_for_room()
-        signatures = len(self._signatures)
         jitted = self._jitted_by_donation[donate]
+        compiled = self._compiled(jitted)
         try:
             result, token = jitted(strategy, *args, **kwargs)
         except ValueError:
@@ -128,16 +134,18 @@ class Replicated:
                 raise
             args, kwargs = placed
             result, token = jitted(strategy, *args, **kwargs)
-        if token is None:
-            token = self._token(result)
         if isinstance(token, jax.core.Tracer):
             # Traced by the caller's own transformation (jit, grad, vmap, scan, ...): JAX
             # dispatches it, so there is nothing to bound and no compilation of ours to count.
             return result
         strategy.dispatch.track(token)
-        if len(self._signatures) != signatures:
+        if self._compiled(jitted) != compiled:
             self._check_new_signature(strategy, args, kwargs)
         return result
+
+    def _compiled(self, jitted: Any) -> tuple[int | None, int]:
+        """What changes when a call compiles: the jit's cache entries, the signatures traced."""
+        return compiled_count(jitted), len(self._signatures)
 
     def _globalize(self, strategy: Runner, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """With several processes: per-replica arguments of this process's components, global."""
@@ -145,32 +153,22 @@ class Replicated:
         args = tuple(a if i in self._static else globalize(topology, a) for i, a in enumerate(args))
         return args, globalize(topology, kwargs)
 
-    def _token(self, result: Any) -> Any:
-        """The smallest array output of a step, which the in-flight bound waits on."""
-        leaves, treedef = jax.tree_util.tree_flatten(result)
-        i = self._token_index.get(treedef)
-        if i is None or not isinstance(leaves[i], jax.Array):
-            sizes = [
-                (getattr(leaf, "nbytes", 0), j)
-                for j, leaf in enumerate(leaves)
-                if isinstance(leaf, jax.Array)
-            ]
-            if not sizes:
-                return None
-            i = min(sizes)[1]
-            self._token_index[treedef] = i
-        return leaves[i]
-
     def _check_new_signature(self, strategy: Runner, args: tuple, kwargs: dict) -> None:
-        """Warns of host batches broadcast every call, and of a step that keeps retracing."""
+        """Warns of host batches broadcast every call, of pmap-layout arrays passed as plain
+        arguments, and of a step that keeps retracing (after a call that compiled)."""
         dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
         nodes = jax.tree_util.tree_flatten_with_path((dynamic, kwargs), is_leaf=is_distributed)[0]
         n = strategy.num_replicas
+        topology = strategy.topology
         for path, node in nodes:
             if isinstance(node, np.ndarray) and node.ndim and node.shape[0] == n:
                 where = _argument_path(path, self._static)
                 message = _HOST_BATCH.format(fn=self, shape=node.shape, path=where, n=n)
                 self._warn_once("host batch", message)
+            elif isinstance(node, jax.Array) and topology.is_pmap_layout(node):
+                where = _argument_path(path, self._static)
+                message = _PMAP_LAYOUT.format(fn=self, shape=node.shape, path=where, n=n)
+                self._warn_once("pmap layout", message)
         self._plain_signatures.add(self._signature(args, kwargs))
         if len(self._plain_signatures) > _RETRACE_WARNING_AT:
             seen: dict[str, set[tuple]] = {}
@@ -241,7 +239,7 @@ class Replicated:
         if _nnx.has_nodes(self, args, kwargs):
             return _nnx.call(self, args, kwargs, lower=True)
         strategy = self._check_call(args)
-        lowerable = self._lowerable_by_donation[self._donates(strategy, args)]
+        lowerable = self._lowerable_by_donation[self._donation_on(strategy).donates(args)]
         return lowerable.lower(strategy, *args, **kwargs)
 
     @property
@@ -256,7 +254,7 @@ class Replicated:
                 f"{self!r} was called inside another replicated function; replicated functions "
                 "do not nest. Call the inner function directly: it already runs per replica."
             )
-        if self._static and max(self._static) >= len(args):
+        if len(args) < self._min_args:
             raise ValueError(
                 f"{self!r} has static_argnums={self._static}, but was called with "
                 f"{len(args)} positional argument(s); pass the static arguments positionally."
@@ -269,12 +267,12 @@ class Replicated:
 
     def _entry_result(self, strategy: Runner, *args: Any, **kwargs: Any) -> Any:
         """The step as `.lower()` exposes it: the result only."""
-        return self._step(strategy, *args, **kwargs)[0]
+        return self._step(False, strategy, *args, **kwargs)[0]
 
     def _entry(self, strategy: Runner, *args: Any, **kwargs: Any) -> tuple[Any, jax.Array | None]:
-        """The step as calls trace it, recording the input signature."""
+        """The step as calls trace it, recording the input signature: the result and a token."""
         self._signatures.add(self._signature(args, kwargs))
-        return self._step(strategy, *args, **kwargs)
+        return self._step(True, strategy, *args, **kwargs)
 
     def _signature(self, args: tuple, kwargs: dict) -> tuple:
         """The static arguments, and each argument leaf's path, shape and dtype."""
@@ -286,8 +284,15 @@ class Replicated:
             for p, x in leaves
         )
 
-    def _step(self, strategy: Runner, *args: Any, **kwargs: Any) -> tuple[Any, jax.Array | None]:
-        """The traced step: the result, and a token to wait on when no output can serve."""
+    def _step(
+        self, with_token: bool, strategy: Runner, *args: Any, **kwargs: Any
+    ) -> tuple[Any, jax.Array | None]:
+        """The traced step: the result, and (`with_token`) a scalar for the in-flight bound.
+
+        The token is an output of the same program, ready when every output is: waiting on it
+        waits for the step, and keeping it keeps no large output alive. A step with no array
+        output (none at all, or only float0 gradients) gets one too, for `.lower()` as well.
+        """
         statics = tuple(args[i] for i in self._static)
         dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
         top, treedef = jax.tree_util.tree_flatten((dynamic, kwargs), is_leaf=is_distributed)
@@ -316,9 +321,9 @@ class Replicated:
         )
         step = trace_and_prove(call, avals)
         out_split = step.out_split
-        # A step with no array output (none at all, or only float0 gradients) returns a
-        # scalar token for the in-flight bound to wait on.
-        needs_token = all(aval.dtype == jax.dtypes.float0 for aval in step.closed.out_avals)
+        needs_token = with_token or all(
+            aval.dtype == jax.dtypes.float0 for aval in step.closed.out_avals
+        )
         backend = executable(strategy.backend, strategy.topology)
         outs = backend(strategy.topology, step.closed, split, out_split, needs_token)(*flat)
         built, pos = [], 0
@@ -381,6 +386,15 @@ _HOST_BATCH = (
     "common_utils.shard output), wrap it as jm.PerReplica(batch) or let "
     "strategy.distribute_dataset place the batches; if it is state, place it once with "
     "strategy.mirror(x) and pass the mirrored value."
+)
+_PMAP_LAYOUT = (
+    "{fn} got a jax.Array of shape {shape} at {path} laid out the jax.pmap way (its leading "
+    "axis of {n} split over the strategy's {n} devices, as flax.jax_utils.prefetch_to_device "
+    "and jax_utils.replicate return it) as a plain argument: it is broadcast whole, so every "
+    "replica sees all {n} slices (a replicated state keeps its extra leading axis). If it is a "
+    "per-replica batch, wrap it as jm.PerReplica(x), and each replica sees its own slice "
+    "(strategy.distribute_dataset places batches that way); if it is replicated state, mirror "
+    "it once with strategy.mirror(jax_utils.unreplicate(x)) and pass the mirrored value."
 )
 _RETRACING = (
     "{fn} has compiled {k} input signatures: every new shape, dtype or tree structure of its "

@@ -130,6 +130,20 @@ class Topology:
             return True
         return sharding.is_fully_replicated and sharding.device_set == self.device_set
 
+    def is_pmap_layout(self, x: jax.Array) -> bool:
+        """Whether `x` is laid out the `jax.pmap` way over these devices: a leading axis of
+        `num_replicas` whose slices lie one per device (what `flax.jax_utils.replicate` and
+        `prefetch_to_device` return), rather than mirrored."""
+        n = self.num_replicas
+        if self.is_emulated or n == 1 or not x.ndim or x.shape[0] != n:
+            return False
+        sharding = x.sharding
+        return (
+            not sharding.is_fully_replicated
+            and sharding.device_set == self.device_set
+            and sharding.shard_shape(x.shape)[0] == 1
+        )
+
     def is_placed(self, x: jax.Array) -> bool:
         """Whether `x` lives on exactly this topology's devices."""
         return x.sharding.device_set == self.device_set

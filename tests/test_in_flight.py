@@ -44,7 +44,8 @@ def test_the_bound_keeps_only_the_smallest_output_alive(strategy, n):
         lambda x: (jm.all_reduce("sum", x), jm.all_reduce("sum", x.sum())), strategy=strategy
     )
     big, small = step(jm.PerReplica(np.ones((n, 1024), np.float32)))
-    assert strategy.dispatch.in_flight[-1] is small
+    token = strategy.dispatch.in_flight[-1]
+    assert token.nbytes <= small.nbytes  # the step's scalar token, or its smallest output
     ref = weakref.ref(big)
     del big
     gc.collect()
