@@ -1,4 +1,4 @@
-"""jmirror's one use of a JAX internal: placing row i of a host array on device i in one call.
+"""jmirror's uses of JAX internals: placing rows in one call; the distributed runtime's client.
 
 `distribute_dataset` places every leaf of every batch, often from a background thread while
 the replicated step keeps the host cores busy, so the host time per leaf is the input
@@ -14,9 +14,14 @@ It is also always a copy. On CPU, JAX places a 64-byte-aligned host buffer witho
 batches already prefetched. `put_rows` asks for `IMMUTABLE_ONLY_DURING_CALL`: the rows are
 copied before it returns, and the caller may reuse the buffer at once.
 
-Only `put_rows` touches the internal. When `batched_device_put` is missing, it uses the public
-path; when it exists but rejects the call (a jaxlib whose signature changed), it warns once and
-uses the public path from then on.
+`distributed_client()` returns the client of JAX's coordination service (key-value store,
+barriers), which `jax.distributed` keeps in an internal and does not expose (orbax reads the
+same internal); `jmirror._deadline` uses it to name the processes that did not arrive at a wait.
+It returns None where the internal is missing or the runtime is not started.
+
+Only `put_rows` touches the placement internal. When `batched_device_put` is missing, it uses
+the public path; when it exists but rejects the call (a jaxlib whose signature changed), it
+warns once and uses the public path from then on.
 """
 
 from __future__ import annotations
@@ -101,3 +106,13 @@ def put_rows(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
 def _put_public(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     # Each piece is copied first: the public call may alias an aligned host buffer.
     return jax.make_array_from_callback(x.shape, sharding, lambda index: np.array(x[index]))
+
+
+def distributed_client() -> Any:
+    """The client of JAX's coordination service, or None (one process, or no such internal)."""
+    try:
+        from jax._src import distributed  # the internal, read only here
+    except ImportError:
+        return None
+    state = getattr(distributed, "global_state", None)
+    return getattr(state, "client", None)
