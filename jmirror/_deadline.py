@@ -239,19 +239,21 @@ class _Watchdog:
             time.sleep(NAMING_S + 5)
             os._exit(EXIT_CODE)
         self._expired.set()
-        me = jax.process_index()
+        # Not while joining the runtime: asking JAX for the process index would start its
+        # backends, which then use the client before it is connected (the process aborts).
+        me = "" if wait.missing is not None else f" {jax.process_index()}"
         waited = time.monotonic() - wait.started
         call = _label(wait.call)
         if cause is not None:
             head = (
-                f"jmirror: {call} failed on process {me}: a peer process never reached this "
+                f"jmirror: {call} failed on process{me}: a peer process never reached this "
                 f"first collective within gloo's 30 s rendezvous ({cause.splitlines()[0]}); "
-                f"ending process {me} with exit status {EXIT_CODE}."
+                f"ending process{me} with exit status {EXIT_CODE}."
             )
         else:
             head = (
                 f"jmirror: timed out: {call} has not completed {waited:.0f} s after it was "
-                f"waited on (timeout_s={wait.timeout_s:g} of {wait.setting}); ending process "
+                f"waited on (timeout_s={wait.timeout_s:g} of {wait.setting}); ending process"
                 f"{me} with exit status {EXIT_CODE}."
             )
         _say(head)
