@@ -39,6 +39,7 @@ import atexit
 import collections
 import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -109,7 +110,9 @@ class _Watchdog:
         self._waits: dict[int, _Wait] = {}  # blocking waits in progress, by id
         self._queue: collections.deque[_Wait] = collections.deque()  # watched, not yet waited
         self._head: _Wait | None = None  # the watched call the waiter waits for
+        self._numbers = itertools.count(1)
         self._dispatched = 0  # watched calls so far
+        self._idle = False  # whether the waiter waits for work
         self._done = 0  # watched calls completed
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -158,11 +161,11 @@ class _Watchdog:
             self._waits.pop(key, None)
 
     def watch(self, token: Any, call: Any, timeout_s: float, setting: str) -> None:
-        with self._lock:
-            self._dispatched += 1
-            seq = self._dispatched
+        seq = next(self._numbers)  # atomic under the GIL, as the deque's append
+        self._dispatched = seq
         self._queue.append(_Wait(call, timeout_s, setting, time.monotonic(), seq, token))
-        self._wake.set()
+        if self._idle:  # wake the waiter only when it waits for work
+            self._wake.set()
 
     # --- the threads -------------------------------------------------------------------------
 
@@ -171,7 +174,10 @@ class _Watchdog:
             try:
                 item = self._queue.popleft()
             except IndexError:
-                self._wake.wait()
+                self._idle = True
+                if not self._queue:  # checked after saying so: `watch` then wakes it
+                    self._wake.wait()
+                self._idle = False
                 self._wake.clear()
                 continue
             item.started = max(item.started, time.monotonic())
