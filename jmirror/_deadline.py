@@ -17,12 +17,13 @@ a blocked XLA wait cannot be interrupted from Python). This module is the one pl
   first call's compilation (done before the call returns) never counts.
 - `expire(call, timeout_s, ...)`: print the message and end the process.
 
-Two daemon threads, started lazily by the first bounded or watched call of a strategy with a
-timeout and never with `timeout_s=None`: the *waiter* waits for the watched outputs one by one
+Two daemon threads, started lazily by the first bounded or watched call with a timeout (never
+with `timeout_s=None`): the *waiter* waits for the watched outputs one by one
 (`block_until_ready`), the *watchdog* wakes every `POLL_S` seconds, ends the process when a wait
 is past its bound, and publishes this process's progress to the coordination service's
-key-value store every `PUBLISH_S` seconds. A call costs one append to a queue; no thread is
-started per call. At interpreter exit both threads stop before JAX shuts its runtime down.
+key-value store every `PUBLISH_S` seconds (once a call was watched or waited for). A call costs
+one append to a queue; no thread is started per call. At interpreter exit both threads stop
+before JAX shuts its runtime down.
 
 Naming the processes that did not arrive: JAX's coordination service knows who reached a
 barrier (its timeout error lists them) but not who reached an XLA collective. So each process
@@ -42,6 +43,7 @@ import dataclasses
 import itertools
 import json
 import math
+import numbers
 import os
 import re
 import sys
@@ -74,7 +76,7 @@ def check_timeout(timeout_s: Any, call: str) -> float | None:
     """Validates `timeout_s`: a positive number of seconds, or None (no bound)."""
     if timeout_s is None:
         return None
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real):
         raise TypeError(
             f"{call}(timeout_s=...) expects a positive number of seconds or None (no bound); "
             f"got {timeout_s!r} of type {type(timeout_s).__name__}."
@@ -230,6 +232,8 @@ class _Watchdog:
         return _shim.distributed_client()
 
     def _publish(self) -> None:
+        if not self._dispatched and not self._waits:
+            return  # nothing to report (e.g. only `initialize` was bounded)
         client = self._client()
         if client is None:
             return

@@ -37,6 +37,7 @@ import dataclasses
 import importlib.util
 import ipaddress
 import logging
+import math
 import os
 import re
 import sys
@@ -186,7 +187,8 @@ def _join(request: _Request, timeout_s: float | None) -> None:
     JAX's own bound (`initialization_timeout`) aborts the process with `DEADLINE_EXCEEDED`
     naming an RPC; jmirror's comes first and names the processes that did not join.
     """
-    extra = {} if timeout_s is None else {"initialization_timeout": int(timeout_s) + 60}
+    # JAX's default is 300 s; with jmirror's bound, JAX's comes a minute later.
+    jax_timeout = 300 if timeout_s is None else math.ceil(timeout_s) + 60
     with _deadline.bounded(
         "jm.distributed.initialize()",
         timeout_s,
@@ -199,7 +201,7 @@ def _join(request: _Request, timeout_s: float | None) -> None:
             request.process_id,
             heartbeat_timeout_seconds=request.heartbeat_timeout_s,
             coordinator_bind_address=_bind_address(request.coordinator_address),
-            **extra,
+            initialization_timeout=jax_timeout,
         )
 
 
