@@ -196,8 +196,9 @@ def test_a_stuck_peer_ends_the_run_within_the_timeout_naming_the_call_and_it(tmp
 
 
 @ONCE
-def test_a_save_that_one_process_skips_ends_the_run_naming_the_barrier_and_it(tmp_path):
-    run = _launch(tmp_path, "skip-save", TIMEOUT_S, tmp_path / "checkpoint")
+@pytest.mark.parametrize("mode", ["skip-save", "skip-manager-save"])
+def test_a_save_that_one_process_skips_ends_the_run_naming_the_wait_and_it(tmp_path, mode):
+    run = _launch(tmp_path, mode, TIMEOUT_S, tmp_path / "checkpoint")
     try:
         saving = _started_at(run, r"process 0 saves")
         code, _ = run.wait(TIMEOUT_S + SLACK_S + 30)
@@ -208,20 +209,17 @@ def test_a_save_that_one_process_skips_ends_the_run_naming_the_barrier_and_it(tm
     assert code == _deadline.EXIT_CODE, out
     assert elapsed < TIMEOUT_S + SLACK_S, (elapsed, out)
     assert "process 0 saved" not in out
-    # Process 0 waits at the checkpoint's first barrier for process 1, which waits in its
-    # next step for process 0: whichever times out first names the other.
-    barrier = re.search(
-        r"\[0\] jmirror: processes that did not arrive at jm\.checkpoint's barrier before "
-        r"writing \S+: 1\.",
-        out,
-    )
-    step = re.search(
+    # Process 0 waits in the save (its barrier, or the manager's gathering of every process's
+    # data) for process 1, which waits in its next step for process 0: whichever times out
+    # first names the other.
+    in_save = r"jm\.checkpoint's (barrier before writing \S+|gathering of every process's data)"
+    on_0 = re.search(rf"\[0\] jmirror: processes that did not arrive at {in_save}: 1\.", out)
+    on_1 = re.search(
         r"\[1\] jmirror: processes that did not arrive at the replicated step "
-        r"jm\.replicate\(loss_step\).*: 0\.\n\[1\] jmirror:   process 0: waiting in "
-        r"jm\.checkpoint's barrier before writing",
+        rf"jm\.replicate\(loss_step\).*: 0\.\n\[1\] jmirror:   process 0: waiting in {in_save}",
         out,
     )
-    assert barrier or step, out
+    assert on_0 or on_1, out
 
 
 @ONCE

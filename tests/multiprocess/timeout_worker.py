@@ -9,6 +9,7 @@ TIMEOUT is `timeout_s` (a number, or `none`) for the strategy (and for `initiali
   the reduced loss (it waits in its read or its step for process 1).
 - `skip-save`: 3 steps, then process 0 calls `jm.checkpoint.save(DIR, ...)` and process 1
   does not (it goes on stepping).
+- `skip-manager-save`: the same with `CheckpointManager(DIR).save(3, ...)` (async).
 - `no-init`: process 1 never calls `jm.distributed.initialize` (it sleeps); process 0 does.
 - `first`: process 1 sleeps "forever" before the first collective; process 0 steps.
 - `slow`: 5 steps, process 1 sleeps 25 s, then both take 5 more steps and exit 0, printing the
@@ -78,7 +79,7 @@ def one_step(k: int) -> float:
 if mode == "first" and me == 1:
     say("process 1 sleeps before the first collective")
     time.sleep(FOREVER)
-for k in range(5 if mode != "skip-save" else 3):
+for k in range(3 if mode.startswith("skip") else 5):
     one_step(k)
 if mode == "stuck":
     if me == 1:
@@ -90,6 +91,14 @@ if mode == "skip-save":
     if me == 0:
         say("process 0 saves")
         jm.checkpoint.save(directory, {"w": w}, strategy=strategy)
+        say("process 0 saved")
+    for k in range(3, 10**6):
+        one_step(k)
+if mode == "skip-manager-save":
+    manager = jm.checkpoint.CheckpointManager(directory, strategy=strategy)
+    if me == 0:
+        say("process 0 saves")
+        manager.save(3, {"w": w})
         say("process 0 saved")
     for k in range(3, 10**6):
         one_step(k)
