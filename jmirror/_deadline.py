@@ -70,6 +70,9 @@ NAMING_S = 10.0
 PROGRESS_KEY = "jmirror/deadline/"
 
 _GLOO_RENDEZVOUS = re.compile(r"Gloo context initialization failed.*GetKeyValue\(\) timed out")
+# The key gloo waited for: the global ids of the communicator's devices, then the rank whose
+# address never came.
+_GLOO_KEY = re.compile(r"key: \S*gloo/([\d,]+)/(\d+)")
 
 
 def check_timeout(timeout_s: Any, call: str) -> float | None:
@@ -254,6 +257,8 @@ class _Watchdog:
         me = "" if wait.missing is not None else f" {jax.process_index()}"
         waited = time.monotonic() - wait.started
         call = _label(wait.call)
+        if cause is not None and wait.absent is None:
+            wait.absent = _gloo_absent(cause)
         if cause is not None:
             head = (
                 f"jmirror: {call} failed on process{me}: a peer process never reached this "
@@ -318,6 +323,19 @@ class _Watchdog:
         text = [f"jmirror: processes that did not arrive at {_label(wait.call)}{where}: {names}."]
         text += [f"jmirror:   {line}" for line in lines]
         return "\n".join(text)
+
+
+def _gloo_absent(cause: str) -> tuple[int, ...] | None:
+    """The process of the device whose rank gloo's rendezvous waited for, if the key says."""
+    match = _GLOO_KEY.search(cause)
+    if match is None:
+        return None
+    ids = [int(i) for i in match.group(1).split(",")]
+    rank = int(match.group(2))
+    if rank >= len(ids):
+        return None
+    process = {d.id: d.process_index for d in jax.devices()}.get(ids[rank])
+    return None if process is None else (process,)
 
 
 def _label(call: Any) -> str:
