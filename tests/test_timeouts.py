@@ -78,6 +78,25 @@ def test_one_process_has_nothing_to_bound_and_starts_no_thread():
     assert _deadline.threads() == ()
 
 
+_BARRIER_ERROR = (
+    "DEADLINE_EXCEEDED: Barrier timed out. Id: k::0. This usually happens because a task "
+    "triggered the barrier too early or too slowly.\n# of tasks that reached the barrier: "
+    "1/4.\nThe first task at the barrier: 0. Some timed out task names:\n{names}\n\n\nRPC: "
+    "/xla.coordination.CoordinationService/Barrier"
+)
+
+
+@pytest.mark.parametrize(
+    "names",
+    ["1\n3", "/job:jax_worker/replica:0/task:1\n/job:jax_worker/replica:0/task:3"],
+)
+def test_the_processes_absent_from_a_barrier_are_read_from_its_timeout_error(names):
+    from jmirror.checkpoint._processes import _timed_out_tasks
+
+    assert _timed_out_tasks(_BARRIER_ERROR.format(names=names)) == (1, 3)
+    assert _timed_out_tasks("DEADLINE_EXCEEDED: something else") is None
+
+
 # --- the watchdog in one process (a subprocess, since it ends the process) ----------------------
 
 _SLOW_STEP = """
