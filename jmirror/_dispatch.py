@@ -23,6 +23,10 @@ of the leaves' abstract values, which JAX shares between every output of one com
 (so an identity is never reused while it is a key). The check then costs C-level passes over
 the flattened leaves (no Python code runs per leaf); paths are worked out only to explain a
 problem.
+
+**Timeout.** With several processes and `timeout_s` (`jm.MultiWorkerMirroredStrategy`), each
+tracked step is also watched by `jmirror._deadline`, which ends the process when one has not
+completed `timeout_s` seconds after it was waited on: so the wait for room here is bounded too.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import Any
 import jax
 import jax.core
 
+from jmirror import _deadline
 from jmirror._topology import Topology
 
 DONATIONS = ("auto", "always")
@@ -135,12 +140,15 @@ class Dispatch:
     donation: str
     topology: Topology
     in_flight: InFlight
+    timeout_s: float | None = None  # the bound on a step across processes (None: one process)
 
     @classmethod
     def create(cls, topology: Topology, max_in_flight: Any, donation: Any, call: str) -> Dispatch:
         platform = topology.platform
         bound = check_max_in_flight(max_in_flight, platform, topology.num_devices, call)
-        return cls(bound, check_donation(donation, call), topology, in_flight_for(platform))
+        timeout = topology.timeout_s if topology.process_count > 1 else None
+        in_flight = in_flight_for(platform)
+        return cls(bound, check_donation(donation, call), topology, in_flight, timeout)
 
     def donates(self, donated: Sequence[Any]) -> bool:
         """Whether a step donates the arguments `donated` under this policy."""
@@ -154,9 +162,11 @@ class Dispatch:
         """Blocks until fewer than `max_in_flight` steps are queued on the platform."""
         self.in_flight.wait_for_room(self.max_in_flight)
 
-    def track(self, token: Any) -> None:
-        """Records a dispatched step by one of its outputs."""
+    def track(self, token: Any, call: Any = "a replicated step") -> None:
+        """Records a dispatched step by one of its outputs (`call` names it if it times out)."""
         self.in_flight.track(token)
+        if self.timeout_s is not None:
+            _deadline.watch(token, call, self.timeout_s)
 
 
 _BOUNDS: dict[str, InFlight] = {}

@@ -62,6 +62,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jmirror import _deadline
 from jmirror._batches import (
     DATASET_CALL,
     FUNCTION_CALL,
@@ -269,9 +270,13 @@ def _agreement(topology: Topology) -> Agree | None:
     def agree(state: int) -> list[int]:
         mine = jax.make_array_from_process_local_data(rows, np.array([state], np.int32), shape)
         (copy,) = gather(mine).addressable_shards
-        return np.asarray(copy.data).tolist()  # process indices are 0 to P - 1, in order
+        with _deadline.bounded(_AGREEMENT, topology.timeout_s):  # after the first compilation
+            return np.asarray(copy.data).tolist()  # process indices are 0 to P - 1, in order
 
     return agree
+
+
+_AGREEMENT = "the input agreement (does every process have a batch for the next step?)"
 
 
 @functools.cache

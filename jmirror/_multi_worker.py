@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 
-from jmirror import _context, distributed
+from jmirror import _context, _deadline, distributed
 from jmirror._devices import Device
 from jmirror._strategy import _PUBLIC_BACKENDS, MirroredStrategy, _check_axis_name
 from jmirror._topology import Topology
@@ -34,16 +34,28 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
       backend: `"pmap"` or `"shard_map"`.
       max_in_flight: as for `MirroredStrategy`.
       donation: as for `MirroredStrategy`.
+      timeout_s: the bound, in seconds, on every wait of this process for the others
+        (TensorFlow's `CommunicationOptions(timeout_seconds=...)`): a replicated step, a read,
+        reduce or gather, a checkpoint barrier or the input agreement that has not completed
+        `timeout_s` seconds after it was waited on (a first call's compilation excluded) ends
+        the process with an error on stderr naming the call and the processes that did not
+        arrive, and exit status 1. None waits without a bound (and starts no thread). Raise
+        it above the longest step and the longest checkpoint write. One process has nothing
+        to wait for.
 
     Raises:
       RuntimeError: when this process was started as one of several (`python -m
         jmirror.launch`) but `jm.distributed.initialize()` was not called.
+      TypeError: when `timeout_s` is not a number or None.
+      ValueError: when `timeout_s` is not positive and finite.
 
     Example:
         >>> import jmirror as jm
         >>> strategy = jm.MultiWorkerMirroredStrategy()  # one process: every local device
         >>> strategy.num_processes, strategy.num_local_replicas == strategy.num_replicas
         (1, True)
+        >>> strategy.timeout_s, jm.MultiWorkerMirroredStrategy(timeout_s=None).timeout_s
+        (300.0, None)
     """
 
     def __init__(
@@ -53,8 +65,10 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         backend: str = "pmap",
         max_in_flight: int | None = None,
         donation: str = "auto",
+        timeout_s: float | None = 300,
     ):
         distributed.check_initialized("jm.MultiWorkerMirroredStrategy()")
+        timeout = _deadline.check_timeout(timeout_s, "MultiWorkerMirroredStrategy")
         if backend not in _PUBLIC_BACKENDS:
             raise ValueError(
                 f"MultiWorkerMirroredStrategy(backend={backend!r}) is not a backend; expected "
@@ -62,7 +76,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             )
         _check_axis_name(axis_name)
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        self._init(Topology.create(devices, axis_name), backend, max_in_flight, donation)
+        topology = Topology.create(devices, axis_name, timeout)
+        self._init(topology, backend, max_in_flight, donation)
 
     @property
     def num_processes(self) -> int:
@@ -78,6 +93,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     def local_devices(self) -> tuple[Device, ...]:
         """This process's devices, in replica order."""
         return self.topology.local_devices
+
+    @property
+    def timeout_s(self) -> float | None:
+        """The bound on a wait for the other processes, in seconds (None: no bound)."""
+        return self.topology.timeout_s
 
     @property
     def num_local_replicas(self) -> int:

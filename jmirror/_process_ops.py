@@ -11,6 +11,9 @@ shards. Every process runs the same program and calls the same methods in the sa
   on its first local device;
 - `local_results`, `distribute_values_from_function` and a `PerReplica` built by the user are
   about this process's replicas (leading axis `num_local_replicas`).
+
+With `timeout_s` (the topology's), each of these cross-process calls is bounded by
+`jmirror._deadline`: `mirror`'s broadcast is waited for here, a read's result is watched.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jmirror import _deadline
 from jmirror._host_ops import HostOps, concatenate, reducer, unshard
 from jmirror._topology import Topology
 from jmirror._values import (
@@ -45,7 +49,8 @@ class ProcessHostOps(HostOps):
 
     def _place_mirrored(self, sources: list[Any]) -> list[jax.Array]:
         host = [np.asarray(x) for x in sources]
-        host = multihost_utils.broadcast_one_to_all(host)  # process 0's value, everywhere
+        with _deadline.bounded("strategy.mirror", self.topology.timeout_s):
+            host = multihost_utils.broadcast_one_to_all(host)  # process 0's value, everywhere
         mirrored = self.topology.mirrored
         return [_from_local(x, mirrored, x.shape) for x in host]
 
@@ -84,19 +89,24 @@ class ProcessHostOps(HostOps):
                 return self._everywhere(unshard(x.shape), x.shards)
             if isinstance(x, SyncOnRead):
                 if x.aggregation is Aggregation.ONLY_FIRST_REPLICA:
-                    return jax.tree.map(lambda v: self._everywhere(_first, v), x.value)
+                    return jax.tree.map(lambda v: self._everywhere(_first, v, _READ), x.value)
                 op = ReduceOp.SUM if x.aggregation is Aggregation.SUM else ReduceOp.MEAN
-                return jax.tree.map(lambda v: self._everywhere(reducer(op, None), v), x.value)
+                fn = reducer(op, None)
+                return jax.tree.map(lambda v: self._everywhere(fn, v, _READ), x.value)
             if isinstance(x, jax.Array) and self.topology.is_mirrored(x):
                 return self._on_first_device(x)
             return x
 
         return jax.tree.map(one, tree, is_leaf=is_distributed)
 
-    def _everywhere(self, fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
-        """`fn(x)` computed over the global array, as this process's copy."""
+    def _everywhere(
+        self, fn: Callable[[jax.Array], jax.Array], x: jax.Array, call: str
+    ) -> jax.Array:
+        """`fn(x)` computed over the global array, as this process's copy (watched as `call`)."""
         out = _jit_mirrored(fn, self.topology.mirrored)(x)
-        return self._on_first_device(out)
+        mine = self._on_first_device(out)
+        _deadline.watch(mine, call, self.topology.timeout_s)
+        return mine
 
     def _on_first_device(self, x: jax.Array) -> jax.Array:
         first = self.topology.first_local_device
@@ -126,10 +136,14 @@ class ProcessHostOps(HostOps):
         return np.asarray(stacked)[i]  # a PerReplica of this process's components
 
     def reduce_per_replica(self, op: ReduceOp, x: PerReplica, axis: int | None) -> PyTree:
-        return jax.tree.map(lambda v: self._everywhere(reducer(op, axis), v), x.values)
+        fn = reducer(op, axis)
+        return jax.tree.map(lambda v: self._everywhere(fn, v, "strategy.reduce"), x.values)
 
     def _gather_stacked(self, stacked: jax.Array, axis: int) -> jax.Array:
-        return self._everywhere(concatenate(axis), stacked)
+        return self._everywhere(concatenate(axis), stacked, "strategy.gather")
+
+
+_READ = "strategy.read of a SyncOnRead"
 
 
 def globalize(topology: Topology, tree: PyTree) -> PyTree:

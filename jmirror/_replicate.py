@@ -138,7 +138,7 @@ class Replicated:
             # Traced by the caller's own transformation (jit, grad, vmap, scan, ...): JAX
             # dispatches it, so there is nothing to bound and no compilation of ours to count.
             return result
-        strategy.dispatch.track(token)
+        strategy.dispatch.track(token, self)
         if self._compiled(jitted) != compiled:
             self._check_new_signature(strategy, args, kwargs)
         return result

@@ -1,10 +1,11 @@
-"""jmirror's two uses of JAX internals, each with its public fallback.
+"""jmirror's uses of JAX internals, each with its public fallback.
 
 1. `put_rows`: placing row i of a host array on device i in one call.
 2. `compiled_count`: how many entries a `jax.jit` function's dispatch cache holds, so that
    `jm.replicate` notices a call that compiled (a new input signature, including a new input
    sharding, which does not retrace the Python function) without looking at every leaf of
    every call.
+3. `distributed_client`: the client of JAX's coordination service (key-value store, barriers).
 
 **put_rows.**
 
@@ -29,6 +30,11 @@ uses the public path from then on.
 **compiled_count.** A `jax.jit` function's `_cache_size()` (a method of jaxlib's C++ dispatch
 object, cheap: no Python per argument). Where it is missing it returns None, and the caller
 falls back to what it can see from Python (the signatures its traces recorded).
+
+**distributed_client.** `jax.distributed` keeps the coordination service's client in an
+internal and does not expose it (orbax reads the same internal); `jmirror._deadline` uses it to
+name the processes that did not arrive at a wait. It returns None where the internal is missing
+or the runtime is not started.
 """
 
 from __future__ import annotations
@@ -121,3 +127,13 @@ def compiled_count(jitted: Any) -> int | None:
     if cache_size is None:
         return None
     return cache_size()
+
+
+def distributed_client() -> Any:
+    """The client of JAX's coordination service, or None (one process, or no such internal)."""
+    try:
+        from jax._src import distributed  # the internal, read only here
+    except ImportError:
+        return None
+    state = getattr(distributed, "global_state", None)
+    return getattr(state, "client", None)

@@ -41,6 +41,7 @@ class Topology:
       process_index: this process's index; `process_count`: how many processes there are.
       is_emulated: whether every replica runs on one device.
       device_set: the devices as a set.
+      timeout_s: the bound on a wait for other processes (`jmirror._deadline`), or None.
     """
 
     devices: tuple[Device, ...]
@@ -53,9 +54,12 @@ class Topology:
     process_count: int
     is_emulated: bool
     device_set: frozenset[Device]  # the devices as a set, for layout checks on every read
+    timeout_s: float | None = None
 
     @classmethod
-    def create(cls, devices: Sequence[Device], axis_name: str) -> Topology:
+    def create(
+        cls, devices: Sequence[Device], axis_name: str, timeout_s: float | None = None
+    ) -> Topology:
         """One replica per device of `devices` (distinct, one platform), in that order."""
         devices = tuple(devices)
         mesh = Mesh(np.array(devices), (axis_name,))
@@ -71,6 +75,7 @@ class Topology:
             process_count=len({d.process_index for d in devices}),
             is_emulated=False,
             device_set=frozenset(devices),
+            timeout_s=timeout_s,
         )
 
     @classmethod

@@ -37,12 +37,15 @@ import dataclasses
 import importlib.util
 import ipaddress
 import logging
+import math
 import os
 import re
 import sys
 import time
 
 import jax
+
+from jmirror import _deadline
 
 __all__ = [
     "ENV_COORDINATOR",
@@ -88,6 +91,7 @@ def initialize(
     process_id: int | None = None,
     *,
     heartbeat_timeout_s: int = 10,
+    timeout_s: float | None = 300,
 ) -> None:
     """Start JAX's multi-process runtime for this process, or do nothing when it is alone.
 
@@ -122,6 +126,10 @@ def initialize(
         naming it. 10 (JAX's default is 100) so that a killed process never leaves the others
         waiting in a collective for long; raise it if a process may legitimately stall longer
         (a very slow first compilation on an overloaded machine, swapping).
+      timeout_s: how long to wait for every process to join: a process that has not called
+        `initialize` (or cannot reach the coordinator) `timeout_s` seconds after this one did
+        ends this one with an error on stderr naming it, and exit status 1. None waits as
+        long as JAX does (300 s, then it aborts).
 
     Raises:
       RuntimeError: JAX's backends are already initialized (something touched a device
@@ -144,6 +152,7 @@ def initialize(
       >>> jm.distributed.initialize("10.0.0.1:1234", 2, process_id=0)  # doctest: +SKIP
     """
     global _initialized
+    timeout = _deadline.check_timeout(timeout_s, "jm.distributed.initialize")
     request = _request(coordinator_address, num_processes, process_id, heartbeat_timeout_s)
     if _initialized is not None:
         if request == _initialized:
@@ -166,16 +175,54 @@ def initialize(
     if request.devices_per_process is not None:
         jax.config.update("jax_num_cpu_devices", request.devices_per_process)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        request.coordinator_address,
-        request.num_processes,
-        request.process_id,
-        heartbeat_timeout_seconds=request.heartbeat_timeout_s,
-        coordinator_bind_address=_bind_address(request.coordinator_address),
-    )
+    _join(request, timeout)
     if jax.process_count() > 1:
         sys.excepthook = _exit_at_once(sys.excepthook, request.heartbeat_timeout_s + 5)
     _initialized = request
+
+
+def _join(request: _Request, timeout_s: float | None) -> None:
+    """`jax.distributed.initialize`, its wait for the other processes bounded by `timeout_s`.
+
+    JAX's own bound (`initialization_timeout`) aborts the process with `DEADLINE_EXCEEDED`
+    naming an RPC; jmirror's comes first and names the processes that did not join.
+    """
+    # JAX's default is 300 s; with jmirror's bound, JAX's comes a minute later.
+    jax_timeout = 300 if timeout_s is None else math.ceil(timeout_s) + 60
+    with _deadline.bounded(
+        "jm.distributed.initialize()",
+        timeout_s,
+        setting="jm.distributed.initialize",
+        missing=lambda: _not_joined(request),
+    ):
+        jax.distributed.initialize(
+            request.coordinator_address,
+            request.num_processes,
+            request.process_id,
+            heartbeat_timeout_seconds=request.heartbeat_timeout_s,
+            coordinator_bind_address=_bind_address(request.coordinator_address),
+            initialization_timeout=jax_timeout,
+        )
+
+
+def _not_joined(request: _Request) -> str:
+    """Who may be missing while `jax.distributed.initialize` waits (no one can be asked yet)."""
+    me, count = request.process_id, request.num_processes
+    where = f"the coordinator at {request.coordinator_address}"
+    if me is None or count is None:
+        return f"jmirror: not every process of the run has joined {where}."
+    others = [p for p in range(count) if p != me]
+    if len(others) == 1:
+        names = f"process {others[0]} did not"
+    else:
+        names = f"one or more of processes {', '.join(map(str, others))} did not"
+    text = (
+        f"jmirror: processes that did not arrive: {names} call jm.distributed.initialize() "
+        f"(or cannot reach {where}); this is process {me} of {count}."
+    )
+    if me != 0:
+        text += f" Process 0 runs the coordination service: check that it started at {where}."
+    return text
 
 
 # A collective that failed because a peer went away (gloo's wording for a closed connection).
@@ -194,6 +241,7 @@ def _exit_at_once(print_exception, lost_peer_wait_s: float):
 
     def excepthook(kind, error, traceback):
         print_exception(kind, error, traceback)
+        _deadline.explain(error)  # gloo's timeout at a first collective: name the absent peer
         if _LOST_PEER.search(str(error)):
             # A collective failed because a peer's connection went away: the peer died. JAX's
             # coordination service is about to end this process with a message that names the

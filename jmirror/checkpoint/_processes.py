@@ -15,6 +15,14 @@ The barriers are orbax's barriers of the JAX distributed runtime's coordination 
 training loop's collectives run (a device collective from a second thread can deadlock gloo).
 Their keys come from one counter per process, drawn in the caller's thread; since every
 process makes the same calls in the same order, the keys agree.
+
+Timeouts: with `jm.MultiWorkerMirroredStrategy(timeout_s=...)` a process that does not reach a
+barrier (it skipped a `save` the others make, or it is stuck) ends the waiting processes after
+`timeout_s` seconds, naming it (`jmirror._deadline`): the first barrier and the gathering of
+per-process data wait `timeout_s`. The barrier after the write also waits for the writer's
+writing, which a large state on a slow filesystem may make long, so it waits
+`max(timeout_s, BARRIER_TIMEOUT_S)`; a writer that dies ends the others through the runtime's
+heartbeat.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -30,10 +39,17 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from jmirror import _deadline
+
 # A slow write (a large state, a slow filesystem) keeps the other processes waiting this long;
 # a lost process ends the run sooner, through the runtime's heartbeat.
 BARRIER_TIMEOUT_S = 3600
 _KEYS = itertools.count()
+# The runtime's barrier times out this much after jmirror's bound, which names the processes.
+_BACKSTOP_S = 30
+_SETTING = "jm.MultiWorkerMirroredStrategy"
+# The tasks that did not reach a barrier, as JAX's coordination service lists them.
+_TIMED_OUT_TASKS = re.compile(r"Some timed out task names:\s*((?:\S+\s*)+?)\n\n", re.S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,16 +59,18 @@ class Group:
     Attributes:
       processes: the process indices of the strategy's devices, ascending.
       me: this process's index (`jax.process_index()`).
+      timeout_s: the strategy's bound on a wait for the other processes, or None.
     """
 
     processes: tuple[int, ...]
     me: int
+    timeout_s: float | None = None
 
     @classmethod
     def of(cls, strategy: Any) -> Group:
         topology = strategy.topology
         processes = tuple(sorted({d.process_index for d in topology.devices}))
-        return cls(processes, topology.process_index)
+        return cls(processes, topology.process_index, getattr(topology, "timeout_s", None))
 
     @property
     def size(self) -> int:
@@ -76,12 +94,30 @@ class Group:
         n = next(_KEYS)
         return f"jmirror.checkpoint.{n}.start:{what}", f"jmirror.checkpoint.{n}.end:{what}"
 
-    def barrier(self, key: str) -> None:
-        """Waits until every process of the group reaches the barrier `key` (any thread)."""
+    def barrier(self, key: str, call: str, timeout_s: float | None = None) -> None:
+        """Waits until every process of the group reaches the barrier `key` (any thread).
+
+        Bounded by `timeout_s` (default: the strategy's), and by `BARRIER_TIMEOUT_S` without
+        one; `call` names the barrier if it times out (equal on every process).
+        """
         if self.size == 1:
             return
         wait = ocp.multihost.get_barrier_sync_fn(processes=set(self.processes))
-        wait(key=key, timeout_ms=BARRIER_TIMEOUT_S * 1000)
+        if timeout_s is None:
+            timeout_s = self.timeout_s
+        if timeout_s is None:
+            wait(key=key, timeout_ms=BARRIER_TIMEOUT_S * 1000)
+            return
+        # The runtime's own timeout comes first, since it knows who did not arrive;
+        # jmirror's bound is the backstop.
+        with _deadline.bounded(call, timeout_s + _BACKSTOP_S):
+            try:
+                wait(key=key, timeout_ms=int(timeout_s * 1000))
+            except Exception as e:
+                if "Barrier timed out" not in str(e):
+                    raise
+                absent = _timed_out_tasks(str(e))
+                _deadline.expire(call, timeout_s, setting=_SETTING, absent=absent)
 
     def write(self, keys: tuple[str, str], work: Callable[[], None]) -> None:
         """Runs `work` on the writer only, between the two barriers of `keys`.
@@ -90,14 +126,16 @@ class Group:
         vain; the others learn of a failed write from the files (see the callers).
         """
         start, end = keys
-        self.barrier(start)
+        what = start.partition(":")[2]
+        self.barrier(start, f"jm.checkpoint's barrier before writing {what}")
         error: BaseException | None = None
         if self.is_writer:
             try:
                 work()
             except BaseException as e:  # raised below, after the others are released
                 error = e
-        self.barrier(end)
+        after = None if self.timeout_s is None else max(self.timeout_s, BARRIER_TIMEOUT_S)
+        self.barrier(end, f"jm.checkpoint's barrier after writing {what}", after)
         if error is not None:
             raise error
 
@@ -111,10 +149,11 @@ class Group:
                 f"(this one spans processes {list(self.processes)} of {jax.process_count()})."
             )
         raw = np.frombuffer(json.dumps(data).encode(), np.uint8)
-        lengths = np.asarray(multihost_utils.process_allgather(np.int32(raw.size)))
-        padded = np.zeros(int(lengths.max()), np.uint8)
-        padded[: raw.size] = raw
-        every = np.asarray(multihost_utils.process_allgather(padded))
+        with _deadline.bounded("jm.checkpoint's gathering of every process's data", self.timeout_s):
+            lengths = np.asarray(multihost_utils.process_allgather(np.int32(raw.size)))
+            padded = np.zeros(int(lengths.max()), np.uint8)
+            padded[: raw.size] = raw
+            every = np.asarray(multihost_utils.process_allgather(padded))
         return [json.loads(bytes(row[:k]).decode()) for row, k in zip(every, lengths)]
 
     def not_written(self, call: str, path: Any) -> RuntimeError:
@@ -122,3 +161,13 @@ class Group:
             f"{call}: process {self.writer}, which writes the checkpoints of this strategy, did "
             f"not complete {path}; its error is raised on process {self.writer}."
         )
+
+
+def _timed_out_tasks(message: str) -> tuple[int, ...] | None:
+    """The process indices a barrier's timeout error lists as absent (JAX's task = process)."""
+    match = _TIMED_OUT_TASKS.search(message + "\n\n")
+    if match is None:
+        return None
+    names = match.group(1)
+    found = re.findall(r"task:(\d+)" if "task:" in names else r"\b(\d+)\b", names)
+    return tuple(sorted({int(t) for t in found})) or None
