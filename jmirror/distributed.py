@@ -41,6 +41,7 @@ import logging
 import operator
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -179,9 +180,33 @@ def initialize(
         heartbeat_timeout_seconds=request.heartbeat_timeout_s,
         coordinator_bind_address=_bind_address(request.coordinator_address),
     )
+    global _sigterm_after_initialize
+    _sigterm_after_initialize = signal.getsignal(signal.SIGTERM)
     if jax.process_count() > 1:
         sys.excepthook = _exit_at_once(sys.excepthook, request.heartbeat_timeout_s + 5)
     _initialized = request
+
+
+# What Python reports as the SIGTERM handler right after jax.distributed started. JAX's
+# preemption notifier installs a C handler then, which Python does not see (it still reports
+# the handler it knew); a different report later means a Python handler replaced JAX's.
+_sigterm_after_initialize: object = signal.SIG_DFL
+
+
+def sigterm_handler_after_initialize() -> object:
+    """What `signal.getsignal(SIGTERM)` said right after `jax.distributed` started (internal).
+
+    JAX's preemption notifier catches SIGTERM with a handler Python does not see; if Python
+    reports another handler later, a Python handler has replaced JAX's. `jm.checkpoint`'s
+    preemption watch asks this. `signal.SIG_DFL` when JAX was started without `initialize`.
+
+    Example:
+      >>> import signal
+      >>> from jmirror import distributed
+      >>> distributed.sigterm_handler_after_initialize() == signal.SIG_DFL
+      True
+    """
+    return _sigterm_after_initialize
 
 
 # A collective that failed because a peer went away (gloo's wording for a closed connection).

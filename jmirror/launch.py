@@ -506,8 +506,10 @@ class _Launch:
                 if late
                 else "still running at a second signal"
             )
-            names = ", ".join(map(str, running))
-            sys.stderr.write(f"jmirror.launch: process {names} {why}; sent SIGKILL\n")
+            names = ("process " if len(running) == 1 else "processes ") + ", ".join(
+                map(str, running)
+            )
+            sys.stderr.write(f"jmirror.launch: {names} {why}; sent SIGKILL\n")
             sys.stderr.flush()
 
     def _stop(self, number: int) -> None:

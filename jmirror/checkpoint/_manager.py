@@ -28,6 +28,7 @@ from typing import Any
 from jmirror._strategy import MirroredStrategy, get_strategy
 from jmirror._values import PyTree
 from jmirror.checkpoint import _checkpoint, _processes, _storage
+from jmirror.checkpoint._preemption import PreemptionMixin
 
 
 def _positive_int(value: Any, name: str, allow_none: bool) -> int | None:
@@ -68,7 +69,7 @@ def _json_copy(data: Any) -> Any:
         ) from None
 
 
-class CheckpointManager:
+class CheckpointManager(PreemptionMixin):
     """Keeps a series of checkpoints of a training state, one per saved step.
 
     Saving copies the state off the devices and, with `async_save`, writes it in the
@@ -128,6 +129,7 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._closed = False
+        self._watch_preemption()  # SIGTERM: see reached_preemption
 
     @property
     def directory(self) -> str:
@@ -217,6 +219,7 @@ class CheckpointManager:
             self._raise_error(wait=True)
         finally:
             self._closed = True
+            self._stop_watching_preemption()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -260,12 +263,14 @@ class CheckpointManager:
             )
         step = _step(step, "CheckpointManager.save")
         self._raise_error(wait=False)
-        if step % self._interval != 0 and not force:
+        if step % self._interval != 0 and not force and not self._is_preemption_step(step):
             return False
         data = _json_copy(data)
         self._raise_error(wait=True)  # one write at a time: the previous one first
         path = self._root / str(step)
         if path.exists() and not force:
+            if self._is_preemption_step(step):  # already saved, e.g. by the interval
+                return True
             raise ValueError(
                 f"CheckpointManager.save: step {step} exists in {self._root}. Pass force=True "
                 "to replace it (atomically), or save a new step."
