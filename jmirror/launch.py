@@ -104,7 +104,11 @@ def _jmirror_die_with_launcher():
             os.closerange(3, keep[0])
             for low, high in zip(keep, keep[1:] + [65536]):
                 os.closerange(low + 1, high)
+            for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(number, signal.SIG_IGN)  # it ends with the program or the group
             ready, _, _ = select.select([alive, read], [], [])
+            if alive not in ready:  # the program ended; the parent-death signal may come
+                ready, _, _ = select.select([alive], [], [], 2.0)  # before the launcher's EOF
             if alive in ready:  # the launcher's end of the pipe is gone: it died
                 os.killpg(os.getpgid(0), signal.SIGKILL)
         finally:
