@@ -60,7 +60,16 @@ def test_options_after_the_script_belong_to_the_script(tmp_path):
     argv = ["--processes", "2", script, "--max-restarts", "3", "--processes", "9", "-m", "x"]
     options = launch._parse(argv)
     assert (options.processes, options.max_restarts) == (2, 0)
-    assert options.program == ["script", script, "--max-restarts", "3", "--processes", "9", "-m", "x"]
+    assert options.program == [
+        "script",
+        script,
+        "--max-restarts",
+        "3",
+        "--processes",
+        "9",
+        "-m",
+        "x",
+    ]
 
 
 def test_double_dash_ends_the_launcher_options(tmp_path):
@@ -114,7 +123,10 @@ def test_a_failure_restarts_every_process_with_a_new_port(tmp_path):
     assert "jmirror.launch: restarting every process (restart 1 of 2, JMIRROR_RESTART=1)" in err
     assert "restart 2 of 2" not in err
     for index in (0, 1):
-        assert f"[{index}] start {index} restart 0" in out and f"[{index}] start {index} restart 1" in out
+        assert (
+            f"[{index}] start {index} restart 0" in out
+            and f"[{index}] start {index} restart 1" in out
+        )
         assert f"[{index}] finished {index}" in out  # only in the restarted run (1 exits at first)
     ports = set(re.findall(r"restart (\d) coordinator 127\.0\.0\.1:(\d+)", out))
     assert len({port for _, port in ports}) == 2, ports  # one port per start, shared by both
