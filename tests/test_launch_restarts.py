@@ -258,11 +258,13 @@ def test_sigkill_of_the_launcher_ends_its_processes_and_their_children(tmp_path)
 
 @starts_processes
 def test_sigkill_of_the_launcher_ends_jax_processes(tmp_path):
-    # The hunt's case: 2 x 4 JAX processes in a loop of cross-process sums ran on for ever.
+    # The hunt's case: 2 x 4 JAX processes in a loop of cross-process sums that prints nothing
+    # (so no write to a closed pipe ends them) ran on for ever.
     worker = str(harness.WORKER)
-    run = _launch(tmp_path, "--processes", "2", "--devices-per-process", "4", worker, "loop")
+    run = _launch(tmp_path, "--processes", "2", "--devices-per-process", "4", worker, "quiet")
     pids = [int(run.wait_for(rf"^\[{i}\] .*pid (\d+)", STARTUP_S).group(1)) for i in (0, 1)]
-    run.wait_for(r"^\[1\] step", STARTUP_S)
+    run.wait_for(r"^\[0\] looping", STARTUP_S)
+    run.wait_for(r"^\[1\] looping", STARTUP_S)
     killed_at = time.monotonic()
     run.popen.send_signal(signal.SIGKILL)
     run.popen.wait(10)
