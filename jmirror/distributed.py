@@ -45,6 +45,7 @@ import signal
 import socket
 import sys
 import time
+from typing import Any
 
 import jax
 
@@ -305,8 +306,8 @@ def _request(
     heartbeat_timeout_s: int,
 ) -> _Request:
     """Resolve the arguments, the launcher's environment and cluster detection into a request."""
-    num_processes = _as_int(num_processes, "num_processes")
-    process_id = _as_int(process_id, "process_id")
+    num_processes = _as_int(num_processes)
+    process_id = _as_int(process_id)
     _check_arguments(coordinator_address, num_processes, process_id, heartbeat_timeout_s)
     given = (coordinator_address, num_processes, process_id)
     launcher = os.environ.get(ENV_COORDINATOR) is not None
@@ -346,12 +347,12 @@ def _request(
     return _Request(source, *resolved, heartbeat_timeout_s, devices, cluster)
 
 
-def _as_int(value: object, name: str) -> object:
+def _as_int(value: Any) -> Any:
     """An integer-like argument (a numpy integer, ...) as an int; anything else unchanged."""
     if value is None or isinstance(value, (bool, int)):
         return value
     try:
-        return operator.index(value)  # type: ignore[arg-type]
+        return operator.index(value)
     except TypeError:
         return value
 
