@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -202,13 +203,16 @@ def _pids(run):
     return [int(run.wait_for(rf"^\[{i}\] pid (\d+)", STARTUP_S).group(1)) for i in (0, 1)]
 
 
-def _resume(out_dir, first_step):
+def _resume(out_dir, first_step=None):
+    """Runs the training again in `out_dir`: it resumes (from `first_step`) and ends."""
     run = _launch(out_dir, WORKER, str(out_dir), "--sleep", "0", name="resumed")
     code, _ = run.wait(RUN_S)
     assert code == 0, run.output()
     out = run.out.read_text()
+    starts = {int(s) for s in re.findall(r"^\[\d\] start (\d+) restart 0$", out, re.M)}
+    assert len(starts) == 1 and starts != {1}, out  # the same step on both, not the first
+    assert first_step is None or starts == {first_step}, out
     for index in (0, 1):
-        assert f"[{index}] start {first_step} restart 0" in out, out
         assert f"[{index}] done" in out
 
 
@@ -288,4 +292,28 @@ def test_max_restarts_after_a_sigkill_resumes_bitwise(tmp_path, uninterrupted):
     starts = re.findall(r"^\[(\d)\] start (\d+) restart 1$", out, re.M)
     assert sorted(i for i, _ in starts) == ["0", "1"] and len({s for _, s in starts}) == 1, out
     assert int(starts[0][1]) > 1  # resumed from a checkpoint, not from the beginning
+    _assert_bitwise_equal(tmp_path, uninterrupted)
+
+
+@starts_processes
+def test_sigkill_of_the_launcher_during_the_grace_period(tmp_path, uninterrupted):
+    # The platform's SIGKILL comes before the processes are done (they never check here):
+    # nothing is left running, and the complete checkpoints resume to the same end.
+    args = (WORKER, str(tmp_path), "--ignore-preemption", "--steps", "24", "--sleep", "0.3")
+    run = _launch(tmp_path, "--grace-period", "60", *args)
+    pids = _pids(run)
+    run.wait_for(r"^\[1\] step 9$", STARTUP_S)
+    run.popen.send_signal(signal.SIGTERM)
+    run.wait_for(r"received SIGTERM; forwarded it", 10)
+    run.popen.send_signal(signal.SIGKILL)
+    run.popen.wait(10)
+    deadline = time.monotonic() + 10  # SPEC: the processes end within 10 s
+    while any(harness.is_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in pids if harness.is_running(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "processes still running 10 s after the launcher's SIGKILL"
+    assert not (tmp_path / "final0.npy").exists()
+    _resume(tmp_path)
     _assert_bitwise_equal(tmp_path, uninterrupted)
