@@ -82,6 +82,10 @@ class CheckpointManager(PreemptionMixin):
     in the calling thread, the first process writes and deletes, and every process sees the
     same steps. Each process saves its own `data`.
 
+    Preemption: while it is open, the manager watches for SIGTERM (the cluster's notice before
+    SIGKILL); `reached_preemption(step)` says when to save and exit, at the same step on every
+    process, and `save_and_exit_if_preempted` does it (see `jmirror/checkpoint/_preemption.py`).
+
     Args:
       directory: the directory of the series (created if missing). One manager at a time
         per directory: opening one removes what killed saves left behind.
@@ -238,7 +242,8 @@ class CheckpointManager(PreemptionMixin):
           data: JSON-able data saved with the step, e.g. `iterator.position`; with several
             processes each process saves its own.
           force: replace the step if it exists (atomically), and save even a step that
-            `save_interval_steps` would skip.
+            `save_interval_steps` would skip. The preemption step (`reached_preemption`) is
+            saved whatever the interval says, and is not an error when it is already saved.
 
         Returns:
           True when the step is saved (or being saved), False when the interval skips it.
