@@ -235,7 +235,9 @@ def _parse(argv: list[str]) -> _Options | int:
             return _usage_error(f"{name} expects {letter} >= {minimum}; got {value}.")
     grace = options.grace_period
     if not grace >= 0 or grace == float("inf"):
-        return _usage_error(f"--grace-period expects S >= 0 seconds; got {grace}.")
+        return _usage_error(
+            f"--grace-period expects S, a finite number of seconds >= 0; got {grace}."
+        )
     if not program:
         return _usage_error("expected a script.py or -m module to run; got neither.")
     if program[0] == "-m":

@@ -34,8 +34,20 @@ def _script(tmp_path, name, code):
     return str(path)
 
 
+_RUNS = []  # every launcher a test started: killed (with its process groups) after the test
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftover_launchers():
+    yield
+    while _RUNS:
+        _RUNS.pop().kill()
+
+
 def _launch(tmp_path, *args, name="launch"):
-    return harness.Background(["-m", "jmirror.launch", *args], tmp_path, name, cwd=tmp_path)
+    run = harness.Background(["-m", "jmirror.launch", *args], tmp_path, name, cwd=tmp_path)
+    _RUNS.append(run)
+    return run
 
 
 def _gone_within(pids, seconds):
@@ -84,7 +96,10 @@ def test_double_dash_ends_the_launcher_options(tmp_path):
         (["{script}", "--processes", "2"], "options must come before the program; '--processes'"),
         (["-m", "mod", "--processes=2"], "'--processes=2' after '-m mod' belongs to the program"),
         (["--processes", "2", "--max-restarts", "-1", "{script}"], "--max-restarts expects K >= 0"),
-        (["--processes", "2", "--grace-period", "-1", "{script}"], "--grace-period expects S >= 0"),
+        (
+            ["--processes", "2", "--grace-period", "-1", "{script}"],
+            "--grace-period expects S, a finite number of seconds >= 0; got -1.0",
+        ),
         (["--processes", "2", "--grace-period", "nan", "{script}"], "--grace-period expects"),
         (["--processes", "2", "--grace-period", "soon", "{script}"], "invalid float value"),
         (["--proc", "2", "{script}"], "unrecognized arguments: --proc"),  # no abbreviations
