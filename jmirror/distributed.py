@@ -12,7 +12,16 @@ CPU collectives through gloo, from one of three sources, in this order:
 3. JAX's own cluster detection, used only when a cluster is detected: a SLURM job step of
    several tasks, an Open MPI job of several ranks, or a Kubernetes Indexed Job or JobSet.
 
-With none of them it is one process and `initialize` does nothing.
+With none of them it is one process and `initialize` does nothing. The launcher also sets
+`JMIRROR_RESTART` (`ENV_RESTART`): how many times it restarted the run before this start
+(`--max-restarts`), `"0"` the first time; `initialize` does not need it.
+
+The configuration is checked before JAX is asked, so that a mistake is an error at once (not
+a wait of up to 300 s for a coordinator, or an `IndexError` from JAX): an address that is not
+`host:port` with a port in 1-65535, or a host that does not resolve, is a `ValueError` naming
+the argument or variable, its value and the fix; so are `JMIRROR_NUM_PROCESSES` /
+`JMIRROR_PROCESS_ID` without `JMIRROR_COORDINATOR` and the reverse. On process 0, a coordinator
+port that another program already listens on is an `OSError` (`EADDRINUSE`) naming the port.
 
 Lost processes: JAX's coordination service ends every process of the run when one stops
 sending heartbeats for `heartbeat_timeout_s` seconds. jmirror sets 10 s instead of JAX's
@@ -134,9 +143,11 @@ def initialize(
       RuntimeError: JAX's backends are already initialized (something touched a device
         first), or `initialize` already ran with another configuration, or
         `jax.distributed.initialize` was already called directly.
-      ValueError: an argument or a `JMIRROR_*` variable is out of range or malformed, or only
-        some of the three were given outside a cluster.
+      ValueError: an argument or a `JMIRROR_*` variable is out of range or malformed (an
+        address that is not `host:port` with a port in 1-65535, a host that does not
+        resolve), or only some of the three were given outside a cluster.
       TypeError: an argument has the wrong type.
+      OSError: on process 0, the coordinator's port is already in use (errno `EADDRINUSE`).
 
     Example:
       Alone (no arguments, no launcher, no cluster), it does nothing:
