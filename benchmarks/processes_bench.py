@@ -8,7 +8,12 @@ warm-up that compiles both, each timed over STEPS steps, ROUNDS times (the media
   (a) step: the global batch placed once (its rows on each process's devices), reused;
   (b) input: the same batch, STEPS times, through `strategy.distribute_dataset` (prefetch=2)
       each round: placing each process's rows and, with several processes, the per-batch
-      agreement that an uneven source never leaves a process waiting alone.
+      agreement that an uneven source never leaves a process waiting alone;
+  (c) preempt: loop (a) with `manager.reached_preemption(step)` after every step, as the
+      README's preemption loop does (JAX's preemption sync point with several processes).
+
+Then the cost of `reached_preemption` alone: CALLS calls in a tight loop (increasing steps),
+the median of ROUNDS, per call, and as a fraction of loop (a)'s median step.
 
 Run it alone, then under the launcher:
 
@@ -24,8 +29,11 @@ expected to be slower there: this measures that cost, not a gain.
 """
 
 import argparse
+import itertools
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,6 +57,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--steps", type=int, default=40, help="steps per timed round")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per loop")
+    parser.add_argument("--calls", type=int, default=2000, help="reached_preemption calls")
     return parser.parse_args()
 
 
@@ -83,20 +92,53 @@ def main() -> None:
     def fed():
         return strategy.distribute_dataset([(x, y)] * args.steps, remainder="error")
 
+    # Every process opens the manager on one directory (it never saves here).
+    run_name = os.environ.get(jm.distributed.ENV_COORDINATOR, "alone").replace(":", "_")
+    directory = f"{tempfile.gettempdir()}/jmirror_processes_bench_{run_name}"
+    manager = jm.checkpoint.CheckpointManager(directory)
+    counter = itertools.count(1)  # the steps given to reached_preemption: increasing
+
+    def checked(batches):
+        for batch in batches:
+            yield batch
+            if manager.reached_preemption(next(counter)):
+                raise SystemExit("preempted during the benchmark")
+
+    def calls() -> float:
+        """Seconds per reached_preemption call, over args.calls calls."""
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            manager.reached_preemption(next(counter))
+        return (time.perf_counter() - start) / args.calls
+
     run([placed] * 3)  # compile, warm up
     run(fed())
-    rates: dict[str, list[float]] = {"step": [], "input": []}
-    for _ in range(args.rounds):  # interleaved, so that drift hits both loops alike
+    run(checked([placed] * 3))
+    rates: dict[str, list[float]] = {"step": [], "input": [], "preempt": []}
+    per_call: list[float] = []
+    for _ in range(args.rounds):  # interleaved, so that drift hits every loop alike
         rates["step"].append(run([placed] * args.steps))
         rates["input"].append(run(fed()))
+        rates["preempt"].append(run(checked([placed] * args.steps)))
+        per_call.append(calls())
+    manager.close()
     if strategy.process_index == 0:
         layout = f"{strategy.num_processes} x {strategy.num_local_replicas}"
         for name, values in rates.items():
             print(
-                f"{layout} {name:>5}: {statistics.median(values):6.1f} steps/s "
+                f"{layout} {name:>7}: {statistics.median(values):6.1f} steps/s "
                 f"(median of {args.rounds} x {args.steps} steps; min {min(values):.1f}, "
                 f"max {max(values):.1f}), MLP hidden {args.hidden}, global batch {GLOBAL_BATCH}"
             )
+        step_s = 1 / statistics.median(rates["step"])
+        call_s = statistics.median(per_call)
+        loops = statistics.median(rates["step"]) / statistics.median(rates["preempt"])
+        print(
+            f"{layout} reached_preemption: {call_s * 1e6:.2f} us per call (median of "
+            f"{args.rounds} x {args.calls} calls; min {min(per_call) * 1e6:.2f}, max "
+            f"{max(per_call) * 1e6:.2f}) = {call_s / step_s:.4%} of a step of "
+            f"{step_s * 1e3:.2f} ms; loop (c) / loop (a) step time: {loops:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,16 @@ CPU collectives through gloo, from one of three sources, in this order:
 3. JAX's own cluster detection, used only when a cluster is detected: a SLURM job step of
    several tasks, an Open MPI job of several ranks, or a Kubernetes Indexed Job or JobSet.
 
-With none of them it is one process and `initialize` does nothing.
+With none of them it is one process and `initialize` does nothing. The launcher also sets
+`JMIRROR_RESTART` (`ENV_RESTART`): how many times it restarted the run before this start
+(`--max-restarts`), `"0"` the first time; `initialize` does not need it.
+
+The configuration is checked before JAX is asked, so that a mistake is an error at once (not
+a wait of up to 300 s for a coordinator, or an `IndexError` from JAX): an address that is not
+`host:port` with a port in 1-65535, or a host that does not resolve, is a `ValueError` naming
+the argument or variable, its value and the fix; so are `JMIRROR_NUM_PROCESSES` /
+`JMIRROR_PROCESS_ID` without `JMIRROR_COORDINATOR` and the reverse. On process 0, a coordinator
+port that another program already listens on is an `OSError` (`EADDRINUSE`) naming the port.
 
 Lost processes: JAX's coordination service ends every process of the run when one stops
 sending heartbeats for `heartbeat_timeout_s` seconds. jmirror sets 10 s instead of JAX's
@@ -34,14 +43,19 @@ network only.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import importlib.util
 import ipaddress
 import logging
 import math
+import operator
 import os
 import re
+import signal
+import socket
 import sys
 import time
+from typing import Any
 
 import jax
 
@@ -52,6 +66,7 @@ __all__ = [
     "ENV_DEVICES_PER_PROCESS",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
+    "ENV_RESTART",
     "check_initialized",
     "initialize",
     "is_initialized",
@@ -61,6 +76,7 @@ ENV_COORDINATOR = "JMIRROR_COORDINATOR"
 ENV_NUM_PROCESSES = "JMIRROR_NUM_PROCESSES"
 ENV_PROCESS_ID = "JMIRROR_PROCESS_ID"
 ENV_DEVICES_PER_PROCESS = "JMIRROR_DEVICES_PER_PROCESS"
+ENV_RESTART = "JMIRROR_RESTART"  # set by the launcher: restarts before this start ("0" first)
 
 _TOO_LATE = (
     "jm.distributed.initialize() must run before anything touches a device, but JAX's backends "
@@ -135,9 +151,11 @@ def initialize(
       RuntimeError: JAX's backends are already initialized (something touched a device
         first), or `initialize` already ran with another configuration, or
         `jax.distributed.initialize` was already called directly.
-      ValueError: an argument or a `JMIRROR_*` variable is out of range or malformed, or only
-        some of the three were given outside a cluster.
+      ValueError: an argument or a `JMIRROR_*` variable is out of range or malformed (an
+        address that is not `host:port` with a port in 1-65535, a host that does not
+        resolve), or only some of the three were given outside a cluster.
       TypeError: an argument has the wrong type.
+      OSError: on process 0, the coordinator's port is already in use (errno `EADDRINUSE`).
 
     Example:
       Alone (no arguments, no launcher, no cluster), it does nothing:
@@ -171,11 +189,14 @@ def initialize(
             "direct call of jax.distributed.initialize(). Call one of them, not both: "
             "jm.distributed.initialize() also selects gloo and a short heartbeat timeout."
         )
+    _check_port_free(request)
     _check_backends_not_initialized(_describe(request))
     if request.devices_per_process is not None:
         jax.config.update("jax_num_cpu_devices", request.devices_per_process)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     _join(request, timeout)
+    global _sigterm_after_initialize
+    _sigterm_after_initialize = signal.getsignal(signal.SIGTERM)
     if jax.process_count() > 1:
         sys.excepthook = _exit_at_once(sys.excepthook, request.heartbeat_timeout_s + 5)
     _initialized = request
@@ -223,6 +244,28 @@ def _not_joined(request: _Request) -> str:
     if me != 0:
         text += f" Process 0 runs the coordination service: check that it started at {where}."
     return text
+
+
+# What Python reports as the SIGTERM handler right after jax.distributed started. JAX's
+# preemption notifier installs a C handler then, which Python does not see (it still reports
+# the handler it knew); a different report later means a Python handler replaced JAX's.
+_sigterm_after_initialize: object = signal.SIG_DFL
+
+
+def sigterm_handler_after_initialize() -> object:
+    """What `signal.getsignal(SIGTERM)` said right after `jax.distributed` started (internal).
+
+    JAX's preemption notifier catches SIGTERM with a handler Python does not see; if Python
+    reports another handler later, a Python handler has replaced JAX's. `jm.checkpoint`'s
+    preemption watch asks this. `signal.SIG_DFL` when JAX was started without `initialize`.
+
+    Example:
+      >>> import signal
+      >>> from jmirror import distributed
+      >>> distributed.sigterm_handler_after_initialize() == signal.SIG_DFL
+      True
+    """
+    return _sigterm_after_initialize
 
 
 # A collective that failed because a peer went away (gloo's wording for a closed connection).
@@ -322,11 +365,19 @@ def _request(
     heartbeat_timeout_s: int,
 ) -> _Request:
     """Resolve the arguments, the launcher's environment and cluster detection into a request."""
+    num_processes = _as_int(num_processes)
+    process_id = _as_int(process_id)
     _check_arguments(coordinator_address, num_processes, process_id, heartbeat_timeout_s)
     given = (coordinator_address, num_processes, process_id)
     launcher = os.environ.get(ENV_COORDINATOR) is not None
+    if not launcher:
+        _check_no_partial_launcher_environment()
+    variable = None
+    if launcher and coordinator_address is None:
+        coordinator_address = os.environ[ENV_COORDINATOR]
+        variable = ENV_COORDINATOR
+        _check_address(coordinator_address, ENV_COORDINATOR, variable)
     if launcher:
-        coordinator_address = coordinator_address or os.environ[ENV_COORDINATOR]
         if num_processes is None:
             num_processes = _int_from_env(ENV_NUM_PROCESSES, 1)
         if process_id is None:
@@ -340,6 +391,8 @@ def _request(
     cluster = None if complete else _detect_cluster()
     if num_processes is not None and process_id is not None:
         _check_range(num_processes, process_id, f"from the {source}")
+    if complete and coordinator_address is not None:
+        _check_host_resolves(coordinator_address, variable)
     if not complete and cluster is None:
         if given == (None, None, None):
             return _Request("one process", None, None, None, heartbeat_timeout_s, None, None)
@@ -351,6 +404,31 @@ def _request(
             "program with python -m jmirror.launch."
         )
     return _Request(source, *resolved, heartbeat_timeout_s, devices, cluster)
+
+
+def _as_int(value: Any) -> Any:
+    """An integer-like argument (a numpy integer, ...) as an int; anything else unchanged."""
+    if value is None or isinstance(value, (bool, int)):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
+
+
+def _check_no_partial_launcher_environment() -> None:
+    """`JMIRROR_NUM_PROCESSES` / `JMIRROR_PROCESS_ID` without `JMIRROR_COORDINATOR`: an error.
+
+    Otherwise the process would silently run alone although its environment asks for several.
+    """
+    found = [n for n in (ENV_NUM_PROCESSES, ENV_PROCESS_ID) if os.environ.get(n) is not None]
+    if found:
+        values = ", ".join(f"{n}={os.environ[n]!r}" for n in found)
+        raise ValueError(
+            f"jm.distributed.initialize() found {values} but no {ENV_COORDINATOR}: a run of "
+            f"several processes needs all three. Set {ENV_COORDINATOR}='host:port' of process "
+            "0, or unset them to run one process (python -m jmirror.launch sets all three)."
+        )
 
 
 _NAMES = ("coordinator_address", "num_processes", "process_id")
@@ -395,13 +473,89 @@ def _check_arguments(
         )
 
 
-def _check_address(address: str, where: str) -> None:
+def _check_address(address: str, where: str, variable: str | None = None) -> None:
+    """`host:port` with a host and a port in 1-65535, else a ValueError naming the fix.
+
+    `where` names the argument; `variable`, when the address came from the environment, the
+    variable it was read from.
+    """
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not address.strip():
+        problem = "it is empty"
+    elif not sep:
+        problem = "it has no ':port'"
+    elif not host:
+        problem = "the host before ':' is missing"
+    elif not port.isdigit():
+        problem = f"the port {port!r} is not a number"
+    elif not 0 < int(port) < 65536:
+        problem = f"the port {int(port)} is not in 1-65535"
+    elif host.strip() != host or any(c.isspace() for c in host):
+        problem = "the host contains spaces"
+    else:
+        return
+    if variable is not None:
         raise ValueError(
-            f"jm.distributed.initialize() expects {where} as 'host:port' with a port in "
-            f"1-65535, e.g. '10.0.0.1:1234'; got {address!r}."
+            f"jm.distributed.initialize() reads {variable} as the coordinator's 'host:port' "
+            f"with a port in 1-65535, e.g. '10.0.0.1:1234'; found {variable}={address!r}: "
+            f"{problem}. Fix or unset it (python -m jmirror.launch sets it), or pass "
+            "coordinator_address."
         )
+    raise ValueError(
+        f"jm.distributed.initialize() expects {where} as 'host:port' with a port in "
+        f"1-65535, e.g. '10.0.0.1:1234'; got {address!r}: {problem}."
+    )
+
+
+def _check_host_resolves(address: str, variable: str | None) -> None:
+    """A host name that does not resolve is an error now, not JAX's 300 s connection wait."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as error:
+        source = f"{variable}={address!r}" if variable else f"coordinator_address={address!r}"
+        raise ValueError(
+            f"jm.distributed.initialize(): the coordinator's host {host!r} ({source}) does not "
+            f"resolve to an address ({error}). Give process 0's host name or IP address."
+        ) from None
+
+
+def _check_port_free(request: _Request) -> None:
+    """On process 0, a coordinator port already in use is an `OSError` now.
+
+    JAX would otherwise fail to start its service ("Failed to start RPC server") only after
+    about half a minute, without naming the port. The port is probed on the address JAX will
+    bind (with `SO_REUSEADDR`, as gRPC binds, so that connections closing on it do not count).
+    """
+    address = request.coordinator_address
+    if request.process_id != 0 or address is None:
+        return
+    bind = _bind_address(address) or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
+    port = int(address.rpartition(":")[2])
+    host = bind.rpartition(":")[0].strip("[]") if bind else "::"
+    families = [socket.AF_INET6, socket.AF_INET] if ":" in host else [socket.AF_INET]
+    for family in families:
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 here: JAX's "[::]" is IPv4's every interface
+            host = "0.0.0.0" if host == "::" else host
+            continue
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as error:
+                if error.errno != errno.EADDRINUSE:
+                    return  # not ours to judge (an address of another machine, ...): JAX's
+                raise OSError(
+                    errno.EADDRINUSE,
+                    f"jm.distributed.initialize(): the coordinator port {port} "
+                    f"({address!r}) is already in use on this machine, so process 0 cannot "
+                    "start the coordination service there. Choose a free port (python -m "
+                    "jmirror.launch picks one itself), or stop the program that holds it "
+                    "(e.g. an earlier run still alive).",
+                ) from None
+        return
 
 
 def _check_range(num_processes: int, process_id: int, where: str) -> None:
@@ -414,7 +568,14 @@ def _check_range(num_processes: int, process_id: int, where: str) -> None:
 
 
 def _int_from_env(name: str, minimum: int) -> int:
-    text = os.environ[name]
+    text = os.environ.get(name)
+    if text is None:
+        raise ValueError(
+            f"jm.distributed.initialize() found {ENV_COORDINATOR}="
+            f"{os.environ.get(ENV_COORDINATOR)!r} but no {name}: a run of several processes "
+            f"needs {ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID}. Set {name} "
+            "(python -m jmirror.launch sets all three), or pass the arguments."
+        )
     try:
         value = int(text)
     except ValueError:

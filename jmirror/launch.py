@@ -1,13 +1,16 @@
 """`python -m jmirror.launch`: run one program as several local processes, as on several machines.
 
-    python -m jmirror.launch --processes P [--devices-per-process D] (script.py | -m module) [args]
+    python -m jmirror.launch --processes P [--devices-per-process D] [--max-restarts K]
+        [--grace-period S] (script.py | -m module) [args]
 
 starts P processes of `script.py args` (or `python -m module args`) on this machine, each told
 by environment variables (`jm.distributed.ENV_*`) to join one run: a coordinator on
 127.0.0.1 and a free port, process indices 0 to P-1 and, on CPU, D XLA:CPU host devices each
 (default 1). The program calls `jm.distributed.initialize()` first, which reads them. Unless
 `JAX_PLATFORMS` is set, the processes use the CPU backend (`JAX_PLATFORMS=cpu`), so that P
-processes on one machine never share an accelerator by accident.
+processes on one machine never share an accelerator by accident. As with `python`, every word
+after the script (or `-m module`) belongs to the program, options included; `-mmodule` is
+`-m module`.
 
 Every line a process prints (stdout and stderr) is printed with its index first (`[0] `,
 `[1] `, ...). The launcher returns 0 when every process exits with 0. When one fails (a
@@ -15,8 +18,27 @@ non-zero exit code, an uncaught exception, a signal), it stops the others (SIGTE
 SIGKILL 3 s later: under `jax.distributed` a process catches SIGTERM, and one that exits waits
 for its peers in JAX's exit hook, so only SIGKILL is sure) and returns the first failing
 process's code, naming it on stderr. A process killed by a signal counts as 128 + the signal
-number, as a shell reports it. Ctrl-C or SIGTERM to the launcher stops every process the same
-way (each runs in its own process group, so its own children are stopped too).
+number, as a shell reports it. Each process runs in its own process group, so its own children
+are stopped with it.
+
+Restarts (`--max-restarts K`, default 0): when a process fails, every process is stopped as
+above and all of them are started again, with a new coordinator port, at most K times; the
+K+1-th failure ends the launcher with that failure's code. Each start tells the program how
+many restarts came before it in `JMIRROR_RESTART` (`"0"` the first time, `jm.distributed.
+ENV_RESTART`); a program that resumes from `manager.latest_step()` needs nothing else.
+
+SIGTERM to the launcher (what SLURM and Kubernetes send before SIGKILL) is forwarded to every
+process (its process group), which then have `--grace-period` seconds (default 30) to save and
+exit (see `CheckpointManager.reached_preemption`); those still running then are SIGKILLed. The
+launcher returns 0 if every process exited with 0, else 143 (128 + SIGTERM). Ctrl-C (SIGINT)
+stops every process at once as a failure does and returns 130 (0 if every process exited 0).
+A second SIGTERM or SIGINT SIGKILLs the processes without waiting. Neither is restarted.
+
+If the launcher itself dies, even by SIGKILL, its processes end within about a second and leave
+no orphans: on Linux each process has the kernel kill it when the launcher dies
+(`PR_SET_PDEATHSIG`), and on every platform a small watcher forked beside each process (in its
+process group) SIGKILLs the whole group, the program's own children included, once a pipe held
+only by the launcher reaches end-of-file.
 
 Each process runs the program under a short bootstrap that reports a failing exit code to the
 launcher through a pipe as soon as the program ends, before JAX's exit hook starts waiting for
@@ -41,20 +63,62 @@ from typing import Any
 __all__ = ["main"]
 
 USAGE = (
-    "python -m jmirror.launch --processes P [--devices-per-process D] "
-    "(script.py | -m module) [args]"
+    "python -m jmirror.launch --processes P [--devices-per-process D] [--max-restarts K] "
+    "[--grace-period S] (script.py | -m module) [args]"
 )
-STOP_GRACE_S = 3.0  # SIGTERM, then SIGKILL this much later
+STOP_GRACE_S = 3.0  # after a failure or Ctrl-C: SIGTERM, then SIGKILL this much later
+GRACE_PERIOD_S = 30.0  # after SIGTERM to the launcher (--grace-period)
 _DRAIN_S = 1.0  # after the last process exits, how long its children may still hold the pipes
 _STATUS_FD = "JMIRROR_LAUNCH_STATUS_FD"
+_ALIVE_FD = "JMIRROR_LAUNCH_ALIVE_FD"
+_PARENT = "JMIRROR_LAUNCH_PID"
+_RESTART = "JMIRROR_RESTART"  # jm.distributed.ENV_RESTART
+_OPTIONS_WITH_VALUE = ("--processes", "--devices-per-process", "--max-restarts", "--grace-period")
 
 # Runs in each process: the program as `python script.py` / `python -m module` would run it,
 # then a failing exit code written to the launcher's pipe before the interpreter exits (and
-# waits in JAX's exit hook for the other processes).
+# waits in JAX's exit hook for the other processes). First, it makes sure that the process
+# (and its own children) end when the launcher dies: the kernel's parent-death signal (Linux)
+# and a watcher process forked into this process group that SIGKILLs the group once the
+# launcher's pipe closes (no thread of this process: a thread would need the GIL to act).
 _BOOTSTRAP = """\
-import os, runpy, sys
+import os, runpy, select, signal, sys
+def _jmirror_die_with_launcher():
+    alive = int(os.environ.pop("JMIRROR_LAUNCH_ALIVE_FD"))
+    parent = int(os.environ.pop("JMIRROR_LAUNCH_PID"))
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        except Exception:
+            pass
+    if os.getppid() != parent:  # the launcher died before the line above
+        os._exit(128 + int(signal.SIGKILL))
+    read, write = os.pipe()  # closed (end-of-file) when this process ends
+    if os.fork() == 0:
+        try:
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            keep = sorted({alive, read})
+            os.closerange(3, keep[0])
+            for low, high in zip(keep, keep[1:] + [65536]):
+                os.closerange(low + 1, high)
+            for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(number, signal.SIG_IGN)  # it ends with the program or the group
+            ready, _, _ = select.select([alive, read], [], [])
+            if alive not in ready:  # the program ended; the parent-death signal may come
+                ready, _, _ = select.select([alive], [], [], 2.0)  # before the launcher's EOF
+            if alive in ready:  # the launcher's end of the pipe is gone: it died
+                os.killpg(os.getpgid(0), signal.SIGKILL)
+        finally:
+            os._exit(0)
+    os.close(read)
+    os.close(alive)
+    return write
 def _jmirror_launch_child():
     fd = int(os.environ.pop("JMIRROR_LAUNCH_STATUS_FD"))
+    _jmirror_launch_child.alive = _jmirror_die_with_launcher()
     kind, target = sys.argv[1], sys.argv[2]
     sys.argv = [target] + sys.argv[3:]
     def report(code):
@@ -82,6 +146,17 @@ _jmirror_launch_child()
 """
 
 
+@dataclass(frozen=True)
+class _Options:
+    """The launcher's command line, parsed."""
+
+    processes: int
+    devices: int
+    max_restarts: int
+    grace_period: float
+    program: list[str]  # ["-m", module, *args] or ["script", path, *args]
+
+
 @dataclass
 class _Process:
     """One launched process: its Popen, its output pipes and what it reported."""
@@ -99,12 +174,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Args:
       argv: the command line after `python -m jmirror.launch` (default `sys.argv[1:]`):
-        `--processes P [--devices-per-process D] (script.py | -m module) [args]`.
+        `--processes P [--devices-per-process D] [--max-restarts K] [--grace-period S]
+        (script.py | -m module) [args]`.
 
     Returns:
       0 when every process exited with 0; else the first failing process's exit code (128 +
-      the signal number for a signal); 2 for a usage error; 128 + the signal number when the
-      launcher was stopped by SIGINT or SIGTERM.
+      the signal number for a signal), of the last start when restarts are allowed; 2 for a
+      usage error; 128 + the signal number when the launcher was stopped by SIGINT or SIGTERM
+      and some process did not exit with 0.
 
     Example:
       >>> from jmirror.launch import main
@@ -112,11 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
       [0] ...
       0
     """
-    parsed = _parse(list(sys.argv[1:] if argv is None else argv))
-    if isinstance(parsed, int):
-        return parsed
-    processes, devices, kind, target, args = parsed
-    return _Launch(processes, devices, [kind, target, *args]).run()
+    options = _parse(list(sys.argv[1:] if argv is None else argv))
+    if isinstance(options, int):
+        return options
+    return _Launch(options).run()
 
 
 def _usage_error(message: str) -> int:
@@ -124,46 +200,80 @@ def _usage_error(message: str) -> int:
     return 2
 
 
-def _parse(argv: list[str]) -> tuple[int, int, str, str, list[str]] | int:
+def _parse(argv: list[str]) -> _Options | int:
     """Split options from the program; a usage error prints and returns 2."""
     split = _program_start(argv)
-    parser = argparse.ArgumentParser(prog="python -m jmirror.launch", usage=USAGE, add_help=True)
-    parser.add_argument("--processes", type=int, required=True, metavar="P")
+    parser = argparse.ArgumentParser(
+        prog="python -m jmirror.launch", usage=USAGE, add_help=True, allow_abbrev=False
+    )
+    parser.add_argument("--processes", type=int, metavar="P")
     parser.add_argument("--devices-per-process", type=int, default=1, metavar="D")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="K")
+    parser.add_argument("--grace-period", type=float, default=GRACE_PERIOD_S, metavar="S")
     try:
         options = parser.parse_args(argv[:split])
     except SystemExit as exit:  # argparse printed the usage error or the help
         return exit.code if isinstance(exit.code, int) else 2
-    if options.processes < 1:
-        return _usage_error(f"--processes expects P >= 1; got {options.processes}.")
-    if options.devices_per_process < 1:
-        return _usage_error(
-            f"--devices-per-process expects D >= 1; got {options.devices_per_process}."
-        )
     program = argv[split:]
+    if options.processes is None:
+        late = [w for w in program[1:] if w.split("=")[0] in _OPTIONS_WITH_VALUE]
+        if late:
+            return _usage_error(
+                f"the launcher's options must come before the program; {late[0]!r} after "
+                f"{' '.join(program[:2] if program[0] == '-m' else program[:1])!r} belongs to "
+                "the program, as with python. Write: python -m jmirror.launch --processes P "
+                "... script.py [its args]."
+            )
+        return _usage_error("the following arguments are required: --processes")
+    for name, value, minimum in (
+        ("--processes", options.processes, 1),
+        ("--devices-per-process", options.devices_per_process, 1),
+        ("--max-restarts", options.max_restarts, 0),
+    ):
+        if value < minimum:
+            letter = {"--processes": "P", "--devices-per-process": "D"}.get(name, "K")
+            return _usage_error(f"{name} expects {letter} >= {minimum}; got {value}.")
+    grace = options.grace_period
+    if not grace >= 0 or grace == float("inf"):
+        return _usage_error(
+            f"--grace-period expects S, a finite number of seconds >= 0; got {grace}."
+        )
     if not program:
         return _usage_error("expected a script.py or -m module to run; got neither.")
     if program[0] == "-m":
-        if len(program) < 2 or not program[1]:
+        if len(program) < 2 or not program[1] or program[1].startswith("-"):
             return _usage_error("-m expects a module name, e.g. -m mypackage.train.")
-        return options.processes, options.devices_per_process, "-m", program[1], program[2:]
-    if not os.path.isfile(program[0]):
+        kind, target, args = "-m", program[1], program[2:]
+    elif not os.path.isfile(program[0]):
         return _usage_error(
             f"script {program[0]!r} not found (from {os.getcwd()!r}); give a script.py path "
             "or -m module."
         )
-    return options.processes, options.devices_per_process, "script", program[0], program[1:]
+    else:
+        kind, target, args = "script", program[0], program[1:]
+    return _Options(
+        options.processes,
+        options.devices_per_process,
+        options.max_restarts,
+        grace,
+        [kind, target, *args],
+    )
 
 
 def _program_start(argv: list[str]) -> int:
-    """Index of the first word of the program: `-m` or the first word that is not an option."""
-    with_value = {"--processes", "--devices-per-process"}
+    """Index of the first word of the program (`-m`, made so from `-mmodule`), in place."""
     i = 0
     while i < len(argv):
         word = argv[i]
-        if word == "-m" or not word.startswith("-"):
+        if word.startswith("-m") and len(word) > 2 and not word.startswith("--"):
+            argv[i : i + 1] = ["-m", word[2:]]  # python's attached form, -mmodule
             return i
-        i += 2 if word in with_value else 1
+        if word == "-m" or not word.startswith("-") or word == "-":
+            return i
+        if word == "--":  # the end of the launcher's options
+            del argv[i]
+            return i
+        i += 2 if word in _OPTIONS_WITH_VALUE else 1
     return len(argv)
 
 
@@ -178,13 +288,16 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
 def _describe_failure(process: _Process, code: int) -> str:
     if process.reported is None and code > 128 and process.popen.returncode == 128 - code:
-        number = code - 128
-        try:
-            name = signal.Signals(number).name
-        except ValueError:
-            name = f"signal {number}"
+        name = _signal_name(code - 128)
         return f"process {process.index} was killed by {name} (exit code {code})"
     return f"process {process.index} exited with code {code}"
 
@@ -192,28 +305,57 @@ def _describe_failure(process: _Process, code: int) -> str:
 class _Launch:
     """Starts the processes, copies their output line by line and stops them all on failure."""
 
-    def __init__(self, processes: int, devices: int, program: list[str]) -> None:
-        self.count = processes
-        self.devices = devices
-        self.program = program
+    def __init__(self, options: _Options) -> None:
+        self.options = options
+        self.count = options.processes
         self.selector = selectors.DefaultSelector()
         self.processes: list[_Process] = []
         self.first_failure: tuple[_Process, int] | None = None
         self.stop_signal: int | None = None
+        self.signals = 0  # how many SIGINT / SIGTERM arrived
         self.kill_at: float | None = None  # when stopping: the time of SIGKILL
+        self.killed = False  # SIGKILL sent
+        self.restarts = 0
+        # The launcher holds the only write end of this pipe: each process's watcher sees
+        # end-of-file when the launcher is gone, however it ended.
+        self.alive_read, self.alive_write = os.pipe()
 
     def run(self) -> int:
         previous = self._install_signal_handlers()
         try:
-            self._start()
-            self._supervise()
+            while True:
+                self._start()
+                self._supervise()
+                self._reap()
+                if not self._restart():
+                    break
         finally:
             self._stop(signal.SIGKILL)  # only reached early by an error of the launcher
             self._reap()
             self.selector.close()
+            os.close(self.alive_read)
+            os.close(self.alive_write)
             for handled, handler in previous.items():
                 signal.signal(handled, handler)
         return self._result()
+
+    def _restart(self) -> bool:
+        """After a failure with restarts left: announce it and reset for a new start."""
+        if self.first_failure is None or self.stop_signal is not None:
+            return False
+        if self.restarts >= self.options.max_restarts:
+            return False
+        self.restarts += 1
+        sys.stderr.write(
+            f"jmirror.launch: restarting every process (restart {self.restarts} of "
+            f"{self.options.max_restarts}, {_RESTART}={self.restarts})\n"
+        )
+        sys.stderr.flush()
+        self.processes = []
+        self.first_failure = None
+        self.kill_at = None
+        self.killed = False
+        return True
 
     def _install_signal_handlers(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
@@ -224,6 +366,7 @@ class _Launch:
         return previous
 
     def _on_signal(self, number: int, frame: object) -> None:
+        self.signals += 1
         if self.stop_signal is None:
             self.stop_signal = number
 
@@ -236,19 +379,22 @@ class _Launch:
                 JMIRROR_COORDINATOR=coordinator,
                 JMIRROR_NUM_PROCESSES=str(self.count),
                 JMIRROR_PROCESS_ID=str(index),
-                JMIRROR_DEVICES_PER_PROCESS=str(self.devices),
+                JMIRROR_DEVICES_PER_PROCESS=str(self.options.devices),
                 PYTHONUNBUFFERED="1",
             )
+            env[_RESTART] = str(self.restarts)
             env[_STATUS_FD] = str(write_fd)
+            env[_ALIVE_FD] = str(self.alive_read)
+            env[_PARENT] = str(os.getpid())
             env.setdefault("JAX_PLATFORMS", "cpu")
             try:
                 popen = subprocess.Popen(
-                    [sys.executable, "-c", _BOOTSTRAP, *self.program],
+                    [sys.executable, "-c", _BOOTSTRAP, *self.options.program],
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     env=env,
-                    pass_fds=(write_fd,),
+                    pass_fds=(write_fd, self.alive_read),
                     start_new_session=True,
                 )
             finally:
@@ -270,9 +416,13 @@ class _Launch:
             if self.kill_at is None and (self.first_failure or self.stop_signal):
                 self._announce()
                 self._stop(signal.SIGTERM)
-                self.kill_at = now + STOP_GRACE_S
-            elif self.kill_at is not None and now >= self.kill_at:
-                self._stop(signal.SIGKILL)
+                self.kill_at = now + self._grace()
+            elif not self.killed and self.kill_at is not None:
+                if now >= self.kill_at or self.signals > 1:
+                    if any(p.code is None for p in self.processes):
+                        self._announce_kill(now >= self.kill_at)
+                    self._stop(signal.SIGKILL)
+                    self.killed = True
             if all(p.code is not None for p in self.processes):
                 drain_until = drain_until or now + _DRAIN_S
                 # Children of the processes may hold the pipes open: wait only so long.
@@ -281,6 +431,11 @@ class _Launch:
         for key in list(self.selector.get_map().values()):
             self.selector.unregister(key.fd)
             self._flush(key.data, key.fd)
+
+    def _grace(self) -> float:
+        if self.first_failure is None and self.stop_signal == signal.SIGTERM:
+            return self.options.grace_period
+        return STOP_GRACE_S
 
     def _read(self, process: _Process, fd: int) -> None:
         try:
@@ -337,10 +492,31 @@ class _Launch:
             message = _describe_failure(process, code) + others
         else:
             assert self.stop_signal is not None
-            name = signal.Signals(self.stop_signal).name
-            message = f"received {name}; stopped every process"
+            name = _signal_name(self.stop_signal)
+            if self.stop_signal == signal.SIGTERM:
+                grace = self.options.grace_period
+                message = (
+                    f"received {name}; forwarded it to every process, which have {grace:g} s "
+                    "(--grace-period) to save and exit before SIGKILL"
+                )
+            else:
+                message = f"received {name}; stopped every process"
         sys.stderr.write(f"jmirror.launch: {message}\n")
         sys.stderr.flush()
+
+    def _announce_kill(self, late: bool) -> None:
+        running = [p.index for p in self.processes if p.code is None]
+        if self.first_failure is None and self.stop_signal == signal.SIGTERM:
+            why = (
+                f"still running {self.options.grace_period:g} s after SIGTERM (--grace-period)"
+                if late
+                else "still running at a second signal"
+            )
+            names = ("process " if len(running) == 1 else "processes ") + ", ".join(
+                map(str, running)
+            )
+            sys.stderr.write(f"jmirror.launch: {names} {why}; sent SIGKILL\n")
+            sys.stderr.flush()
 
     def _stop(self, number: int) -> None:
         """Send `number` to the process group of every process that is still running."""
@@ -369,6 +545,8 @@ class _Launch:
         if self.first_failure is not None:
             return self.first_failure[1]
         if self.stop_signal is not None:
+            if self.processes and all(p.code == 0 for p in self.processes):
+                return 0
             return 128 + self.stop_signal
         return 0
 

@@ -3,6 +3,7 @@
 The tests that start processes run in the 8-device pass only (the suite runs twice).
 """
 
+import errno
 import os
 import re
 import signal
@@ -250,3 +251,127 @@ def test_an_uncaught_exception_ends_its_process_and_then_the_others(tmp_path):
     assert code != 0
     assert lost_s < LOST_PEER_S
     assert re.search(NAMES_LOST[1], workers[0].output()), workers[0].output()
+
+
+# --- configuration checked at once (SPEC "9-10, round 3 notes") -------------------------------
+# Each case is raised before anything else is tried: in this process JAX's backends are already
+# initialized, so a configuration that passed the checks would be the "too late" RuntimeError.
+
+
+@pytest.mark.parametrize(
+    "value, problem",
+    [
+        ("", "it is empty"),
+        ("   ", "it is empty"),
+        ("127.0.0.1:abc", "the port 'abc' is not a number"),
+        ("nonsense", "it has no ':port'"),
+        (":1234", "the host before ':' is missing"),
+        ("127.0.0.1:0", "the port 0 is not in 1-65535"),
+        ("127.0.0.1:65536", "the port 65536 is not in 1-65535"),
+        ("127.0.0.1:", "the port '' is not a number"),
+    ],
+)
+@pytest.mark.parametrize("process_id", ["0", "1"])
+def test_a_bad_coordinator_variable_is_an_error_at_once(fresh, value, problem, process_id):
+    fresh.setenv("JMIRROR_COORDINATOR", value)
+    fresh.setenv("JMIRROR_NUM_PROCESSES", "2")
+    fresh.setenv("JMIRROR_PROCESS_ID", process_id)
+    start = time.monotonic()
+    with pytest.raises(ValueError) as error:
+        jm.distributed.initialize()
+    message = str(error.value)
+    assert f"JMIRROR_COORDINATOR={value!r}" in message and problem in message, message
+    assert "'host:port' with a port in 1-65535" in message and "Fix or unset it" in message
+    assert time.monotonic() - start < 5
+    assert not jm.distributed.is_initialized()
+
+
+def test_a_coordinator_host_that_does_not_resolve_is_an_error(fresh):
+    fresh.setenv("JMIRROR_COORDINATOR", "no-such-host.invalid:1234")
+    fresh.setenv("JMIRROR_NUM_PROCESSES", "2")
+    fresh.setenv("JMIRROR_PROCESS_ID", "1")
+    with pytest.raises(ValueError, match=r"host 'no-such-host.invalid' .* does not resolve"):
+        jm.distributed.initialize()
+
+
+@pytest.mark.parametrize("present", ["JMIRROR_NUM_PROCESSES", "JMIRROR_PROCESS_ID"])
+def test_launcher_variables_without_a_coordinator_are_an_error(fresh, present):
+    # Before: silently one process, although the environment asks for several.
+    fresh.setenv(present, "1")
+    with pytest.raises(ValueError, match=rf"found {present}='1' but no JMIRROR_COORDINATOR"):
+        jm.distributed.initialize()
+
+
+@pytest.mark.parametrize("missing", ["JMIRROR_NUM_PROCESSES", "JMIRROR_PROCESS_ID"])
+def test_a_coordinator_without_the_other_variables_is_an_error(fresh, missing):
+    # Before: a KeyError.
+    fresh.setenv("JMIRROR_COORDINATOR", "127.0.0.1:1234")
+    fresh.setenv("JMIRROR_NUM_PROCESSES", "2")
+    fresh.setenv("JMIRROR_PROCESS_ID", "1")
+    fresh.delenv(missing)
+    with pytest.raises(ValueError, match=rf"but no {missing}"):
+        jm.distributed.initialize()
+
+
+@pytest.fixture
+def port_in_use():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+def test_a_coordinator_port_in_use_is_an_os_error_naming_it(fresh, port_in_use, host):
+    start = time.monotonic()
+    with pytest.raises(OSError, match=rf"coordinator port {port_in_use} .* in use") as error:
+        jm.distributed.initialize(f"{host}:{port_in_use}", 2, 0)
+    assert error.value.errno == errno.EADDRINUSE
+    assert time.monotonic() - start < 5  # JAX: "Failed to start RPC server" after ~37 s
+    fresh.setenv("JMIRROR_COORDINATOR", f"{host}:{port_in_use}")
+    fresh.setenv("JMIRROR_NUM_PROCESSES", "2")
+    fresh.setenv("JMIRROR_PROCESS_ID", "0")
+    with pytest.raises(OSError, match="in use"):
+        jm.distributed.initialize()
+
+
+def test_a_port_in_use_concerns_process_0_only(fresh, port_in_use):
+    # Process 1 connects to the port (it is process 0's): only the "too late" error is left.
+    with pytest.raises(RuntimeError, match="must run before anything touches a device"):
+        jm.distributed.initialize(f"127.0.0.1:{port_in_use}", 2, 1)
+
+
+@pytest.mark.parametrize(
+    "args, error, message",
+    [
+        (("127.0.0.1:1234", -1, 0), ValueError, "num_processes >= 1"),
+        (("127.0.0.1:1234", 2, -1), ValueError, "0 <= process_id < num_processes"),
+        (("127.0.0.1:1234", 2, 1.0), TypeError, "process_id=.... expects an int"),
+        (("127.0.0.1:1234", True, 0), TypeError, "num_processes=.... expects an int"),
+        (("127.0.0.1:abc", 2, 0), ValueError, "the port 'abc' is not a number"),
+        (("nonsense", 2, 0), ValueError, "'host:port'.*got 'nonsense': it has no ':port'"),
+    ],
+)
+def test_bad_values_of_the_arguments(fresh, args, error, message):
+    with pytest.raises(error, match=message):
+        jm.distributed.initialize(*args)
+
+
+@pytest.mark.parametrize("variable, value", [("JMIRROR_NUM_PROCESSES", "0"),
+                                             ("JMIRROR_NUM_PROCESSES", ""),
+                                             ("JMIRROR_PROCESS_ID", "-1"),
+                                             ("JMIRROR_PROCESS_ID", "one")])  # fmt: skip
+def test_bad_values_of_the_variables(fresh, variable, value):
+    fresh.setenv("JMIRROR_COORDINATOR", "127.0.0.1:1234")
+    fresh.setenv("JMIRROR_NUM_PROCESSES", "2")
+    fresh.setenv("JMIRROR_PROCESS_ID", "1")
+    fresh.setenv(variable, value)
+    with pytest.raises(ValueError, match=rf"{variable}={value!r}"):
+        jm.distributed.initialize()
+
+
+def test_numpy_integers_are_accepted(fresh):
+    np = pytest.importorskip("numpy")
+    # Accepted: what is left is only that this process's devices are already in use.
+    with pytest.raises(RuntimeError, match="must run before anything touches a device"):
+        jm.distributed.initialize("127.0.0.1:1234", np.int64(2), np.int32(1))

@@ -28,6 +28,7 @@ from typing import Any
 from jmirror._strategy import MirroredStrategy, get_strategy
 from jmirror._values import PyTree
 from jmirror.checkpoint import _checkpoint, _processes, _storage
+from jmirror.checkpoint._preemption import PreemptionMixin
 
 
 def _positive_int(value: Any, name: str, allow_none: bool) -> int | None:
@@ -68,7 +69,7 @@ def _json_copy(data: Any) -> Any:
         ) from None
 
 
-class CheckpointManager:
+class CheckpointManager(PreemptionMixin):
     """Keeps a series of checkpoints of a training state, one per saved step.
 
     Saving copies the state off the devices and, with `async_save`, writes it in the
@@ -80,6 +81,10 @@ class CheckpointManager:
     on the same directory and calls its methods in the same order: a save's collectives run
     in the calling thread, the first process writes and deletes, and every process sees the
     same steps. Each process saves its own `data`.
+
+    Preemption: while it is open, the manager watches for SIGTERM (the cluster's notice before
+    SIGKILL); `reached_preemption(step)` says when to save and exit, at the same step on every
+    process, and `save_and_exit_if_preempted` does it (see `jmirror/checkpoint/_preemption.py`).
 
     Args:
       directory: the directory of the series (created if missing). One manager at a time
@@ -128,6 +133,7 @@ class CheckpointManager:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._closed = False
+        self._watch_preemption()  # SIGTERM: see reached_preemption
 
     @property
     def directory(self) -> str:
@@ -217,6 +223,7 @@ class CheckpointManager:
             self._raise_error(wait=True)
         finally:
             self._closed = True
+            self._stop_watching_preemption()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -235,7 +242,8 @@ class CheckpointManager:
           data: JSON-able data saved with the step, e.g. `iterator.position`; with several
             processes each process saves its own.
           force: replace the step if it exists (atomically), and save even a step that
-            `save_interval_steps` would skip.
+            `save_interval_steps` would skip. The preemption step (`reached_preemption`) is
+            saved whatever the interval says, and is not an error when it is already saved.
 
         Returns:
           True when the step is saved (or being saved), False when the interval skips it.
@@ -260,12 +268,14 @@ class CheckpointManager:
             )
         step = _step(step, "CheckpointManager.save")
         self._raise_error(wait=False)
-        if step % self._interval != 0 and not force:
+        if step % self._interval != 0 and not force and not self._is_preemption_step(step):
             return False
         data = _json_copy(data)
         self._raise_error(wait=True)  # one write at a time: the previous one first
         path = self._root / str(step)
         if path.exists() and not force:
+            if self._is_preemption_step(step):  # already saved, e.g. by the interval
+                return True
             raise ValueError(
                 f"CheckpointManager.save: step {step} exists in {self._root}. Pass force=True "
                 "to replace it (atomically), or save a new step."

@@ -9,6 +9,8 @@ with it, it sets 4 host devices and passes the three arguments. Then MODE:
 - `loop`: print its pid, then sum across processes forever, printing `step K` now and then.
 - `exit CODE`: process 1 exits with CODE after one sum; the others go on summing forever.
 - `raise`: process 1 raises an uncaught exception after one sum; the others go on summing.
+- `quiet`: print `looping`, then sum across processes forever without printing (a program
+  whose output never shows that its launcher is gone).
 """
 
 import argparse
@@ -22,7 +24,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--coordinator")
 parser.add_argument("--num-processes", type=int)
 parser.add_argument("--process-id", type=int)
-parser.add_argument("mode", choices=["sum", "loop", "exit", "raise"])
+parser.add_argument("mode", choices=["sum", "loop", "exit", "raise", "quiet"])
 parser.add_argument("code", nargs="?", type=int, default=0)
 options = parser.parse_args()
 
@@ -64,6 +66,11 @@ if options.mode == "exit" and index == 1:
     sys.exit(options.code)
 if options.mode == "raise" and index == 1:
     raise RuntimeError("process 1 fails on purpose")
+if options.mode == "quiet":
+    print("looping", flush=True)
+    while True:
+        step()
+        time.sleep(0.005)
 k = 0
 while True:
     step()
