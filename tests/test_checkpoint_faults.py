@@ -227,7 +227,8 @@ import numpy as np
 import jmirror as jm
 
 try:
-    jm.checkpoint.save(sys.argv[1] + "/ckpt", {"w": np.ones((1024, 1024), np.float32) * 3})
+    w = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)
+    jm.checkpoint.save(sys.argv[1] + "/ckpt", {"w": w})
 except OSError as error:
     print("caught", error.errno, flush=True)
 """
@@ -246,14 +247,18 @@ def test_a_caught_failed_save_never_keeps_the_process_from_exiting(tmp_path):
         )
         for _ in range(4)
     ]
-    for child in children:
-        try:
-            out, err = child.communicate(timeout=90)
-        except subprocess.TimeoutExpired:
-            child.kill()
+    try:
+        for child in children:
+            try:
+                out, err = child.communicate(timeout=90)
+            except subprocess.TimeoutExpired:
+                pytest.fail("a process whose save failed did not exit within 90 s")
+            assert child.returncode == 0 and f"caught {errno.ENOSPC}" in out, (out, err)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
             child.communicate()
-            pytest.fail("a process whose save failed did not exit within 90 s")
-        assert child.returncode == 0 and f"caught {errno.ENOSPC}" in out, err
 
 
 # --- integrity: damage real files -------------------------------------------------------------
@@ -392,7 +397,6 @@ def test_zero_size_leaves_save_and_restore_with_their_shapes(strategy, n, tmp_pa
         "mirrored": strategy.mirror(np.zeros((0, 3), np.float32)),
         "numpy": np.zeros((2, 0), np.int32),
         "per_replica": jm.PerReplica(np.zeros((n, 0, 2), np.float32)),
-        "sum": strategy.sync_on_read(np.zeros((0,), np.float32), "sum"),
         "w": strategy.mirror(np.arange(3.0)),
     }
     for async_save in (False, True):
@@ -405,7 +409,6 @@ def test_zero_size_leaves_save_and_restore_with_their_shapes(strategy, n, tmp_pa
             assert got["mirrored"].shape == (0, 3) and is_mirrored(got["mirrored"], strategy)
             assert got["numpy"].shape == (2, 0) and got["numpy"].dtype == np.int32
             assert got["per_replica"].values.shape == (n, 0, 2)
-            assert strategy.read(got["sum"]).shape == (0,)
             np.testing.assert_array_equal(got["w"], np.arange(3.0))
 
 
@@ -536,7 +539,7 @@ def test_nnx_model_and_optimizer_round_trip_with_an_eval_shape_target(strategy, 
         np.testing.assert_array_equal(got, want)
     for leaf in jax.tree.leaves(out):
         assert is_mirrored(leaf, strategy)  # placed as saved
-    assert int(out["optimizer"].step.value) == 2 and int(out["model"].dropout.rngs.count.value) == 2
+    assert int(out["optimizer"].step[...]) == 2 and int(out["model"].dropout.rngs.count[...]) == 2
     # The restored model computes what the saved one computes (its dropout draws included).
     x = jnp.ones((2, 3))
     expected = model(x)
@@ -560,14 +563,14 @@ def test_nnx_without_target_gives_plain_dicts_of_the_variables_values(strategy, 
     names = list(keys(out))
     assert not [k for k in names if "_pytree__" in k or k.endswith("/value")], names
     assert set(out["model"]) == {"linear", "norm", "dropout"}
-    np.testing.assert_array_equal(out["model"]["linear"]["kernel"], model.linear.kernel.value)
-    np.testing.assert_array_equal(out["model"]["norm"]["mean"], model.norm.mean.value)
+    np.testing.assert_array_equal(out["model"]["linear"]["kernel"], model.linear.kernel[...])
+    np.testing.assert_array_equal(out["model"]["norm"]["mean"], model.norm.mean[...])
     key = out["model"]["dropout"]["rngs"]["key"]
     np.testing.assert_array_equal(
-        jax.random.key_data(key), jax.random.key_data(model.dropout.rngs.key.value)
+        jax.random.key_data(key), jax.random.key_data(model.dropout.rngs.key[...])
     )
     assert int(out["optimizer"]["step"]) == 2
-    state = nnx.state(model).to_pure_dict()  # flax's own plain dict of the same model
+    state = nnx.to_pure_dict(nnx.state(model))  # flax's own plain dict of the same model
     np.testing.assert_array_equal(out["model"]["norm"]["var"], state["norm"]["var"])
 
 

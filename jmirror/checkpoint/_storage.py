@@ -223,20 +223,22 @@ def read_arrays(path: pathlib.Path, specs: dict[str, jax.ShapeDtypeStruct], path
     try:
         out.update(_orbax_read(path, stored))
     except Exception as error:  # TensorStore's bare Exception, JSON errors of _METADATA, ...
-        name = _failing_array(path, stored)
-        what = f"the leaf {paths.get(name, name)!r} (array {name!r})" if name else "its arrays"
+        failing = [paths.get(name, name) for name in _failing_arrays(path, stored)]
+        shown = ", ".join(failing[:5]) + (", ..." if len(failing) > 5 else "")
+        what = f"the leaves {shown}" if failing else "its arrays"
         raise _integrity.read_failed(str(path), what, error) from error
     return out
 
 
-def _failing_array(path: pathlib.Path, specs: dict[str, jax.ShapeDtypeStruct]) -> str | None:
-    """The first array that cannot be read alone (None when each can), for the message."""
+def _failing_arrays(path: pathlib.Path, specs: dict[str, jax.ShapeDtypeStruct]) -> list[str]:
+    """The arrays that cannot be read alone, for the message (one file may hold several)."""
+    failing = []
     for name, spec in specs.items():
         try:
             _orbax_read(path, {name: spec})
-        except Exception:  # the one that fails
-            return name
-    return None
+        except Exception:  # noqa: PERF203 (only after a failed read)
+            failing.append(name)
+    return failing
 
 
 def _orbax_read(path: pathlib.Path, specs: dict[str, jax.ShapeDtypeStruct]) -> dict:
