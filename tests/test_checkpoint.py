@@ -19,6 +19,7 @@ import pytest
 from flax.training import train_state
 
 import jmirror as jm
+from jmirror.checkpoint import _integrity
 
 ONCE = os.environ.get("JMIRROR_TEST_DEVICES", "8") == "8"
 ONCE_REASON = "starts processes: runs in the suite's 8-device pass only"
@@ -394,6 +395,8 @@ def test_metadata_naming_an_object_dtype_is_refused(tmp_path, dtype):
     jm.checkpoint.save(tmp_path / "c", {"w": np.ones(3)})
     doc = tmp_path / "c" / "jmirror" / "metadata"
     doc.write_text(doc.read_text().replace('"float64"', f'"{dtype}"'))
+    (tmp_path / "c" / _integrity.FILES).unlink()  # the file list would name the changed file
+    _integrity.write_file_list(tmp_path / "c")
     with pytest.raises(ValueError, match="not one of the array dtypes"):
         jm.checkpoint.restore(tmp_path / "c")
 

@@ -179,9 +179,7 @@ print("left", sorted(os.listdir(directory)), flush=True)
 
 @pytest.mark.skipif(not ONCE, reason=ONCE_REASON)
 @pytest.mark.parametrize("how", ["sync", "async"])
-def test_a_full_disk_is_an_oserror_naming_the_directory_and_leaves_no_partial_step(
-    tmp_path, how
-):
+def test_a_full_disk_is_an_oserror_naming_the_directory_and_leaves_no_partial_step(tmp_path, how):
     mount_point, wrap = _namespace_mount(tmp_path, "size=1m")
     child = run_child(DISK_CHILD, mount_point, how, wrap=wrap)
     assert child.returncode == 0, child.stderr
@@ -295,11 +293,15 @@ def _flip_bit(file):
 
 DAMAGE = {
     "flip a bit in the largest file": lambda p: _flip_bit(_largest(p)),
-    "truncate the largest file": lambda p: os.truncate(_largest(p), _largest(p).stat().st_size // 2),
+    "truncate the largest file": lambda p: os.truncate(
+        _largest(p), _largest(p).stat().st_size // 2
+    ),
     "empty the largest file": lambda p: os.truncate(_largest(p), 0),
     "delete the largest file": lambda p: _largest(p).unlink(),
     "garble state/_METADATA as json": lambda p: (p / "state" / "_METADATA").write_text('{"tree": '),
-    "garble state/_METADATA as utf-8": lambda p: (p / "state" / "_METADATA").write_bytes(b"\xff\xfe"),
+    "garble state/_METADATA as utf-8": lambda p: (p / "state" / "_METADATA").write_bytes(
+        b"\xff\xfe"
+    ),
     "delete state/_METADATA": lambda p: (p / "state" / "_METADATA").unlink(),
     "delete state/manifest.ocdbt": lambda p: (p / "state" / "manifest.ocdbt").unlink(),
     "flip a bit in state/manifest.ocdbt": lambda p: _flip_bit(p / "state" / "manifest.ocdbt"),
@@ -353,9 +355,11 @@ def _rewrite_file_list(path):
 def test_damage_the_file_list_cannot_see_is_named_by_leaf_path(strategy, tmp_path, damage):
     jm.checkpoint.save(tmp_path / "c", _state(strategy), strategy=strategy)
     file = _largest(tmp_path / "c" / "state")
-    {"flip": _flip_bit, "truncate": lambda f: os.truncate(f, 100), "empty": lambda f: os.truncate(f, 0)}[
-        damage
-    ](file)
+    {
+        "flip": _flip_bit,
+        "truncate": lambda f: os.truncate(f, 100),
+        "empty": lambda f: os.truncate(f, 0),
+    }[damage](file)
     _rewrite_file_list(tmp_path / "c")
     with pytest.raises(jm.checkpoint.CorruptCheckpointError) as info:
         jm.checkpoint.restore(tmp_path / "c", strategy=strategy)
@@ -401,7 +405,9 @@ def test_zero_size_leaves_save_and_restore_with_their_shapes(strategy, n, tmp_pa
     }
     for async_save in (False, True):
         directory = tmp_path / str(async_save)
-        with jm.checkpoint.CheckpointManager(directory, strategy=strategy, async_save=async_save) as m:
+        with jm.checkpoint.CheckpointManager(
+            directory, strategy=strategy, async_save=async_save
+        ) as m:
             m.save(1, state)
             out = m.restore()
             again = m.restore(target=state)

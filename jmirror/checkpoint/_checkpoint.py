@@ -153,7 +153,9 @@ def with_fix(error: _format.CorruptCheckpointError, path: pathlib.Path, call: st
     steps = _storage.steps(path.parent)
     others = [s for s in reversed(steps) if str(s) != path.name]
     complete = next((s for s in others if verify(path.parent / str(s), call)), None)
-    return _integrity.rethrow(_format.CorruptCheckpointError(message), _integrity.steps_note(steps, complete))
+    return _integrity.rethrow(
+        _format.CorruptCheckpointError(message), _integrity.steps_note(steps, complete)
+    )
 
 
 def _read_tree(path: pathlib.Path, call: str) -> tuple[dict, int, _decode.Tree, dict]:

@@ -272,7 +272,9 @@ def check_leaf(x: Any, where: str, stacked: bool = False) -> None:
             "jitted or replicated function, or deleted explicitly); its values are gone. Save "
             "the state that call returned, or save before donating it."
         )
-    if isinstance(x, bool) or not isinstance(x, _PYTHON_SCALARS + (jax.Array, np.ndarray, np.generic)):
+    if isinstance(x, bool) or not isinstance(
+        x, _PYTHON_SCALARS + (jax.Array, np.ndarray, np.generic)
+    ):
         return  # Python bools and the leaf kinds refused by `leaf` with their own message
     if isinstance(x, int) and not -(2**63) <= x < 2**63:
         raise TypeError(

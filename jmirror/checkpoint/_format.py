@@ -4,10 +4,14 @@ A checkpoint holds two orbax items: `state`, a flat dict of host arrays named "0
 and `jmirror`, one JSON document (orbax's `JsonSave`) that says how those arrays make up the
 saved state:
 
-    {"format": "jmirror.checkpoint", "version": 1, "num_replicas": N,
-     "arrays": {"0": {"shape": [...], "dtype": "float32"}, ...},
+    {"format": "jmirror.checkpoint", "version": 2, "num_replicas": N,
+     "arrays": {"0": {"shape": [...], "dtype": "float32", "crc32": 1234567}, ...},
      "tree": <node>, "data": <the manager's data, any JSON>,
      "process_data": [<process 0's data>, <process 1's data>, ...]}
+
+Version 2 (round 3) adds each array's CRC-32 and the checkpoint's file list (`_integrity`);
+version 1 checkpoints still restore, unverified. Zero-size arrays are in the table but not in
+the `state` item (orbax refuses them); they are restored from their shape and dtype.
 
 `process_data` is there only when several processes saved (each saves its own `data`; `data`
 is then process 0's, as a single-process reader sees it).
@@ -15,6 +19,8 @@ is then process 0's, as a single-process reader sees it).
 A `<node>` is one of
     {"node": "leaf", "kind": KIND, "array": "3", "shape": [...], "dtype": "float32", ...}
     {"node": "dict" | "list" | "tuple" | "none" | "class", "children": [[ENTRY, <node>], ...]}
+      (a "class" node of a flax `nnx.Variable` adds `"variable": true`: without target it is
+      restored as its value)
     {"node": "sync_on_read", "aggregation": "sum", "child": <node>}
     {"node": "per_replica", "child": <node>}
 where ENTRY is `["attr", name]`, `["key", str_or_int]`, `["index", int]` or `["flat", int]` (a
@@ -34,9 +40,8 @@ schema: nothing read from a checkpoint is unpickled or evaluated, and a dtype ou
 
 from __future__ import annotations
 
-from typing import Any
-
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -41,12 +41,14 @@ _OS_ERROR = re.compile(r"os_error_code\D{0,4}(\d+)|\[OS error (\d+)|errno[ =:]+(
 def checksum(array: np.ndarray) -> int:
     """The CRC-32 of an array's bytes in C order (any dtype, any size)."""
     flat = np.ascontiguousarray(array).reshape(-1)
-    return zlib.crc32(flat.view(np.uint8))
+    return zlib.crc32(flat.view(np.uint8).data)
 
 
 def with_checksums(doc: dict, arrays: dict[str, np.ndarray]) -> dict:
     """`doc` with each array's checksum in its array table (a new dict; `doc` is kept)."""
-    table = {name: {**spec, "crc32": checksum(arrays[name])} for name, spec in doc["arrays"].items()}
+    table = {
+        name: {**spec, "crc32": checksum(arrays[name])} for name, spec in doc["arrays"].items()
+    }
     return {**doc, "arrays": table}
 
 

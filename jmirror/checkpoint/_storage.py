@@ -2,10 +2,15 @@
 
 One checkpoint is one directory written by orbax's `Checkpointer` with a
 `CompositeCheckpointHandler` of two items, `state` (`StandardSave` of a flat dict of host
-arrays) and `jmirror` (`JsonSave` of the metadata document, see `_format`). Orbax writes into
-`<path>.orbax-checkpoint-tmp` and renames it to `<path>` when everything is written, so a
-directory named `<path>` is always complete: a process killed during a save leaves only a
-temporary directory, which is never listed or restored.
+arrays) and `jmirror` (`JsonSave` of the metadata document, see `_format`). Orbax writes it
+under a hidden name (`.<name>.jmirror-new-<uuid>`, itself through orbax's own temporary
+directory), jmirror adds its file list (`_integrity`), and the directory is renamed to
+`<path>` when everything is written, so a directory named `<path>` is always complete: a
+process killed during a save leaves only a hidden directory, which is never listed or
+restored (and `clean` removes it). A failed save removes what it wrote; an I/O error is an
+`OSError` with the OS's errno (`_integrity.os_error`). orbax runs in a daemon thread
+(`_background.run_in_daemon_thread`), so that the threads it leaves behind after a failure
+never keep the process from exiting.
 
 Orbax stops short of what jmirror promises in two places, which this module adds:
 - replacing (`force=True`): orbax deletes the old directory before writing the new one, so a
