@@ -130,6 +130,28 @@ def run_in_daemon_thread(work: Callable[[], object]) -> object:
     return box.get("result")
 
 
+def start_daemon(work: Callable[[], object]) -> Callable[[], object]:
+    """Starts `work` in a daemon thread; the returned function waits for its result."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = work()
+        except BaseException as error:  # re-raised by the waiting function
+            box["error"] = error
+
+    thread = threading.Thread(target=run, name="jmirror-checkpoint-crc", daemon=True)
+    thread.start()
+
+    def result() -> object:
+        join(thread)
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        return box.get("result")
+
+    return result
+
+
 def _finish_pending() -> None:
     """Completes every pending write (the `threading` exit callback)."""
     while True:

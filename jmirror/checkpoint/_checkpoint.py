@@ -171,7 +171,7 @@ def _read_verified(path: pathlib.Path, doc: dict, tree: _decode.Tree, specs: dic
     """The checkpoint's host arrays, each checked against its saved checksum."""
     where = str(path)
     paths = _integrity.leaf_paths(tree)
-    saved = _integrity.checksums(doc, where) if doc["version"] >= 2 else {}
+    saved = _integrity.saved_checksums(path) if doc["version"] >= 2 else {}
     arrays = _storage.read_arrays(path, specs, paths)
     _integrity.verify_arrays(arrays, saved, paths, where)
     return arrays

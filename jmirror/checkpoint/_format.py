@@ -5,13 +5,14 @@ and `jmirror`, one JSON document (orbax's `JsonSave`) that says how those arrays
 saved state:
 
     {"format": "jmirror.checkpoint", "version": 2, "num_replicas": N,
-     "arrays": {"0": {"shape": [...], "dtype": "float32", "crc32": 1234567}, ...},
+     "arrays": {"0": {"shape": [...], "dtype": "float32"}, ...},
      "tree": <node>, "data": <the manager's data, any JSON>,
      "process_data": [<process 0's data>, <process 1's data>, ...]}
 
-Version 2 (round 3) adds each array's CRC-32 and the checkpoint's file list (`_integrity`);
-version 1 checkpoints still restore, unverified. Zero-size arrays are in the table but not in
-the `state` item (orbax refuses them); they are restored from their shape and dtype.
+Version 2 (round 3) comes with the checkpoint's file list and each array's CRC-32
+(`_integrity`); version 1 checkpoints still restore, unverified. Zero-size arrays are in the
+table but not in the `state` item (orbax refuses them); they are restored from their shape
+and dtype.
 
 `process_data` is there only when several processes saved (each saves its own `data`; `data`
 is then process 0's, as a single-process reader sees it).

@@ -1,14 +1,14 @@
 """Integrity of a checkpoint on disk: array checksums, the list of files, and errors named.
 
-Two records make damage visible, both written by the writer (in the background thread for
-an async save):
-- every array's CRC-32 (`zlib.crc32` of its bytes in C order), in the array table of
-  jmirror's metadata document (`"crc32"`), verified on the arrays as restored: a flipped bit
-  anywhere in orbax's files that still decodes is caught there, and named by its leaf path;
-- the list of every file orbax wrote, with its size (and the CRC-32 of each small file: the
-  metadata, manifests and small arrays), in `_JMIRROR_FILES` at the top of the checkpoint,
-  written after orbax's save and before the checkpoint is renamed into place. A truncated,
-  empty or missing file, or damaged metadata, is named before anything is read.
+One record makes damage visible: `_JMIRROR_FILES` at the top of the checkpoint, written by
+the writer (in the background thread for an async save) after orbax's save and before the
+checkpoint is renamed into place. It holds
+- every array's CRC-32 (`zlib.crc32` of its bytes in C order), computed in a thread of its
+  own while orbax writes, and verified on the arrays as restored: a flipped bit anywhere in
+  orbax's files that still decodes is caught there, and named by its leaf path;
+- every file orbax wrote, with its size (and the CRC-32 of each small file: the metadata,
+  manifests and small arrays): a truncated, empty or missing file, or damaged metadata, is
+  named before anything is read.
 
 orbax checksums only the index of each zarr shard (`crc32c` in its index codecs), not the
 array data, and offers no option to add one, so the array checksums are jmirror's own.
@@ -44,23 +44,18 @@ def checksum(array: np.ndarray) -> int:
     return zlib.crc32(flat.view(np.uint8).data)
 
 
-def with_checksums(doc: dict, arrays: dict[str, np.ndarray]) -> dict:
-    """`doc` with each array's checksum in its array table (a new dict; `doc` is kept)."""
-    table = {
-        name: {**spec, "crc32": checksum(arrays[name])} for name, spec in doc["arrays"].items()
-    }
-    return {**doc, "arrays": table}
+def array_checksums(arrays: dict[str, np.ndarray]) -> dict[str, int]:
+    return {name: checksum(array) for name, array in arrays.items()}
 
 
-def checksums(doc: dict, where: str) -> dict[str, int]:
-    """The saved checksum of each array (every array of a version-2 document has one)."""
-    out = {}
-    for name, spec in doc["arrays"].items():
-        value = spec.get("crc32")
-        if type(value) is not int or not 0 <= value < 2**32:
-            raise corrupt(where, f"array {name!r} has no valid checksum in the metadata")
-        out[name] = value
-    return out
+def saved_checksums(root: pathlib.Path) -> dict[str, int]:
+    """The checksum of each array, from the file list (checked by `check_files` first)."""
+    table = _read_list(root).get("arrays")
+    if not isinstance(table, dict) or not all(
+        type(v) is int and 0 <= v < 2**32 for v in table.values()
+    ):
+        raise corrupt(str(root), f"its file list {FILES} has no valid array checksums")
+    return table
 
 
 def verify_arrays(
@@ -89,8 +84,8 @@ def _file_crc(path: pathlib.Path) -> int:
         return zlib.crc32(f.read())
 
 
-def write_file_list(root: pathlib.Path) -> None:
-    """Records every file under `root` (as orbax left it) in `root/_JMIRROR_FILES`."""
+def write_file_list(root: pathlib.Path, checksums: dict[str, int]) -> None:
+    """Records every file under `root` (as orbax left it) and the arrays' `checksums`."""
     table = {}
     for path in _files(root):
         size = path.stat().st_size
@@ -98,11 +93,22 @@ def write_file_list(root: pathlib.Path) -> None:
         if size <= _SMALL_FILE:
             entry["crc32"] = _file_crc(path)
         table[path.relative_to(root).as_posix()] = entry
-    data = json.dumps({"format": "jmirror.checkpoint.files", "files": table}).encode()
+    listed = {"format": "jmirror.checkpoint.files", "files": table, "arrays": checksums}
+    data = json.dumps(listed).encode()
     with open(root / FILES, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _read_list(root: pathlib.Path) -> dict:
+    try:
+        listed = json.loads((root / FILES).read_bytes().decode())
+    except (OSError, ValueError) as error:
+        raise corrupt(str(root), f"its file list {FILES} cannot be read ({error!r})") from None
+    if not isinstance(listed, dict):
+        raise corrupt(str(root), f"its file list {FILES} is not a JSON object")
+    return listed
 
 
 def has_file_list(root: pathlib.Path) -> bool:
@@ -112,13 +118,9 @@ def has_file_list(root: pathlib.Path) -> bool:
 def check_files(root: pathlib.Path) -> None:
     """Raises `CorruptCheckpointError` naming the first file that differs from the list."""
     where = str(root)
-    try:
-        listed = json.loads((root / FILES).read_bytes().decode())
-        table = listed["files"]
-        if not isinstance(table, dict):
-            raise TypeError
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise corrupt(where, f"its file list {FILES} cannot be read ({error!r})") from None
+    table = _read_list(root).get("files")
+    if not isinstance(table, dict):
+        raise corrupt(where, f"its file list {FILES} lists no files")
     for name, entry in table.items():
         file = root / name
         if not isinstance(entry, dict) or type(entry.get("size")) is not int:

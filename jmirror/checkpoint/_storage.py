@@ -80,11 +80,12 @@ def write(
         raise (_integrity.os_error(error, path.parent, call) or error) from error
     if path.exists() and not force:
         raise ValueError(f"{path} exists")  # the callers check first, with their own message
-    doc = _integrity.with_checksums(doc, arrays)
     new = path.parent / f".{path.name}{_NEW}{uuid.uuid4().hex}"
     try:
+        # The checksums are computed while orbax writes (zlib and TensorStore release the GIL).
+        checksums = _background.start_daemon(lambda: _integrity.array_checksums(arrays))
         _orbax_save(new, arrays, doc)
-        _integrity.write_file_list(new)
+        _integrity.write_file_list(new, checksums())
     except BaseException as error:
         shutil.rmtree(new, ignore_errors=True)
         for tmp in path.parent.glob(f"{new.name}{_ORBAX_TMP}*"):
