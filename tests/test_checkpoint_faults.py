@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import zlib
 
 import jax
@@ -259,6 +260,35 @@ def test_a_caught_failed_save_never_keeps_the_process_from_exiting(tmp_path):
             if child.poll() is None:
                 child.kill()
             child.communicate()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's loop
+def test_orbax_threads_left_by_a_failed_save_are_daemons(tmp_path, monkeypatch):
+    # A non-daemon thread waiting for a signal of a failed save is joined at exit, for as long
+    # as orbax's timeout (H5): every thread orbax starts for jmirror must be a daemon.
+    from jmirror.checkpoint import _encode
+
+    monkeypatch.setattr(_encode, "check_leaf", lambda *args, **kwargs: None, raising=False)
+    started = []
+    start = threading.Thread.start
+
+    def record(thread):
+        started.append(thread)
+        start(thread)
+
+    jax.devices()  # JAX's backend starts a timer thread of its own
+    monkeypatch.setattr(threading.Thread, "start", record)
+    with pytest.raises(Exception, match="data type"):  # orbax refuses the leaf itself
+        jm.checkpoint.save(tmp_path / "c", {"w": np.ones(3), "s": np.array(["adam"])})
+    monkeypatch.setattr(threading.Thread, "start", start)
+    # concurrent.futures' workers are joined at exit only once idle, not when stuck waiting.
+    waiting = [
+        t.name
+        for t in started
+        if not t.daemon and not t.name.startswith("asyncio_") and type(t) is not threading.Timer
+    ]
+    assert len(started) > 2 and waiting == [], [t.name for t in started]
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == []
 
 
 # --- integrity: damage real files -------------------------------------------------------------
