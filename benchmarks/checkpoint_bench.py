@@ -14,6 +14,11 @@ optax Adam (parameters, mu and nu: about 52 MB), mirrored on 8 XLA:CPU host devi
       orbax's own restore of the same single-copy tree (`StandardCheckpointer.restore` with an
       abstract target on one device). Target: <= 1.2. Beside it, orbax restoring that tree
       straight into the mirrored sharding.
+  (4) Checksums (round 3): every array is written with its CRC-32 and verified on restore.
+      A sync save with checksums against the same save with the checksum function replaced
+      by a constant (target: <= 1.05); the time `save` blocks with `async_save=True`, with
+      and without checksums (the checksums run in the background thread, so the ratio should
+      be about 1); and restore with verification against restore without.
 
 Each measurement is repeated ROUNDS times, the compared operations alternating within a round;
 the printed ratios are the medians of the per-round ratios (and the medians of the times are
@@ -43,6 +48,7 @@ from flax.training import train_state  # noqa: E402
 
 import jmirror as jm  # noqa: E402
 from benchmarks.models import FEATURES, MLP  # noqa: E402
+from jmirror.checkpoint import _integrity  # noqa: E402
 
 
 def make_state(hidden: int) -> train_state.TrainState:
@@ -118,6 +124,74 @@ def restore_ratio(state, mirrored, root: pathlib.Path, rounds: int) -> dict[str,
     return {key: statistics.median(values) for key, values in times.items()}
 
 
+def _without_checksums(fn):
+    """Runs `fn` with the checksum replaced by a constant (the baseline of (4))."""
+    real = _integrity.checksum
+    _integrity.checksum = lambda array: 0
+    try:
+        return fn()
+    finally:
+        _integrity.checksum = real
+
+
+def checksum_cost(mirrored, root: pathlib.Path, rounds: int) -> dict[str, float]:
+    """Median ratios: with / without checksums, for sync saves, async blocking and restores."""
+    times: dict[str, list[float]] = {k: [] for k in ("sync", "sync0", "blocked", "blocked0")}
+    times.update({"restore": [], "restore0": [], "sync_ratio": [], "blocked_ratio": []})
+    times["restore_ratio"] = []
+    sync = jm.checkpoint.CheckpointManager(root / "crc_sync", max_to_keep=2, async_save=False)
+    asynchronous = jm.checkpoint.CheckpointManager(root / "crc_async", max_to_keep=1)
+
+    def blocked(step: int) -> float:
+        t = timed(lambda: asynchronous.save(step, mirrored))
+        asynchronous.wait_until_finished()
+        return t
+
+    def one_round(step: int, baseline_first: bool) -> dict[str, float]:
+        """Each pair of operations, the order alternating between rounds."""
+
+        def restore(step: int) -> float:
+            return timed(lambda: jax.block_until_ready(sync.restore(step)))
+
+        pairs = {
+            "sync": (
+                lambda: timed(lambda: sync.save(step, mirrored)),
+                lambda: _without_checksums(lambda: timed(lambda: sync.save(step + 1, mirrored))),
+            ),
+            "blocked": (
+                lambda: blocked(step),
+                lambda: _without_checksums(lambda: blocked(step + 1)),
+            ),
+            "restore": (
+                lambda: restore(step),
+                lambda: _without_checksums(lambda: restore(step + 1)),
+            ),
+        }
+        out = {}
+        for key, (with_crc, without) in pairs.items():
+            if baseline_first:
+                out[key + "0"] = without()
+                out[key] = with_crc()
+            else:
+                out[key] = with_crc()
+                out[key + "0"] = without()
+        return out
+
+    for i in range(rounds + 1):
+        measured = one_round(2 * i + 2, baseline_first=i % 2 == 1)
+        if i:
+            for key, value in measured.items():
+                times[key].append(value)
+            times["sync_ratio"].append(measured["sync"] / measured["sync0"])
+            times["blocked_ratio"].append(measured["blocked"] / measured["blocked0"])
+            times["restore_ratio"].append(measured["restore"] / measured["restore0"])
+    sync.close()
+    asynchronous.close()
+    host = [np.asarray(x) for x in jax.tree.leaves(mirrored)]
+    times["crc"] = [timed(lambda: [_integrity.checksum(a) for a in host]) for _ in range(rounds)]
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=2048)
@@ -132,6 +206,7 @@ def main() -> None:
         sizes = bytes_on_disk(state, mirrored, root)
         blocked = blocked_ratio(mirrored, root, args.rounds)
         restore = restore_ratio(state, mirrored, root, args.rounds)
+        crc = checksum_cost(mirrored, root, args.rounds)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     n = strategy.num_replicas
@@ -159,6 +234,23 @@ def main() -> None:
     print(
         f"| jm restore / orbax restore into the mirrored sharding | {restore['ratio_all']:.2f} "
         f"({restore['jm'] * 1e3:.0f} ms / {restore['all'] * 1e3:.0f} ms) | |"
+    )
+    print(
+        f"| sync save with checksums / without | {crc['sync_ratio']:.3f} "
+        f"({crc['sync'] * 1e3:.0f} ms / {crc['sync0'] * 1e3:.0f} ms) | <= 1.05 |"
+    )
+    print(
+        f"| checksums of the state alone / sync save without checksums | "
+        f"{crc['crc'] / crc['sync0']:.3f} ({crc['crc'] * 1e3:.0f} ms / "
+        f"{crc['sync0'] * 1e3:.0f} ms) | <= 0.05 |"
+    )
+    print(
+        f"| async save blocked, with checksums / without | {crc['blocked_ratio']:.3f} "
+        f"({crc['blocked'] * 1e3:.0f} ms / {crc['blocked0'] * 1e3:.0f} ms) | about 1 |"
+    )
+    print(
+        f"| restore with verification / without | {crc['restore_ratio']:.3f} "
+        f"({crc['restore'] * 1e3:.0f} ms / {crc['restore0'] * 1e3:.0f} ms) | |"
     )
 
 

@@ -1,6 +1,7 @@
 """jm.checkpoint: save / restore and CheckpointManager against NumPy oracles (SPEC section 9)."""
 
 import builtins
+import json
 import os
 import pathlib
 import pickle
@@ -19,6 +20,7 @@ import pytest
 from flax.training import train_state
 
 import jmirror as jm
+from jmirror.checkpoint import _integrity
 
 ONCE = os.environ.get("JMIRROR_TEST_DEVICES", "8") == "8"
 ONCE_REASON = "starts processes: runs in the suite's 8-device pass only"
@@ -394,6 +396,10 @@ def test_metadata_naming_an_object_dtype_is_refused(tmp_path, dtype):
     jm.checkpoint.save(tmp_path / "c", {"w": np.ones(3)})
     doc = tmp_path / "c" / "jmirror" / "metadata"
     doc.write_text(doc.read_text().replace('"float64"', f'"{dtype}"'))
+    listed = tmp_path / "c" / _integrity.FILES  # it would name the changed file: rewrite it
+    saved = json.loads(listed.read_text())["arrays"]
+    listed.unlink()
+    _integrity.write_file_list(tmp_path / "c", saved)
     with pytest.raises(ValueError, match="not one of the array dtypes"):
         jm.checkpoint.restore(tmp_path / "c")
 

@@ -17,6 +17,7 @@ Example:
 
 from jmirror.checkpoint._checkpoint import restore as restore
 from jmirror.checkpoint._checkpoint import save as save
+from jmirror.checkpoint._format import CorruptCheckpointError as CorruptCheckpointError
 from jmirror.checkpoint._manager import CheckpointManager as CheckpointManager
 
-__all__ = ["CheckpointManager", "restore", "save"]
+__all__ = ["CheckpointManager", "CorruptCheckpointError", "restore", "save"]

@@ -8,7 +8,7 @@ from typing import Any
 
 from jmirror._strategy import MirroredStrategy, get_strategy
 from jmirror._values import PyTree
-from jmirror.checkpoint import _decode, _encode, _format, _processes, _storage
+from jmirror.checkpoint import _decode, _encode, _format, _integrity, _processes, _storage
 
 
 def save(
@@ -59,6 +59,8 @@ def save(
     strategy = strategy or get_strategy()
     group = _processes.Group.of(strategy)
     doc, arrays = encode(state, strategy, group, [None])
+    if group.size == 1:  # with several processes the writer reports it after the barrier
+        _integrity.check_writable(path.parent, "jm.checkpoint.save")
     group.write(group.keys(str(path)), lambda: _storage.write(path, arrays, doc, force=force))
     if not group.is_writer and not path.is_dir():
         raise group.not_written("jm.checkpoint.save", path)
@@ -128,16 +130,61 @@ def encode(
 
 def read(path: pathlib.Path, target: PyTree, strategy: MirroredStrategy, call: str) -> PyTree:
     """The state in the checkpoint at `path`, checked against `target` and placed."""
+    try:
+        doc, saved_n, tree, specs = _read_tree(path, call)
+        if target is not None:
+            _decode.check_target(tree, target)
+        _decode.check_replicas(tree, saved_n, strategy.num_replicas)
+        arrays = _read_verified(path, doc, tree, specs)
+    except _format.CorruptCheckpointError as error:
+        raise with_fix(error, path, call) from error
+    return _decode.place(tree, arrays, strategy, target)
+
+
+def with_fix(error: _format.CorruptCheckpointError, path: pathlib.Path, call: str) -> Exception:
+    """`error` with the fix: the newest other step of the series that reads whole.
+
+    The other steps (the sibling directories of a manager's step) are verified newest
+    first, until one is complete; a corrupt step is never skipped silently.
+    """
+    message = f"{call}: " + str(error).removeprefix("jm.checkpoint: ")
+    if not _format.describe(str(path)).startswith("step "):
+        return _format.CorruptCheckpointError(message + " Restore another checkpoint.")
+    steps = _storage.steps(path.parent)
+    others = [s for s in reversed(steps) if str(s) != path.name]
+    complete = next((s for s in others if verify(path.parent / str(s), call)), None)
+    return _integrity.rethrow(
+        _format.CorruptCheckpointError(message), _integrity.steps_note(steps, complete)
+    )
+
+
+def _read_tree(path: pathlib.Path, call: str) -> tuple[dict, int, _decode.Tree, dict]:
     where = str(path)
     doc = _storage.read_document(path, call)
     saved_n, specs, node = _format.parse_document(doc, where)
     tree = _decode.Tree(node, where, specs)
     _decode.check_arrays(tree, specs, saved_n, where)
-    if target is not None:
-        _decode.check_target(tree, target)
-    _decode.check_replicas(tree, saved_n, strategy.num_replicas)
-    arrays = _storage.read_arrays(path, specs)
-    return _decode.place(tree, arrays, strategy, target)
+    return doc, saved_n, tree, specs
+
+
+def _read_verified(path: pathlib.Path, doc: dict, tree: _decode.Tree, specs: dict) -> dict:
+    """The checkpoint's host arrays, each checked against its saved checksum."""
+    where = str(path)
+    paths = _integrity.leaf_paths(tree)
+    saved = _integrity.saved_checksums(path) if doc["version"] >= 2 else {}
+    arrays = _storage.read_arrays(path, specs, paths)
+    _integrity.verify_arrays(arrays, saved, paths, where)
+    return arrays
+
+
+def verify(path: pathlib.Path, call: str) -> bool:
+    """Whether the checkpoint at `path` reads whole (every file and checksum verified)."""
+    try:
+        doc, _, tree, specs = _read_tree(path, call)
+        _read_verified(path, doc, tree, specs)
+    except (ValueError, OSError):  # CorruptCheckpointError included
+        return False
+    return True
 
 
 def read_data(path: pathlib.Path, call: str, group: _processes.Group) -> Any:
@@ -146,9 +193,12 @@ def read_data(path: pathlib.Path, call: str, group: _processes.Group) -> Any:
     When as many processes saved as read, each reads its own; otherwise the saved data must
     be the same on every saving process (as an input position of `distribute_dataset` is).
     """
-    doc = _storage.read_document(path, call)
-    _format.parse_document(doc, str(path))
-    saved = _format.process_data(doc, str(path))
+    try:
+        doc = _storage.read_document(path, call)
+        _format.parse_document(doc, str(path))
+        saved = _format.process_data(doc, str(path))
+    except _format.CorruptCheckpointError as error:
+        raise with_fix(error, path, call) from error
     if len(saved) == 1 or len(saved) == group.size:
         return saved[group.rank if len(saved) > 1 else 0]
     if all(d == saved[0] for d in saved):

@@ -62,6 +62,7 @@ class Tree:
         if inside and self.kind in ("sync_on_read", "per_replica"):
             raise _format.corrupt(where, f"a {self.kind} node lies inside a distributed node")
         self.children: list[tuple[Any, Tree]] = []
+        self.variable = isinstance(node, dict) and node.get("variable") is True
         self.leaf: Leaf | None = None
         self.aggregation: Aggregation | None = None
         if self.kind == "leaf":
@@ -327,6 +328,8 @@ def _rebuild(tree: Tree, values: Any) -> PyTree:
     if tree.kind == "per_replica":
         return PerReplica(_rebuild(tree.children[0][1], values))
     items = [(entry, _rebuild(child, values)) for entry, child in tree.children]
+    if tree.variable and len(items) == 1:  # an NNX Variable: its value
+        return items[0][1]
     if tree.kind == "none":
         return None
     if tree.kind in ("list", "tuple"):

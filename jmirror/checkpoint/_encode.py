@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Any
 
 import jax
@@ -39,11 +40,32 @@ class Encoded:
 
 
 def children(node: Any) -> list[tuple[Any, Any]] | None:
-    """The (key entry, child) pairs one level below `node`; `None` when `node` is a leaf."""
+    """The (key entry, child) pairs one level below `node`; `None` when `node` is a leaf.
+
+    flax NNX objects flatten with a leafless internal child (`_pytree__state`), which is
+    left out: it holds nothing to save, and a state restored without target has no
+    flax-internal names.
+    """
     pairs, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
     if len(pairs) == 1 and pairs[0][0] == () and pairs[0][1] is node:
         return None
-    return [(path[0], child) for path, child in pairs]
+    return [(path[0], child) for path, child in pairs if not _is_flax_internal(path[0], child)]
+
+
+def _is_flax_internal(entry: Any, child: Any) -> bool:
+    name = getattr(entry, "name", None)
+    return (
+        isinstance(name, str)
+        and name.startswith("_pytree__")
+        and type(child).__module__.startswith("flax.")
+        and not jax.tree.leaves(child)
+    )
+
+
+def is_nnx_variable(x: Any) -> bool:
+    """Whether `x` is a flax `nnx.Variable` (without importing flax when it is not loaded)."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.Variable)
 
 
 def container_kind(node: Any) -> str:
@@ -94,6 +116,8 @@ class _Encoder:
         out: dict[str, Any] = {"node": kind}
         if kind == "class":
             out["class"] = f"{type(x).__module__}.{type(x).__qualname__}"
+            if is_nnx_variable(x) and len(pairs) == 1:
+                out["variable"] = True  # restored without target as its value
         out["children"] = [
             [_format.entry_to_json(entry, where), self.node(child, path + (entry,))]
             for entry, child in pairs
@@ -101,6 +125,7 @@ class _Encoder:
         return out
 
     def leaf(self, x: Any, where: str) -> dict:
+        check_leaf(x, where)
         name = self._name()
         if isinstance(x, jax.Array):
             if not x.is_fully_replicated:
@@ -133,6 +158,7 @@ class _Encoder:
 
         def one(sub_path: tuple, x: Any) -> dict:
             where = jax.tree_util.keystr(path + sub_path)
+            check_leaf(x, where, stacked=True)
             if self.several and not _is_global(x):
                 x = self.globalize(x, where)
             if np.ndim(x) < 1 or np.shape(x)[0] != self.n:
@@ -169,6 +195,7 @@ class _Encoder:
         self.reads.append((node, names))
 
         def one(sub_path: tuple, x: Any) -> dict:
+            check_leaf(x, jax.tree_util.keystr(path + sub_path), stacked=True)
             names.append(self._name())
             return _leaf("aggregated", names[-1], np.shape(x)[1:], x)
 
@@ -183,6 +210,8 @@ class _Encoder:
         out: dict[str, Any] = {"node": kind}
         if kind == "class":
             out["class"] = f"{type(tree).__module__}.{type(tree).__qualname__}"
+            if is_nnx_variable(tree) and len(pairs) == 1:
+                out["variable"] = True
         out["children"] = [
             [_format.entry_to_json(e, where), self.subtree(c, path, one, sub_path + (e,))]
             for e, c in pairs
@@ -231,6 +260,38 @@ def _mirror_all(mirrored: Any) -> Any:
 def _is_global(x: Any) -> bool:
     """Whether `x` is an array of which this process addresses only part."""
     return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
+def check_leaf(x: Any, where: str, stacked: bool = False) -> None:
+    """Raises for a leaf that cannot be stored, before anything is read or written.
+
+    The one place leaves are checked: every leaf of the state passes here while the tree is
+    encoded, before the first collective, host copy or file.
+    """
+    if isinstance(x, jax.Array) and x.is_deleted():
+        raise ValueError(
+            f"jm.checkpoint.save: the array at path {where!r} has been deleted (donated to a "
+            "jitted or replicated function, or deleted explicitly); its values are gone. Save "
+            "the state that call returned, or save before donating it."
+        )
+    if isinstance(x, bool) or not isinstance(
+        x, _PYTHON_SCALARS + (jax.Array, np.ndarray, np.generic)
+    ):
+        return  # Python bools and the leaf kinds refused by `leaf` with their own message
+    if isinstance(x, int) and not -(2**63) <= x < 2**63:
+        raise TypeError(
+            f"jm.checkpoint.save: the Python int at path {where!r} is {x}, beyond the int64 "
+            "range a checkpoint stores (-2**63 to 2**63 - 1). Store it as a float, as a numpy "
+            "array of smaller parts, or as a str in the manager's data."
+        )
+    if isinstance(x, (np.ndarray, np.generic, jax.Array)) and not _format.is_stored_dtype(x.dtype):
+        what = "per-replica leaf" if stacked else "leaf"
+        raise TypeError(
+            f"jm.checkpoint.save: the {what} at path {where!r} is an array of dtype "
+            f"{x.dtype}; a checkpoint stores arrays of numeric, bool and PRNG key dtypes (not "
+            "str, bytes, object or datetime arrays). Convert it (e.g. to integer codes), or keep "
+            "it out of the state (the manager's data takes JSON)."
+        )
 
 
 def _leaf(kind: str, name: str, shape: tuple, x: Any) -> dict:

@@ -4,10 +4,15 @@ A checkpoint holds two orbax items: `state`, a flat dict of host arrays named "0
 and `jmirror`, one JSON document (orbax's `JsonSave`) that says how those arrays make up the
 saved state:
 
-    {"format": "jmirror.checkpoint", "version": 1, "num_replicas": N,
+    {"format": "jmirror.checkpoint", "version": 2, "num_replicas": N,
      "arrays": {"0": {"shape": [...], "dtype": "float32"}, ...},
      "tree": <node>, "data": <the manager's data, any JSON>,
      "process_data": [<process 0's data>, <process 1's data>, ...]}
+
+Version 2 (round 3) comes with the checkpoint's file list and each array's CRC-32
+(`_integrity`); version 1 checkpoints still restore, unverified. Zero-size arrays are in the
+table but not in the `state` item (orbax refuses them); they are restored from their shape
+and dtype.
 
 `process_data` is there only when several processes saved (each saves its own `data`; `data`
 is then process 0's, as a single-process reader sees it).
@@ -15,6 +20,8 @@ is then process 0's, as a single-process reader sees it).
 A `<node>` is one of
     {"node": "leaf", "kind": KIND, "array": "3", "shape": [...], "dtype": "float32", ...}
     {"node": "dict" | "list" | "tuple" | "none" | "class", "children": [[ENTRY, <node>], ...]}
+      (a "class" node of a flax `nnx.Variable` adds `"variable": true`: without target it is
+      restored as its value)
     {"node": "sync_on_read", "aggregation": "sum", "child": <node>}
     {"node": "per_replica", "child": <node>}
 where ENTRY is `["attr", name]`, `["key", str_or_int]`, `["index", int]` or `["flat", int]` (a
@@ -34,6 +41,7 @@ schema: nothing read from a checkpoint is unpickled or evaluated, and a dtype ou
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -41,10 +49,12 @@ import jax.numpy as jnp
 import numpy as np
 
 FORMAT = "jmirror.checkpoint"
-VERSION = 1
+VERSION = 2  # 2: every array has a checksum and the file list (`_integrity`)
+READABLE_VERSIONS = (1, 2)
 STATE_ITEM = "state"
 METADATA_ITEM = "jmirror"
 
+_STEP_NAME = re.compile(r"0|[1-9][0-9]*")
 KINDS = ("mirrored", "numpy", "python", "aggregated", "stacked", "sharded")
 CONTAINERS = ("dict", "list", "tuple", "none", "class")
 PYTHON_TYPES = {"bool": bool, "int": int, "float": float, "complex": complex}
@@ -57,20 +67,54 @@ _DTYPES = frozenset(
 
 
 class CorruptCheckpointError(ValueError):
-    """The metadata of a checkpoint does not follow the schema (a `ValueError`)."""
+    """A checkpoint on disk is damaged: nothing was restored from it (a `ValueError`).
+
+    Raised by `jm.checkpoint.restore` and `CheckpointManager.restore` / `.data` when a file
+    of the checkpoint is missing, truncated, empty or changed after it was written (every
+    array is saved with a checksum and verified), or its metadata does not parse. The message
+    names the step, the damaged file or leaf path, and the fix: restore another step (the
+    manager says which earlier step is complete).
+
+    Example:
+        >>> import pathlib, tempfile, numpy as np, jmirror as jm
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "ckpt"
+        >>> jm.checkpoint.save(path, {"w": np.arange(4.0)})
+        >>> (path / "jmirror" / "metadata").write_text("{not json")
+        9
+        >>> try:
+        ...     jm.checkpoint.restore(path)
+        ... except jm.checkpoint.CorruptCheckpointError as error:
+        ...     print("damaged:", "jmirror/metadata" in str(error))
+        damaged: True
+    """
+
+
+def describe(where: str) -> str:
+    """'step 3 of /runs/a' for a manager's step, else 'the checkpoint at /path'."""
+    head, _, name = where.rstrip("/").rpartition("/")
+    if _STEP_NAME.fullmatch(name) and head:
+        return f"step {name} of {head}"
+    return f"the checkpoint at {where}"
 
 
 def corrupt(where: str, what: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(
-        f"jm.checkpoint: the checkpoint at {where} is not a valid jmirror checkpoint: {what}. "
-        "It was damaged or not written by jmirror.checkpoint; nothing from it was loaded "
-        "(restoring never unpickles or evaluates checkpoint contents). Restore another step."
+        f"jm.checkpoint: {describe(where)} is damaged: {what}. Nothing was restored from it "
+        "(restoring never unpickles or evaluates checkpoint contents)."
     )
 
 
 def dtype_name(dtype: Any) -> str:
     """The JSON name of an array dtype (PRNG key dtypes included, e.g. 'key<fry>')."""
     return str(dtype) if jnp.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype).name
+
+
+def is_stored_dtype(dtype: Any) -> bool:
+    """Whether arrays of `dtype` can be written (plain numeric, bool, PRNG keys)."""
+    try:
+        return jnp.issubdtype(dtype, jax.dtypes.prng_key) or np.dtype(dtype).name in _DTYPES
+    except TypeError:
+        return False
 
 
 def parse_dtype(name: object, where: str) -> np.dtype:
@@ -191,10 +235,11 @@ def parse_document(doc: object, where: str) -> tuple[int, dict[str, jax.ShapeDty
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise corrupt(where, f"its metadata does not name the format {FORMAT!r}")
     version = field(doc, "version", int, where)
-    if version != VERSION:
+    if version not in READABLE_VERSIONS:
         raise ValueError(
             f"jm.checkpoint: the checkpoint at {where} has format version {version}; this "
-            f"jmirror reads version {VERSION}. Restore it with the jmirror that wrote it."
+            f"jmirror reads versions {list(READABLE_VERSIONS)}. Restore it with the jmirror "
+            "that wrote it."
         )
     num_replicas = field(doc, "num_replicas", int, where)
     if num_replicas < 1:

@@ -22,12 +22,11 @@ from __future__ import annotations
 import json
 import operator
 import os
-import threading
 from typing import Any
 
 from jmirror._strategy import MirroredStrategy, get_strategy
 from jmirror._values import PyTree
-from jmirror.checkpoint import _checkpoint, _processes, _storage
+from jmirror.checkpoint import _background, _checkpoint, _integrity, _processes, _storage
 from jmirror.checkpoint._preemption import PreemptionMixin
 
 
@@ -130,8 +129,7 @@ class CheckpointManager(PreemptionMixin):
         if self._group().is_writer:  # others may already be waiting for its first write
             _storage.clean(self._root)
         self._async = async_save
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._background = _background.Background(f"CheckpointManager({str(self._root)!r})")
         self._closed = False
         self._watch_preemption()  # SIGTERM: see reached_preemption
 
@@ -156,13 +154,7 @@ class CheckpointManager(PreemptionMixin):
 
     def _raise_error(self, wait: bool) -> None:
         """Raises the error of the last background write (waiting for it when `wait`)."""
-        thread = self._thread
-        if thread is not None and (wait or not thread.is_alive()):
-            thread.join()
-            self._thread = None
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+        self._background.raise_error(wait)
 
     def _write(
         self,
@@ -176,7 +168,7 @@ class CheckpointManager(PreemptionMixin):
         path = self._root / str(step)
 
         def write() -> None:
-            _storage.write(path, arrays, doc, force=force)
+            _storage.write(path, arrays, doc, force=force, call="CheckpointManager.save")
             if self._max_to_keep is not None:
                 for old in _storage.steps(self._root)[: -self._max_to_keep]:
                     _storage.remove(self._root / str(old))
@@ -186,10 +178,9 @@ class CheckpointManager(PreemptionMixin):
             if not group.is_writer and not self._is_written(step):
                 raise group.not_written("CheckpointManager.save", path)
         except BaseException as error:
-            if not self._async:
-                raise
-            error.add_note(f"(raised by the background save of step {step} to {path})")
-            self._error = error
+            if self._async:
+                error.add_note(f"(raised by the background save of step {step} to {path})")
+            raise
 
     def _is_written(self, step: int) -> bool:
         """Whether `step` is saved, or was and `max_to_keep` newer steps replaced it."""
@@ -284,16 +275,13 @@ class CheckpointManager(PreemptionMixin):
         group = _processes.Group.of(strategy)
         # The collectives of a save, in this thread: the data, the reads and gathers.
         doc, arrays = _checkpoint.encode(state, strategy, group, group.gather_json(data))
+        if group.size == 1:  # an async save's OSError too comes from this call, if it can
+            _integrity.check_writable(self._root, "CheckpointManager.save")
         keys = group.keys(f"{self._root}/{step}")
         if not self._async:
             self._write(step, doc, arrays, force, group, keys)
             return True
-        self._thread = threading.Thread(
-            target=self._write,
-            args=(step, doc, arrays, force, group, keys),
-            name=f"jmirror-checkpoint-{step}",
-        )
-        self._thread.start()
+        self._background.start(step, lambda: self._write(step, doc, arrays, force, group, keys))
         return True
 
     # --- reading -----------------------------------------------------------------------------

@@ -2,10 +2,15 @@
 
 One checkpoint is one directory written by orbax's `Checkpointer` with a
 `CompositeCheckpointHandler` of two items, `state` (`StandardSave` of a flat dict of host
-arrays) and `jmirror` (`JsonSave` of the metadata document, see `_format`). Orbax writes into
-`<path>.orbax-checkpoint-tmp` and renames it to `<path>` when everything is written, so a
-directory named `<path>` is always complete: a process killed during a save leaves only a
-temporary directory, which is never listed or restored.
+arrays) and `jmirror` (`JsonSave` of the metadata document, see `_format`). Orbax writes it
+under a hidden name (`.<name>.jmirror-new-<uuid>`, itself through orbax's own temporary
+directory), jmirror adds its file list (`_integrity`), and the directory is renamed to
+`<path>` when everything is written, so a directory named `<path>` is always complete: a
+process killed during a save leaves only a hidden directory, which is never listed or
+restored (and `clean` removes it). A failed save removes what it wrote; an I/O error is an
+`OSError` with the OS's errno (`_integrity.os_error`). orbax runs in a daemon thread
+(`_background.run_in_daemon_thread`), so that the threads it leaves behind after a failure
+never keep the process from exiting.
 
 Orbax stops short of what jmirror promises in two places, which this module adds:
 - replacing (`force=True`): orbax deletes the old directory before writing the new one, so a
@@ -22,6 +27,7 @@ multi-process barriers would be device collectives, which must not run from a ba
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import pathlib
 import re
@@ -34,7 +40,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jmirror.checkpoint import _format
+from jmirror.checkpoint import _background, _format, _integrity
 
 _NEW = ".jmirror-new-"
 _DELETING = ".jmirror-deleting-"
@@ -53,16 +59,44 @@ def as_path(directory: str | os.PathLike) -> pathlib.Path:
     return pathlib.Path(directory).absolute()
 
 
-def write(path: pathlib.Path, arrays: dict[str, np.ndarray], doc: dict, *, force: bool) -> None:
-    """Writes a checkpoint at `path`; with `force`, atomically replaces one that exists."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists():
-        _orbax_save(path, arrays, doc)
-        return
-    if not force:
+def write(
+    path: pathlib.Path,
+    arrays: dict[str, np.ndarray],
+    doc: dict,
+    *,
+    force: bool,
+    call: str = "jm.checkpoint.save",
+) -> None:
+    """Writes a checkpoint at `path`; with `force`, atomically replaces one that exists.
+
+    The checkpoint is written under a hidden name (orbax's save, then jmirror's file list,
+    see `_integrity`) and renamed to `path` when complete. An I/O error (a full disk, a
+    read-only directory) is an `OSError` with the OS's errno, naming the directory; what the
+    failed save wrote is removed.
+    """
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise (_integrity.os_error(error, path.parent, call) or error) from error
+    if path.exists() and not force:
         raise ValueError(f"{path} exists")  # the callers check first, with their own message
     new = path.parent / f".{path.name}{_NEW}{uuid.uuid4().hex}"
-    _orbax_save(new, arrays, doc)
+    try:
+        # The checksums are computed while orbax writes (zlib and TensorStore release the GIL).
+        checksums = _background.start_daemon(lambda: _integrity.array_checksums(arrays))
+        _orbax_save(new, arrays, doc)
+        _integrity.write_file_list(new, checksums())
+    except BaseException as error:
+        shutil.rmtree(new, ignore_errors=True)
+        for tmp in path.parent.glob(f"{new.name}{_ORBAX_TMP}*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        converted = _integrity.os_error(error, path.parent, call)
+        if converted is not None:
+            raise converted from error
+        raise
+    if not path.exists():
+        os.rename(new, path)
+        return
     if _exchange(new, path):
         remove(new)  # now holds the old checkpoint
         return
@@ -74,11 +108,18 @@ def write(path: pathlib.Path, arrays: dict[str, np.ndarray], doc: dict, *, force
 
 
 def _orbax_save(path: pathlib.Path, arrays: dict[str, np.ndarray], doc: dict) -> None:
+    """orbax's save of the two items; zero-size arrays (orbax refuses them) live in `doc`."""
     items: dict[str, Any] = {_format.METADATA_ITEM: ocp.args.JsonSave(doc)}
-    if arrays:
-        items[_format.STATE_ITEM] = ocp.args.StandardSave(arrays)
-    with _checkpointer() as checkpointer:
-        checkpointer.save(path, args=ocp.args.Composite(**items))
+    stored = {name: a for name, a in arrays.items() if a.size}
+    if stored:
+        items[_format.STATE_ITEM] = ocp.args.StandardSave(stored)
+
+    def save() -> None:
+        with _checkpointer() as checkpointer:
+            checkpointer.save(path, args=ocp.args.Composite(**items))
+
+    # orbax's threads then are daemons: a failed save's leftovers never hold up the exit.
+    _background.run_in_daemon_thread(save)
 
 
 def _checkpointer() -> ocp.Checkpointer:
@@ -156,25 +197,57 @@ def read_document(path: pathlib.Path, call: str) -> Any:
             f"{call}: no jmirror checkpoint at {path}; {what}. Pass the directory given to "
             "jm.checkpoint.save."
         )
+    if _integrity.has_file_list(path):
+        _integrity.check_files(path)
     try:
         with _checkpointer() as checkpointer:
             restored = checkpointer.restore(
                 path, args=ocp.args.Composite(**{_format.METADATA_ITEM: ocp.args.JsonRestore()})
             )
-    except ValueError as error:  # JSON errors and orbax's incomplete checkpoints
-        raise _format.corrupt(str(path), f"its metadata could not be read ({error})") from error
-    return restored[_format.METADATA_ITEM]
+    except Exception as error:  # JSON, Unicode and orbax errors of damaged metadata
+        what = f"its metadata {_format.METADATA_ITEM}/metadata"
+        raise _integrity.read_failed(str(path), what, error) from error
+    doc = restored[_format.METADATA_ITEM]
+    if isinstance(doc, dict) and doc.get("version", 1) != 1 and not _integrity.has_file_list(path):
+        raise _format.corrupt(str(path), f"its file list {_integrity.FILES} is missing")
+    return doc
 
 
-def read_arrays(path: pathlib.Path, specs: dict[str, jax.ShapeDtypeStruct]) -> dict:
+def read_arrays(path: pathlib.Path, specs: dict[str, jax.ShapeDtypeStruct], paths: dict) -> dict:
     """The checkpoint's arrays as host numpy arrays of the given shapes and dtypes.
 
     orbax reads them as `jax.Array`s on the host CPU device (its faster path than reading
     numpy arrays); dtypes JAX cannot hold as they are (64-bit ones without
-    `jax_enable_x64`) are read as numpy arrays.
+    `jax_enable_x64`) are read as numpy arrays. Zero-size arrays are not in orbax's files.
+    A read that fails is a `CorruptCheckpointError` naming the leaf (`paths`: each array's
+    leaf path) whose read failed.
     """
-    if not specs:
-        return {}
+    stored = {name: spec for name, spec in specs.items() if math.prod(spec.shape)}
+    out = {name: np.empty(spec.shape, spec.dtype) for name, spec in specs.items()}
+    if not stored:
+        return out
+    try:
+        out.update(_orbax_read(path, stored))
+    except Exception as error:  # TensorStore's bare Exception, JSON errors of _METADATA, ...
+        failing = [paths.get(name, name) for name in _failing_arrays(path, stored)]
+        shown = ", ".join(failing[:5]) + (", ..." if len(failing) > 5 else "")
+        what = f"the leaves {shown}" if failing else "its arrays"
+        raise _integrity.read_failed(str(path), what, error) from error
+    return out
+
+
+def _failing_arrays(path: pathlib.Path, specs: dict[str, jax.ShapeDtypeStruct]) -> list[str]:
+    """The arrays that cannot be read alone, for the message (one file may hold several)."""
+    failing = []
+    for name, spec in specs.items():
+        try:
+            _orbax_read(path, {name: spec})
+        except Exception:  # noqa: PERF203 (only after a failed read)
+            failing.append(name)
+    return failing
+
+
+def _orbax_read(path: pathlib.Path, specs: dict[str, jax.ShapeDtypeStruct]) -> dict:
     try:
         host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
     except RuntimeError:  # no CPU backend (JAX_PLATFORMS excludes it)

@@ -1,0 +1,186 @@
+"""Background writes of a `CheckpointManager`, and their completion at interpreter exit.
+
+A manager writes one step at a time in a thread of its own; the error of a write is kept
+until the manager's next call raises it. At interpreter exit every pending write is waited
+for, and an error that no call has raised is printed to stderr and makes the exit status 1,
+whether or not the manager was closed (a normal end, `sys.exit`, an uncaught exception).
+
+Where that wait runs matters. At exit CPython first runs `threading._shutdown`, which calls
+the callbacks of `threading._register_atexit` in reverse order of registration, then joins
+the non-daemon threads, and only then runs the `atexit` callbacks. `concurrent.futures`
+registers such a callback when it is imported, and after it has run no executor accepts
+work ("cannot schedule new futures after interpreter shutdown"); orbax writes through
+executors. So the wait is a `threading._register_atexit` callback registered after
+`concurrent.futures` is imported (below), which runs before concurrent.futures' own. The
+exit status is set by an `atexit` callback registered when this module is imported: it runs
+after the callbacks registered later (those of `jax.distributed` among them), flushes
+`logging` and the standard streams, and ends the process with status 1 only when a pending
+write failed.
+
+Writer threads are daemon threads, and so are the threads orbax starts from them (a thread
+is a daemon when the thread that starts it is one): a write that failed half-way may leave
+an orbax thread waiting for a signal that never comes, which must not keep the process
+from exiting (`_storage` runs a synchronous save in such a thread too).
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures.process  # noqa: F401 (registers its exit callback before ours)
+import concurrent.futures.thread  # noqa: F401 (registers its exit callback before ours)
+import logging
+import os
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+
+# Writes that have a thread or an error nobody raised yet (strong references: a manager that
+# was dropped without close() still has its write completed, or its error reported).
+_PENDING: set[Background] = set()
+_LOCK = threading.Lock()
+_FAILED_AT_EXIT: list[str] = []
+_POLL_S = 0.1  # joins poll, so that Ctrl-C interrupts a wait
+
+
+class Background:
+    """One manager's background write: at most one thread, and the error it left.
+
+    Attributes:
+      what: names the owner in messages, e.g. "CheckpointManager('/tmp/run')".
+    """
+
+    def __init__(self, what: str):
+        self.what = what
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._step: int | None = None
+
+    def start(self, step: int, work: Callable[[], None]) -> None:
+        """Runs `work` in a daemon thread; its error is kept for `raise_error`."""
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as error:  # kept for the next call, or reported at exit
+                self._error = error
+
+        self._step = step
+        self._thread = threading.Thread(target=run, name=f"jmirror-checkpoint-{step}", daemon=True)
+        with _LOCK:
+            _PENDING.add(self)
+        self._thread.start()
+
+    def raise_error(self, wait: bool) -> None:
+        """Raises the error of the last write (waiting for the write first when `wait`)."""
+        thread = self._thread
+        if thread is not None and (wait or not thread.is_alive()):
+            join(thread)
+            self._thread = None
+        error, self._error = self._error, None
+        if self._thread is None:
+            with _LOCK:
+                _PENDING.discard(self)
+        if error is not None:
+            raise error
+
+    def finish_at_exit(self) -> None:
+        """Waits for the write; prints an error nobody raised (and marks the exit failed)."""
+        try:
+            self.raise_error(wait=True)
+        except BaseException as error:
+            text = "".join(traceback.format_exception(error, chain=False)).rstrip()
+            message = (
+                f"jm.checkpoint: {self.what}: the background save of step {self._step} did "
+                "not complete before the interpreter exited; that step is not saved (earlier "
+                f"steps are untouched). Its error:\n{text}\n"
+                "Call manager.close() (or use the manager as a context manager) before exiting "
+                "to get this error as an exception."
+            )
+            _FAILED_AT_EXIT.append(message)
+            print(message, file=sys.stderr, flush=True)
+
+
+def join(thread: threading.Thread) -> None:
+    """Waits for `thread`, in short polls (a KeyboardInterrupt still interrupts the wait)."""
+    while thread.is_alive():
+        thread.join(_POLL_S)
+
+
+def run_in_daemon_thread(work: Callable[[], object]) -> object:
+    """Runs `work` in a daemon thread and returns its result (or raises its error).
+
+    Called from a daemon thread already, it runs `work` there.
+    """
+    if threading.current_thread().daemon:
+        return work()
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = work()
+        except BaseException as error:  # re-raised in the caller's thread
+            box["error"] = error
+
+    thread = threading.Thread(target=run, name="jmirror-checkpoint-io", daemon=True)
+    thread.start()
+    join(thread)
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box.get("result")
+
+
+def start_daemon(work: Callable[[], object]) -> Callable[[], object]:
+    """Starts `work` in a daemon thread; the returned function waits for its result."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = work()
+        except BaseException as error:  # re-raised by the waiting function
+            box["error"] = error
+
+    thread = threading.Thread(target=run, name="jmirror-checkpoint-crc", daemon=True)
+    thread.start()
+
+    def result() -> object:
+        join(thread)
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        return box.get("result")
+
+    return result
+
+
+def _finish_pending() -> None:
+    """Completes every pending write (the `threading` exit callback)."""
+    while True:
+        with _LOCK:
+            pending = list(_PENDING)
+        if not pending:
+            return
+        for background in pending:
+            background.finish_at_exit()
+            with _LOCK:
+                _PENDING.discard(background)
+
+
+def _exit_status() -> None:
+    """Ends the process with status 1 when a write failed at exit (the `atexit` callback)."""
+    if not _FAILED_AT_EXIT:
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(1)
+
+
+atexit.register(_exit_status)
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_finish_pending)
+else:  # not CPython: the best that remains, before the exit status is set
+    atexit.register(_finish_pending)

@@ -1,0 +1,222 @@
+"""Integrity of a checkpoint on disk: array checksums, the list of files, and errors named.
+
+One record makes damage visible: `_JMIRROR_FILES` at the top of the checkpoint, written by
+the writer (in the background thread for an async save) after orbax's save and before the
+checkpoint is renamed into place. It holds
+- every array's CRC-32 (`zlib.crc32` of its bytes in C order), computed in a thread of its
+  own while orbax writes, and verified on the arrays as restored: a flipped bit anywhere in
+  orbax's files that still decodes is caught there, and named by its leaf path;
+- every file orbax wrote, with its size (and the CRC-32 of each small file: the metadata,
+  manifests and small arrays): a truncated, empty or missing file, or damaged metadata, is
+  named before anything is read.
+
+orbax checksums only the index of each zarr shard (`crc32c` in its index codecs), not the
+array data, and offers no option to add one, so the array checksums are jmirror's own.
+
+Errors from the layers below (TensorStore's bare `Exception`, `UnicodeDecodeError`,
+`JSONDecodeError`, orbax's `ValueError`s) while reading a checkpoint become a
+`CorruptCheckpointError` that names the step, the file or leaf, and what to do.
+"""
+
+from __future__ import annotations
+
+import errno as errno_module
+import json
+import os
+import pathlib
+import re
+import zlib
+from typing import Any
+
+import jax
+import numpy as np
+
+from jmirror.checkpoint._format import CorruptCheckpointError, corrupt
+
+FILES = "_JMIRROR_FILES"
+_SMALL_FILE = 1 << 20  # files up to this size are checksummed whole in the file list
+_OS_ERROR = re.compile(r"os_error_code\D{0,4}(\d+)|\[OS error (\d+)|errno[ =:]+(\d+)", re.I)
+
+
+def checksum(array: np.ndarray) -> int:
+    """The CRC-32 of an array's bytes in C order (any dtype, any size)."""
+    flat = np.ascontiguousarray(array).reshape(-1)
+    return zlib.crc32(flat.view(np.uint8).data)
+
+
+def array_checksums(arrays: dict[str, np.ndarray]) -> dict[str, int]:
+    return {name: checksum(array) for name, array in arrays.items()}
+
+
+def saved_checksums(root: pathlib.Path) -> dict[str, int]:
+    """The checksum of each array, from the file list (checked by `check_files` first)."""
+    table = _read_list(root).get("arrays")
+    if not isinstance(table, dict) or not all(
+        type(v) is int and 0 <= v < 2**32 for v in table.values()
+    ):
+        raise corrupt(str(root), f"its file list {FILES} has no valid array checksums")
+    return table
+
+
+def verify_arrays(
+    arrays: dict[str, np.ndarray], saved: dict[str, int], leaf_paths: dict[str, str], where: str
+) -> None:
+    """Raises `CorruptCheckpointError` naming the first array whose checksum differs."""
+    for name, expected in saved.items():
+        if name in arrays and checksum(arrays[name]) != expected:
+            raise corrupt(
+                where,
+                f"the values of the leaf {leaf_paths.get(name, name)!r} (array {name!r}) do "
+                "not match the checksum written with them: a file holding them was changed "
+                "after it was written",
+            )
+
+
+# --- the file list ----------------------------------------------------------------------------
+
+
+def _files(root: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != FILES)
+
+
+def _file_crc(path: pathlib.Path) -> int:
+    with open(path, "rb") as f:
+        return zlib.crc32(f.read())
+
+
+def write_file_list(root: pathlib.Path, checksums: dict[str, int]) -> None:
+    """Records every file under `root` (as orbax left it) and the arrays' `checksums`."""
+    table = {}
+    for path in _files(root):
+        size = path.stat().st_size
+        entry: dict[str, int] = {"size": size}
+        if size <= _SMALL_FILE:
+            entry["crc32"] = _file_crc(path)
+        table[path.relative_to(root).as_posix()] = entry
+    listed = {"format": "jmirror.checkpoint.files", "files": table, "arrays": checksums}
+    data = json.dumps(listed).encode()
+    with open(root / FILES, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_list(root: pathlib.Path) -> dict:
+    try:
+        listed = json.loads((root / FILES).read_bytes().decode())
+    except (OSError, ValueError) as error:
+        raise corrupt(str(root), f"its file list {FILES} cannot be read ({error!r})") from None
+    if not isinstance(listed, dict):
+        raise corrupt(str(root), f"its file list {FILES} is not a JSON object")
+    return listed
+
+
+def has_file_list(root: pathlib.Path) -> bool:
+    return (root / FILES).exists()
+
+
+def check_files(root: pathlib.Path) -> None:
+    """Raises `CorruptCheckpointError` naming the first file that differs from the list."""
+    where = str(root)
+    table = _read_list(root).get("files")
+    if not isinstance(table, dict):
+        raise corrupt(where, f"its file list {FILES} lists no files")
+    for name, entry in table.items():
+        file = root / name
+        if not isinstance(entry, dict) or type(entry.get("size")) is not int:
+            raise corrupt(where, f"its file list {FILES} is damaged at {name!r}")
+        if not file.is_file():
+            raise corrupt(where, f"the file {name} is missing")
+        size = file.stat().st_size
+        if size != entry["size"]:
+            state = "empty" if size == 0 else f"{size} bytes"
+            raise corrupt(where, f"the file {name} is {state}; {entry['size']} bytes were written")
+        if "crc32" in entry and _file_crc(file) != entry["crc32"]:
+            raise corrupt(where, f"the file {name} was changed after it was written")
+
+
+# --- errors from below ------------------------------------------------------------------------
+
+
+def first_line(error: BaseException) -> str:
+    """The start of a library's error message (TensorStore appends kilobytes of spec)."""
+    text = str(error).split("See full TensorStore details")[0].strip()
+    text = text.splitlines()[0] if text else type(error).__name__
+    return text[:300] + (" ..." if len(text) > 300 else "")
+
+
+def read_failed(where: str, what: str, error: BaseException) -> CorruptCheckpointError:
+    """The error for a read that a library below refused (`error` chained by the caller)."""
+    return corrupt(where, f"{what} could not be read ({type(error).__name__}: {first_line(error)})")
+
+
+def os_error(error: BaseException, directory: pathlib.Path, call: str) -> OSError | None:
+    """An `OSError` (errno kept) for an I/O failure of a write, or None if `error` is not one.
+
+    orbax and TensorStore report a full disk as a `ValueError` carrying the OS error code;
+    here it becomes the `OSError` the OS gave, naming the directory.
+    """
+    code = error.errno if isinstance(error, OSError) else None
+    if code is None:
+        match = _OS_ERROR.search(str(error))
+        if match is None:
+            return None
+        code = int(next(g for g in match.groups() if g))
+    reason = os.strerror(code)
+    hint = {
+        errno_module.ENOSPC: "free space there (or save to another directory)",
+        errno_module.EDQUOT: "free space within your quota (or save to another directory)",
+        errno_module.EROFS: "save to a writable directory",
+        errno_module.EACCES: "save to a directory you may write to",
+    }.get(code, "check the directory")
+    return OSError(
+        code,
+        f"{call}: writing the checkpoint in {directory} failed: {reason}. Nothing partial "
+        f"was kept; earlier checkpoints are untouched. Fix: {hint}",
+        str(directory),
+    )
+
+
+def check_writable(directory: pathlib.Path, call: str) -> None:
+    """Raises `OSError` (EROFS or EACCES) when `directory` (or its nearest parent) is not writable.
+
+    Checked in the caller's thread before a save starts, so even an async save raises it
+    from the call.
+    """
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    code = None
+    if read_only:
+        code = errno_module.EROFS
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        code = errno_module.EACCES
+    if code is not None:
+        error = OSError(code, os.strerror(code))
+        raise os_error(error, directory, call) from None  # type: ignore[misc]
+
+
+def steps_note(steps: list[int], complete: int | None) -> str:
+    """The fix of a corrupt step: which other step is complete, and every saved one."""
+    if complete is not None:
+        return (
+            f" Restore another step: step {complete} is complete (verified); the saved steps "
+            f"are {steps} (e.g. manager.restore({complete}))."
+        )
+    if len(steps) > 1:
+        return f" No other saved step is complete either (the saved steps are {steps})."
+    return " No other step is saved: start again from the beginning."
+
+
+def rethrow(error: CorruptCheckpointError, note: str) -> CorruptCheckpointError:
+    """A `CorruptCheckpointError` of the same message plus `note`."""
+    return CorruptCheckpointError(str(error).rstrip() + note)
+
+
+def leaf_paths(tree: Any) -> dict[str, str]:
+    """Each array name's leaf path (of a `_decode.Tree`), for messages."""
+    return {leaf.array: jax.tree_util.keystr(leaf.path) for leaf in tree.leaves()}
