@@ -325,6 +325,41 @@ def test_checkpoint_manager_saves_asynchronously_and_restores_sharded(strategy, 
     assert_trees_close(strategy.read(restored), saved, 0, 0)
 
 
+@jax.custom_vjp
+def _twice(x):
+    return 2.0 * x
+
+
+_twice.defvjp(lambda x: (2.0 * x, None), lambda _, g: (2.0 * g,))
+
+
+def _calls_and_reductions():
+    """An update through jit, custom_jvp (relu), custom_vjp, remat and closed_call, with a
+    global norm, a max, a min, a vdot and a reshape of sharded values."""
+
+    @jax.jit
+    def scaled(g):
+        return jax.nn.relu(g) - 0.5 * jax.nn.relu(-g)
+
+    def update(updates, state, params=None):
+        updates = jax.tree.map(lambda g: jax.checkpoint(_twice)(scaled(g)), updates)
+        norm = optax.tree.norm(updates)
+        peak = jnp.max(jnp.stack([jnp.max(jnp.abs(g)) for g in jax.tree.leaves(updates)]))
+        low = jnp.min(jnp.stack([jnp.min(g.reshape(-1)) for g in jax.tree.leaves(updates)]))
+        dot = sum(jnp.vdot(g, p) for g, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params)))
+        factor = jax.jit(lambda a, b, c, d: a / (b + 1.0) + 0.01 * c + 0.001 * d)(
+            1.0, norm, low, dot / (peak + 1.0)
+        )
+        return jax.tree.map(lambda g: -0.01 * factor * g, updates), state
+
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
+def test_calls_and_whole_leaf_reductions_are_followed_exactly(strategy):
+    (params, _), (oracle_params, _) = train_both(strategy, _calls_and_reductions, steps=3)
+    assert_trees_close(strategy.read(params), strategy.read(oracle_params))
+
+
 class _Refused:
     """Transformations whose update mixes elements across positions of a leaf."""
 
