@@ -214,6 +214,11 @@ def test_bucket_bytes_must_be_a_positive_int(bad):
         jm.shard_update(optax.adam(1e-2), bucket_bytes=bad)
 
 
+def test_something_else_than_a_transformation_is_a_type_error():
+    with pytest.raises(TypeError, match=r"optax.GradientTransformation.*jm.shard_update\(optax"):
+        jm.shard_update(optax.adam)
+
+
 def test_donated_state_and_params(strategy):
     make = TRANSFORMS["adam"]
     tx, inner = jm.shard_update(make()), make()
@@ -239,6 +244,17 @@ def test_init_inside_a_replica_function_gives_the_same_state(strategy):
     outside = tx.init(params)
     assert jax.tree.structure(inside) == jax.tree.structure(outside)
     assert_trees_close(strategy.read(inside), strategy.read(outside))
+
+
+def test_init_shards_over_the_devices_the_params_are_mirrored_on(n):
+    if n < 4:
+        pytest.skip("needs 4 devices")
+    four = jm.MirroredStrategy(num_devices=4)
+    state = jm.shard_update(optax.adam(1e-2)).init(four.mirror(init_params()))  # no strategy=
+    node = state[0].mu["w1"]
+    assert node.shards.shape == (4, 6) and node.shards.sharding == four.topology.stacked
+    (params, state), (oracle_params, _) = train_both(four, TRANSFORMS["adam"], steps=2)
+    assert_trees_close(four.read(params), four.read(oracle_params))
 
 
 def test_mirror_keeps_sharded_state(strategy):
