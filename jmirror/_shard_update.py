@@ -69,7 +69,8 @@ def shard_update(
 
     Args:
       inner: any `optax.GradientTransformation`.
-      strategy: the strategy whose replicas `init` shards the state over; `None` means
+      strategy: the strategy whose replicas `init` shards the state over; `None` means the
+        devices the parameters are mirrored on (as `strategy.mirror` placed them), else
         `jm.get_strategy()` when `init` is called.
       bucket_bytes: `None` (the default) packs the gradients of each dtype into one buffer:
         one reduce-scatter and one all-gather per dtype. XLA then holds that buffer beside
