@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jmirror import _context
 from jmirror._shard_jaxpr import Piece, Pieces, run
@@ -67,7 +69,8 @@ def shard_update(
 
     Args:
       inner: any `optax.GradientTransformation`.
-      strategy: the strategy whose replicas `init` shards the state over; `None` means
+      strategy: the strategy whose replicas `init` shards the state over; `None` means the
+        devices the parameters are mirrored on (as `strategy.mirror` placed them), else
         `jm.get_strategy()` when `init` is called.
       bucket_bytes: `None` (the default) packs the gradients of each dtype into one buffer:
         one reduce-scatter and one all-gather per dtype. XLA then holds that buffer beside
@@ -80,6 +83,7 @@ def shard_update(
       An `optax.GradientTransformation` whose `update` must run inside a replica function.
 
     Raises:
+      TypeError: `inner` is not a gradient transformation.
       RuntimeError: `update` called outside a replica function.
       ValueError: at trace time, for a part of `inner` that cannot be computed exactly on
         1/N of each leaf, or a state sharded for another replica count.
@@ -102,6 +106,12 @@ def shard_update(
         >>> strategy.read(state)[0].mu["w"].shape
         (10,)
     """
+    if not (callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))):
+        raise TypeError(
+            f"jm.shard_update expects an optax.GradientTransformation (with init and update), "
+            f"got {type(inner).__name__}: {inner!r}. Wrap the optimizer, e.g. "
+            "jm.shard_update(optax.adam(1e-3))."
+        )
     name = _name(inner)
     if bucket_bytes is not None and (
         isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1
@@ -114,7 +124,12 @@ def shard_update(
     def init(params: PyTree) -> PyTree:
         if _context.in_replica_context():
             return _init_in_replica(inner, params, _pieces(name))
-        return _init_placed(inner, params, strategy or _context.current_strategy())
+        if strategy is None and (found := _mirrored_on(params)) is not None:
+            return _init_placed(inner, params, *found)  # the devices the params are on
+        chosen = strategy or _context.current_strategy()
+        topology = chosen.topology
+        params = chosen.mirror(params)
+        return _init_placed(inner, params, topology.mirrored, topology.stacked, chosen.num_replicas)
 
     def update(updates: PyTree, state: PyTree, params: PyTree = None) -> tuple[PyTree, PyTree]:
         # `updates`: this replica's own gradients (optax's name for the argument).
@@ -152,11 +167,24 @@ def stack(x: jax.Array, n: int) -> jax.Array:
     return jnp.pad(flat, (0, n * k - flat.size)).reshape(n, k)
 
 
-def _init_placed(inner: Any, params: PyTree, strategy: Any) -> PyTree:
-    """The sharded state, placed: pieces with the stacked layout, the rest mirrored."""
-    topology = strategy.topology
-    n = topology.num_replicas
-    params = strategy.mirror(params)
+def _mirrored_on(params: PyTree) -> tuple[Any, Any, int] | None:
+    """The (mirrored, stacked) layouts and N of the 1-D mesh that every parameter is mirrored over
+    (as `strategy.mirror` places them), or None."""
+    leaves = jax.tree.leaves(params)
+    shardings = {getattr(x, "sharding", None) for x in leaves}
+    if len(shardings) != 1:
+        return None
+    (sharding,) = shardings
+    if not isinstance(sharding, NamedSharding) or len(sharding.mesh.axis_names) != 1:
+        return None
+    if tuple(sharding.spec) != ():
+        return None
+    mesh = sharding.mesh
+    return sharding, NamedSharding(mesh, P(mesh.axis_names[0])), mesh.size
+
+
+def _init_placed(inner: Any, params: PyTree, mirrored: Any, stacked: Any, n: int) -> PyTree:
+    """The sharded state of N replicas, placed: pieces stacked, the rest mirrored."""
     shapes = _sharded_shapes(params)
     leaves, treedef = jax.tree.flatten(jax.eval_shape(inner.init, params))
     sharded = [_is_sharded(leaf, shapes) for leaf in leaves]
@@ -165,7 +193,7 @@ def _init_placed(inner: Any, params: PyTree, strategy: Any) -> PyTree:
         state = jax.tree.leaves(inner.init(params))
         return [stack(x, n) if s else x for x, s in zip(state, sharded)]
 
-    layouts = [topology.stacked if s else topology.mirrored for s in sharded]
+    layouts = [stacked if s else mirrored for s in sharded]
     placed = jax.jit(build, out_shardings=layouts)(params)
     return treedef.unflatten(
         [Sharded(x, leaf.shape) if s else x for x, leaf, s in zip(placed, leaves, sharded)]

@@ -214,6 +214,11 @@ def test_bucket_bytes_must_be_a_positive_int(bad):
         jm.shard_update(optax.adam(1e-2), bucket_bytes=bad)
 
 
+def test_something_else_than_a_transformation_is_a_type_error():
+    with pytest.raises(TypeError, match=r"optax.GradientTransformation.*jm.shard_update\(optax"):
+        jm.shard_update(optax.adam)
+
+
 def test_donated_state_and_params(strategy):
     make = TRANSFORMS["adam"]
     tx, inner = jm.shard_update(make()), make()
@@ -239,6 +244,17 @@ def test_init_inside_a_replica_function_gives_the_same_state(strategy):
     outside = tx.init(params)
     assert jax.tree.structure(inside) == jax.tree.structure(outside)
     assert_trees_close(strategy.read(inside), strategy.read(outside))
+
+
+def test_init_shards_over_the_devices_the_params_are_mirrored_on(n):
+    if n < 4:
+        pytest.skip("needs 4 devices")
+    four = jm.MirroredStrategy(num_devices=4)
+    state = jm.shard_update(optax.adam(1e-2)).init(four.mirror(init_params()))  # no strategy=
+    node = state[0].mu["w1"]
+    assert node.shards.shape == (4, 6) and node.shards.sharding == four.topology.stacked
+    (params, state), (oracle_params, _) = train_both(four, TRANSFORMS["adam"], steps=2)
+    assert_trees_close(four.read(params), four.read(oracle_params))
 
 
 def test_mirror_keeps_sharded_state(strategy):
@@ -323,6 +339,41 @@ def test_checkpoint_manager_saves_asynchronously_and_restores_sharded(strategy, 
         jax.tree.leaves(restored, is_leaf=lambda x: isinstance(x, jm.Sharded))[1], jm.Sharded
     )
     assert_trees_close(strategy.read(restored), saved, 0, 0)
+
+
+@jax.custom_vjp
+def _twice(x):
+    return 2.0 * x
+
+
+_twice.defvjp(lambda x: (2.0 * x, None), lambda _, g: (2.0 * g,))
+
+
+def _calls_and_reductions():
+    """An update through jit, custom_jvp (relu), custom_vjp, remat and closed_call, with a
+    global norm, a max, a min, a vdot and a reshape of sharded values."""
+
+    @jax.jit
+    def scaled(g):
+        return jax.nn.relu(g) - 0.5 * jax.nn.relu(-g)
+
+    def update(updates, state, params=None):
+        updates = jax.tree.map(lambda g: jax.checkpoint(_twice)(scaled(g)), updates)
+        norm = optax.tree.norm(updates)
+        peak = jnp.max(jnp.stack([jnp.max(jnp.abs(g)) for g in jax.tree.leaves(updates)]))
+        low = jnp.min(jnp.stack([jnp.min(g.reshape(-1)) for g in jax.tree.leaves(updates)]))
+        dot = sum(jnp.vdot(g, p) for g, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params)))
+        factor = jax.jit(lambda a, b, c, d: a / (b + 1.0) + 0.01 * c + 0.001 * d)(
+            1.0, norm, low, dot / (peak + 1.0)
+        )
+        return jax.tree.map(lambda g: -0.01 * factor * g, updates), state
+
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
+def test_calls_and_whole_leaf_reductions_are_followed_exactly(strategy):
+    (params, _), (oracle_params, _) = train_both(strategy, _calls_and_reductions, steps=3)
+    assert_trees_close(strategy.read(params), strategy.read(oracle_params))
 
 
 class _Refused:
