@@ -86,7 +86,7 @@ class ProcessHostOps(HostOps):
 
         def one(x: Any) -> Any:
             if isinstance(x, Sharded):
-                return self._everywhere(unshard(x.shape), x.shards)
+                return self._everywhere(unshard(x.shape), x.shards, _READ_SHARDED)
             if isinstance(x, SyncOnRead):
                 if x.aggregation is Aggregation.ONLY_FIRST_REPLICA:
                     return jax.tree.map(lambda v: self._everywhere(_first, v, _READ), x.value)
@@ -144,6 +144,7 @@ class ProcessHostOps(HostOps):
 
 
 _READ = "strategy.read of a SyncOnRead"
+_READ_SHARDED = "strategy.read of a jm.Sharded state"
 
 
 def globalize(topology: Topology, tree: PyTree) -> PyTree:
