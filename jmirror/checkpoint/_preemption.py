@@ -58,6 +58,8 @@ class _Notice:
 
     received = False  # a SIGTERM reached a handler of a manager (one process)
     step: int | None = None  # the step from which reached_preemption is True
+    primed = False  # JAX's step counter was set when the first manager opened
+    before_any_step = False  # JAX agreed on a preemption before this run's first step
 
 
 _NOTICE = _Notice()
@@ -124,11 +126,33 @@ class Watch:
         # Otherwise another handler chains to ours: ours stays, passing the signal on.
 
 
+def prime(latest: int | None) -> None:
+    """Sets JAX's step counter to `latest` (the step a resumed run starts after), once.
+
+    JAX agrees on one past the largest step any process last gave its sync point; a notice
+    that comes before the first call would make that step 1 (every counter is 0), which a run
+    resumed at step 13 never reaches: the notice would be lost. So the first manager of the
+    process first asks whether that already happened (then the run's first step is the
+    preemption step, on every process alike), then gives JAX `latest`.
+    """
+    if _NOTICE.primed or not _jax_runs_the_notice():
+        return
+    _NOTICE.primed = True
+    try:
+        if multihost_utils.reached_preemption_sync_point(1):
+            _NOTICE.before_any_step = True
+        multihost_utils.reached_preemption_sync_point(min(latest or 0, _MAX_STEP))
+    except RuntimeError:  # the preemption service is off: reached() says so when asked
+        pass
+
+
 def reached(step: int) -> bool:
     """Whether `step` is (or is after) the agreed preemption step; see the module docstring."""
     if _NOTICE.step is not None:
         return step >= _NOTICE.step
-    if _jax_runs_the_notice():
+    if _NOTICE.before_any_step:
+        agreed = True
+    elif _jax_runs_the_notice():
         try:
             agreed = multihost_utils.reached_preemption_sync_point(step)
         except RuntimeError as error:
@@ -168,6 +192,12 @@ class PreemptionMixin:
 
     def _watch_preemption(self) -> None:
         self._preemption = Watch()
+        if _jax_runs_the_notice() and not _NOTICE.primed:
+            try:
+                latest = self.latest_step()  # type: ignore[attr-defined]
+            except Exception:  # a damaged directory: restore() will say so
+                latest = None
+            prime(latest)
 
     def _stop_watching_preemption(self) -> None:
         if self._preemption is not None:
