@@ -18,7 +18,11 @@ exit. `CheckpointManager` does the same through `reached_preemption(step)`:
   (`jax.experimental.multihost_utils.reached_preemption_sync_point`). The manager installs
   nothing then, and `reached_preemption(step)` asks JAX; it is True at that step on every
   process, and from then on. So every process must call it at every step, from the same first
-  step (a resumed run starts from the same `latest_step()` everywhere). A Python SIGTERM
+  step (a resumed run starts from the same `latest_step()` everywhere). JAX counts from 0, so
+  a notice that came before the first call would be agreed at step 1, which a resumed run
+  never reaches: the first manager of a process therefore asks JAX whether that happened
+  (then the run's first step is the preemption step) and sets JAX's counter to
+  `latest_step()`. A Python SIGTERM
   handler installed after `jm.distributed.initialize` replaces JAX's, and the notice then never
   reaches the other processes: the manager warns about it.
 
