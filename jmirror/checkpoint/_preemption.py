@@ -7,10 +7,12 @@ exit. `CheckpointManager` does the same through `reached_preemption(step)`:
 
 - One process (no `jax.distributed`): the manager installs a SIGTERM handler (in the main
   thread only; elsewhere `signal` cannot) that records the notice and calls the handler that
-  was there before, if it was a Python function. The first `reached_preemption(step)` after
-  the notice is True, and so is every later one. A second SIGTERM ends the process as it would
-  have without the manager, when no handler of the program's was there. Closing the manager
-  puts the previous handler back (when no other handler was installed on top of it since).
+  was there before, if it was a Python function (a handler set outside Python, which Python
+  can neither call nor put back, is left in place, and nothing is watched). The first
+  `reached_preemption(step)` after the notice is True, and so is every later one. A second
+  SIGTERM ends the process as it would have without the manager, when no handler of the
+  program's was there. Closing the manager puts the previous handler back (when no other
+  handler was installed on top of it since).
 - Several processes (`jax.distributed`, e.g. `jm.distributed.initialize` under
   `python -m jmirror.launch`): JAX's runtime already catches SIGTERM (its preemption notifier,
   installed by `jax.distributed.initialize`), tells every process through its coordination
@@ -70,10 +72,12 @@ _NOTICE = _Notice()
 
 
 def _jax_runs_the_notice() -> bool:
-    """Whether JAX's distributed runtime (and its preemption service) is up in this process."""
-    return jax.distributed.is_initialized() and bool(
-        getattr(jax.config, "jax_enable_preemption_service", True)
-    )
+    """Whether JAX's distributed runtime is up: then its preemption service has the notice.
+
+    (With `jax_enable_preemption_service` turned off there is none, and `reached` says so:
+    a flag of this process alone would let the processes disagree.)
+    """
+    return jax.distributed.is_initialized()
 
 
 class _Handler:
@@ -112,8 +116,10 @@ class Watch:
                     "notifier, so a SIGTERM will not reach reached_preemption() on any "
                     "process. Install it before jm.distributed.initialize(), or remove it.",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=4,  # the caller of CheckpointManager(...)
                 )
+            return
+        if current is None:  # a handler set outside Python: it cannot be chained or restored
             return
         self._handler = _Handler(current)
         signal.signal(signal.SIGTERM, self._handler)
