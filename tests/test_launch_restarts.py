@@ -299,3 +299,18 @@ def test_attached_m_runs_the_module(tmp_path):
     assert code == 0, run.output()
     out = run.out.read_text()
     assert "[0] hello ['--processes', '7']" in out and "[1] hello ['--processes', '7']" in out
+
+
+@starts_processes
+def test_sigterm_is_forwarded_to_the_children_of_the_processes_too(tmp_path):
+    script = _script(tmp_path, "tree.py", WITH_A_CHILD)
+    run = _launch(tmp_path, "--processes", "2", "--grace-period", "30", script)
+    pids = []
+    for index in (0, 1):
+        match = run.wait_for(rf"^\[{index}\] pid (\d+) child (\d+)", STARTUP_S)
+        pids += [int(match.group(1)), int(match.group(2))]
+    run.popen.send_signal(signal.SIGTERM)
+    code, stop_s = run.wait(20)
+    assert code == 128 + signal.SIGTERM, run.output()  # killed by it: not 0
+    assert stop_s < 10  # SIGTERM ended them: no waiting for the grace period
+    assert _gone_within(pids, 5)

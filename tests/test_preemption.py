@@ -40,8 +40,13 @@ WORKER = str(Path(__file__).parent / "multiprocess" / "preemption_worker.py")
 @pytest.fixture
 def no_notice(monkeypatch):
     """A process that has seen no preemption notice; its SIGTERM handler put back after."""
-    monkeypatch.setattr(_preemption._NOTICE, "received", False)
-    monkeypatch.setattr(_preemption._NOTICE, "step", None)
+    for name, value in (
+        ("received", False),
+        ("step", None),
+        ("primed", False),
+        ("before_any_step", False),
+    ):
+        monkeypatch.setattr(_preemption._NOTICE, name, value, raising=False)
     before = signal.getsignal(signal.SIGTERM)
     yield
     signal.signal(signal.SIGTERM, before)
@@ -145,6 +150,60 @@ def test_bad_steps(no_notice, tmp_path, step, error):
     with jm.checkpoint.CheckpointManager(tmp_path) as manager:
         with pytest.raises(error, match="CheckpointManager.reached_preemption"):
             manager.reached_preemption(step)
+
+
+@pytest.fixture(params=[5])
+def under_jax_distributed(no_notice, monkeypatch, request):
+    """As under `jax.distributed`: JAX's notifier holds SIGTERM, its sync point answers."""
+    asked = []
+
+    def sync_point(step):  # JAX's agreed step: request.param
+        asked.append(step)
+        return step == request.param
+
+    monkeypatch.setattr(_preemption, "_jax_runs_the_notice", lambda: True)
+    monkeypatch.setattr(_preemption.multihost_utils, "reached_preemption_sync_point", sync_point)
+    return asked
+
+
+def test_under_jax_distributed_jax_agrees_and_nothing_is_installed(under_jax_distributed, tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    with jm.checkpoint.CheckpointManager(tmp_path, save_interval_steps=100) as manager:
+        assert signal.getsignal(signal.SIGTERM) is before  # JAX's handler stays in charge
+        answers = [manager.reached_preemption(step) for step in range(1, 9)]
+        assert answers == [False] * 4 + [True] * 4  # from the agreed step on
+        # Opening: "agreed before any step?" (1), JAX's counter primed with latest_step() (0);
+        # then every step to the agreed one.
+        assert under_jax_distributed == [1, 0, 1, 2, 3, 4, 5]
+        assert manager.save(5, {"step": 5}) and not manager.save(6, {"step": 6})
+        assert manager.all_steps() == [5]
+
+
+@pytest.mark.parametrize("under_jax_distributed", [1], indirect=True)
+def test_a_notice_before_the_first_step_of_a_resumed_run_is_not_lost(
+    under_jax_distributed, tmp_path
+):
+    # JAX agreed on step 1 (every counter was 0), which a run resumed after step 12 would never
+    # reach: its first step is the preemption step instead, on every process alike.
+    with jm.checkpoint.CheckpointManager(tmp_path) as manager:
+        manager.save(12, {"step": 12})
+    with jm.checkpoint.CheckpointManager(tmp_path) as manager:
+        assert manager.reached_preemption(13) and manager.reached_preemption(14)
+        assert manager.save(13, {"step": 13}) and manager.all_steps() == [12, 13]
+
+
+def test_jax_s_counter_is_primed_with_the_latest_step_once(under_jax_distributed, tmp_path):
+    with jm.checkpoint.CheckpointManager(tmp_path) as manager:
+        manager.save(12, {"step": 12})
+    assert under_jax_distributed == [1, 0]
+    jm.checkpoint.CheckpointManager(tmp_path).close()  # not the first manager: nothing asked
+    assert under_jax_distributed == [1, 0]
+
+
+def test_a_python_handler_that_replaced_jax_s_is_warned_about(under_jax_distributed, tmp_path):
+    signal.signal(signal.SIGTERM, lambda number, frame: None)
+    with pytest.warns(RuntimeWarning, match="replacing JAX's preemption notifier"):
+        jm.checkpoint.CheckpointManager(tmp_path).close()
 
 
 @starts_processes
@@ -255,7 +314,13 @@ def test_sigterm_to_one_worker_every_process_saves_at_the_same_step(tmp_path, un
     assert steps[1] == step, steps
     assert step < 24 and step in _steps_on_disk(tmp_path)
     assert "jmirror.launch" not in run.err.read_text()  # no failure, nothing stopped
-    _resume(tmp_path, step + 1)
+    # The resumed run is preempted too, by a notice that comes before its manager opens (JAX
+    # would agree on step 1 then, which it never reaches): at its first step.
+    early = _launch(tmp_path, WORKER, str(tmp_path), "--sigterm-before-manager", name="early")
+    code, _ = early.wait(RUN_S)
+    assert code == 0, early.output()
+    assert _preempted_steps(early) == {0: step + 1, 1: step + 1}
+    _resume(tmp_path, step + 2)
     _assert_bitwise_equal(tmp_path, uninterrupted)
 
 

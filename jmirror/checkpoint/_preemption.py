@@ -7,10 +7,12 @@ exit. `CheckpointManager` does the same through `reached_preemption(step)`:
 
 - One process (no `jax.distributed`): the manager installs a SIGTERM handler (in the main
   thread only; elsewhere `signal` cannot) that records the notice and calls the handler that
-  was there before, if it was a Python function. The first `reached_preemption(step)` after
-  the notice is True, and so is every later one. A second SIGTERM ends the process as it would
-  have without the manager, when no handler of the program's was there. Closing the manager
-  puts the previous handler back (when no other handler was installed on top of it since).
+  was there before, if it was a Python function (a handler set outside Python, which Python
+  can neither call nor put back, is left in place, and nothing is watched). The first
+  `reached_preemption(step)` after the notice is True, and so is every later one. A second
+  SIGTERM ends the process as it would have without the manager, when no handler of the
+  program's was there. Closing the manager puts the previous handler back (when no other
+  handler was installed on top of it since).
 - Several processes (`jax.distributed`, e.g. `jm.distributed.initialize` under
   `python -m jmirror.launch`): JAX's runtime already catches SIGTERM (its preemption notifier,
   installed by `jax.distributed.initialize`), tells every process through its coordination
@@ -18,7 +20,11 @@ exit. `CheckpointManager` does the same through `reached_preemption(step)`:
   (`jax.experimental.multihost_utils.reached_preemption_sync_point`). The manager installs
   nothing then, and `reached_preemption(step)` asks JAX; it is True at that step on every
   process, and from then on. So every process must call it at every step, from the same first
-  step (a resumed run starts from the same `latest_step()` everywhere). A Python SIGTERM
+  step (a resumed run starts from the same `latest_step()` everywhere). JAX counts from 0, so
+  a notice that came before the first call would be agreed at step 1, which a resumed run
+  never reaches: the first manager of a process therefore asks JAX whether that happened
+  (then the run's first step is the preemption step) and sets JAX's counter to
+  `latest_step()`. A Python SIGTERM
   handler installed after `jm.distributed.initialize` replaces JAX's, and the notice then never
   reaches the other processes: the manager warns about it.
 
@@ -58,16 +64,20 @@ class _Notice:
 
     received = False  # a SIGTERM reached a handler of a manager (one process)
     step: int | None = None  # the step from which reached_preemption is True
+    primed = False  # JAX's step counter was set when the first manager opened
+    before_any_step = False  # JAX agreed on a preemption before this run's first step
 
 
 _NOTICE = _Notice()
 
 
 def _jax_runs_the_notice() -> bool:
-    """Whether JAX's distributed runtime (and its preemption service) is up in this process."""
-    return jax.distributed.is_initialized() and bool(
-        getattr(jax.config, "jax_enable_preemption_service", True)
-    )
+    """Whether JAX's distributed runtime is up: then its preemption service has the notice.
+
+    (With `jax_enable_preemption_service` turned off there is none, and `reached` says so:
+    a flag of this process alone would let the processes disagree.)
+    """
+    return jax.distributed.is_initialized()
 
 
 class _Handler:
@@ -106,8 +116,10 @@ class Watch:
                     "notifier, so a SIGTERM will not reach reached_preemption() on any "
                     "process. Install it before jm.distributed.initialize(), or remove it.",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=4,  # the caller of CheckpointManager(...)
                 )
+            return
+        if current is None:  # a handler set outside Python: it cannot be chained or restored
             return
         self._handler = _Handler(current)
         signal.signal(signal.SIGTERM, self._handler)
@@ -124,11 +136,33 @@ class Watch:
         # Otherwise another handler chains to ours: ours stays, passing the signal on.
 
 
+def prime(latest: int | None) -> None:
+    """Sets JAX's step counter to `latest` (the step a resumed run starts after), once.
+
+    JAX agrees on one past the largest step any process last gave its sync point; a notice
+    that comes before the first call would make that step 1 (every counter is 0), which a run
+    resumed at step 13 never reaches: the notice would be lost. So the first manager of the
+    process first asks whether that already happened (then the run's first step is the
+    preemption step, on every process alike), then gives JAX `latest`.
+    """
+    if _NOTICE.primed or not _jax_runs_the_notice():
+        return
+    _NOTICE.primed = True
+    try:
+        if multihost_utils.reached_preemption_sync_point(1):
+            _NOTICE.before_any_step = True
+        multihost_utils.reached_preemption_sync_point(min(latest or 0, _MAX_STEP))
+    except RuntimeError:  # the preemption service is off: reached() says so when asked
+        pass
+
+
 def reached(step: int) -> bool:
     """Whether `step` is (or is after) the agreed preemption step; see the module docstring."""
     if _NOTICE.step is not None:
         return step >= _NOTICE.step
-    if _jax_runs_the_notice():
+    if _NOTICE.before_any_step:
+        agreed = True
+    elif _jax_runs_the_notice():
         try:
             agreed = multihost_utils.reached_preemption_sync_point(step)
         except RuntimeError as error:
@@ -168,6 +202,12 @@ class PreemptionMixin:
 
     def _watch_preemption(self) -> None:
         self._preemption = Watch()
+        if _jax_runs_the_notice() and not _NOTICE.primed:
+            try:
+                latest = self.latest_step()  # type: ignore[attr-defined]
+            except Exception:  # a damaged directory: restore() will say so
+                latest = None
+            prime(latest)
 
     def _stop_watching_preemption(self) -> None:
         if self._preemption is not None:

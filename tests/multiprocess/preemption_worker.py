@@ -9,7 +9,9 @@ the input position as `data`), resuming from `manager.latest_step()` when there 
 after a restart or a preemption). At each step it follows the README's preemption loop:
 `if manager.reached_preemption(step): save, close, exit 0` (or, with `--helper`,
 `manager.save_and_exit_if_preempted`). `--ignore-preemption` never checks, so only SIGKILL
-ends it. It prints `pid P`, `start S restart R`, `step K` and `preempted at step K`, sleeps
+ends it. `--sigterm-before-manager`: process 1 sends itself SIGTERM before the
+manager opens (and waits until JAX's runtime has agreed on it), as a notice that comes during
+start-up. It prints `pid P`, `start S restart R`, `step K` and `preempted at step K`, sleeps
 S seconds (default 0.15) per step so that a test can signal it mid-run, and at the end writes
 the trained parameters and optimizer state to OUT_DIR/final<process>.npy.
 """
@@ -17,6 +19,7 @@ the trained parameters and optimizer state to OUT_DIR/final<process>.npy.
 import argparse
 import faulthandler
 import os
+import signal
 import sys
 import time
 
@@ -39,6 +42,7 @@ parser.add_argument("--steps", type=int, default=24)
 parser.add_argument("--sleep", type=float, default=0.15)
 parser.add_argument("--ignore-preemption", action="store_true")
 parser.add_argument("--helper", action="store_true")
+parser.add_argument("--sigterm-before-manager", action="store_true")
 options = parser.parse_args()
 
 
@@ -54,6 +58,9 @@ def main():
     step_fn = jm.replicate(make_step(), strategy=strategy)
     params, opt_state = strategy.mirror(init_state())
     count = strategy.sync_on_read(np.int32(0), "sum")
+    if options.sigterm_before_manager and me == 1:
+        os.kill(os.getpid(), signal.SIGTERM)  # JAX's runtime catches it
+        time.sleep(3)  # its notifier polls every second, then the processes agree
     manager = jm.checkpoint.CheckpointManager(
         f"{options.out_dir}/checkpoints", save_interval_steps=4, max_to_keep=3
     )
