@@ -622,3 +622,16 @@ def test_an_nnx_checkpoint_that_differs_from_target_names_the_path(strategy, tmp
     with pytest.raises(ValueError, match="target"):
         jm.checkpoint.restore(tmp_path / "c", wider, strategy=strategy)
     assert pathlib.Path(tmp_path / "c").is_dir()
+
+
+def test_a_round_2_checkpoint_without_checksums_still_restores(strategy, tmp_path):
+    state = _state(strategy)
+    jm.checkpoint.save(tmp_path / "c", state, strategy=strategy)
+    (tmp_path / "c" / _integrity.FILES).unlink()  # what a round-2 save wrote: version 1, no list
+    doc = tmp_path / "c" / "jmirror" / "metadata"
+    doc.write_text(doc.read_text().replace('"version": 2', '"version": 1'))
+    out = jm.checkpoint.restore(tmp_path / "c", strategy=strategy)
+    np.testing.assert_array_equal(out["params"]["w"], state["params"]["w"])
+    doc.write_text(doc.read_text().replace('"version": 1', '"version": 2'))
+    with pytest.raises(jm.checkpoint.CorruptCheckpointError, match="file list"):
+        jm.checkpoint.restore(tmp_path / "c", strategy=strategy)
