@@ -635,3 +635,30 @@ def test_a_round_2_checkpoint_without_checksums_still_restores(strategy, tmp_pat
     doc.write_text(doc.read_text().replace('"version": 1', '"version": 2'))
     with pytest.raises(jm.checkpoint.CorruptCheckpointError, match="file list"):
         jm.checkpoint.restore(tmp_path / "c", strategy=strategy)
+
+
+def test_an_nnx_run_resumed_from_its_checkpoint_ends_bitwise_equal(strategy, tmp_path):
+    x = jnp.linspace(-1.0, 1.0, 48).reshape(16, 3)
+
+    @nnx.jit
+    def train_step(model, optimizer):
+        def loss(model):
+            return jnp.mean(model(x) ** 2)  # dropout draws from the model's own rngs
+
+        optimizer.update(model, nnx.grad(loss)(model))
+
+    model, optimizer = _nnx_state()
+    with jm.checkpoint.CheckpointManager(tmp_path, strategy=strategy) as manager:
+        manager.save(2, strategy.mirror({"model": model, "optimizer": optimizer}))
+        for _ in range(3):  # the uninterrupted run
+            train_step(model, optimizer)
+        abstract_model, abstract_optimizer = _abstract_nnx()
+        restored = manager.restore(
+            target={"model": abstract_model, "optimizer": abstract_optimizer}
+        )
+    resumed_model, resumed_optimizer = restored["model"], restored["optimizer"]
+    resumed_model, resumed_optimizer = jax.device_put((resumed_model, resumed_optimizer))
+    for _ in range(3):
+        train_step(resumed_model, resumed_optimizer)
+    for got, want in zip(_values((resumed_model, resumed_optimizer)), _values((model, optimizer))):
+        np.testing.assert_array_equal(got, want)
