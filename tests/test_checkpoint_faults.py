@@ -436,6 +436,7 @@ def test_zero_size_leaves_save_and_restore_with_their_shapes(strategy, n, tmp_pa
         "mirrored": strategy.mirror(np.zeros((0, 3), np.float32)),
         "numpy": np.zeros((2, 0), np.int32),
         "per_replica": jm.PerReplica(np.zeros((n, 0, 2), np.float32)),
+        "sum": strategy.sync_on_read(np.zeros((0,), np.float32), "sum"),
         "w": strategy.mirror(np.arange(3.0)),
     }
     for async_save in (False, True):
@@ -450,6 +451,7 @@ def test_zero_size_leaves_save_and_restore_with_their_shapes(strategy, n, tmp_pa
             assert got["mirrored"].shape == (0, 3) and is_mirrored(got["mirrored"], strategy)
             assert got["numpy"].shape == (2, 0) and got["numpy"].dtype == np.int32
             assert got["per_replica"].values.shape == (n, 0, 2)
+            assert got["sum"].value.shape == (n, 0) and got["sum"].aggregation.value == "sum"
             np.testing.assert_array_equal(got["w"], np.arange(3.0))
 
 
