@@ -34,6 +34,9 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # Writes that have a thread or an error nobody raised yet (strong references: a manager that
 # was dropped without close() still has its write completed, or its error reported).
@@ -130,7 +133,7 @@ def run_in_daemon_thread(work: Callable[[], object]) -> object:
     return box.get("result")
 
 
-def start_daemon(work: Callable[[], object]) -> Callable[[], object]:
+def start_daemon(work: Callable[[], T]) -> Callable[[], T]:
     """Starts `work` in a daemon thread; the returned function waits for its result."""
     box: dict[str, object] = {}
 
@@ -143,11 +146,11 @@ def start_daemon(work: Callable[[], object]) -> Callable[[], object]:
     thread = threading.Thread(target=run, name="jmirror-checkpoint-crc", daemon=True)
     thread.start()
 
-    def result() -> object:
+    def result() -> T:
         join(thread)
         if "error" in box:
             raise box["error"]  # type: ignore[misc]
-        return box.get("result")
+        return box["result"]  # type: ignore[return-value]
 
     return result
 

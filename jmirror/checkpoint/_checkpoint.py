@@ -38,8 +38,12 @@ def save(
         leaves the old or the new checkpoint, never a mix).
 
     Raises:
-      ValueError: `directory` exists and `force` is False.
-      TypeError: a leaf is neither an array nor a Python scalar.
+      ValueError: `directory` exists and `force` is False; a leaf is a deleted (donated)
+        array.
+      TypeError: a leaf cannot be stored: neither an array nor a Python scalar, an array of
+        `str`/object dtype, a Python int beyond int64 (raised before anything is written).
+      OSError: the directory is read-only or the disk is full (with the OS's errno); nothing
+        partial is left.
 
     Example:
         >>> import tempfile, numpy as np, jmirror as jm
@@ -97,8 +101,9 @@ def restore(
     Raises:
       FileNotFoundError: no checkpoint at `directory` (the message says what exists there).
       ValueError: `target` differs from the checkpoint (the first differing path, what was
-        saved, what was expected); a `PerReplica` saved with another replica count; damaged
-        metadata.
+        saved, what was expected); a `PerReplica` saved with another replica count.
+      CorruptCheckpointError: a file is missing, truncated, empty or changed, an array does
+        not match its checksum, or metadata is damaged (a `ValueError`).
 
     Example:
         >>> import tempfile, numpy as np, jmirror as jm

@@ -225,9 +225,18 @@ class _Encoder:
         are not copied and nothing is returned.
         """
         values = dict(self.fetch)
-        if self.reads:
-            read = self.strategy.read([node for node, _ in self.reads])
-            for (_, names), tree in zip(self.reads, read):
+        reads = []
+        for node, names in self.reads:
+            leaves = jax.tree.leaves(node.value)
+            if all(np.size(leaf) == 0 for leaf in leaves):  # nothing to aggregate
+                values.update(
+                    (k, np.zeros(np.shape(x)[1:], x.dtype)) for k, x in zip(names, leaves)
+                )
+            else:
+                reads.append((node, names))
+        if reads:
+            read = self.strategy.read([node for node, _ in reads])
+            for (_, names), tree in zip(reads, read):
                 for name, leaf in zip(names, jax.tree.leaves(tree)):
                     values[name] = leaf
         for name, x in values.items():

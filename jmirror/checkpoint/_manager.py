@@ -74,7 +74,9 @@ class CheckpointManager(PreemptionMixin):
     Saving copies the state off the devices and, with `async_save`, writes it in the
     background while training goes on. Each checkpoint appears only when complete; a run
     killed at any moment resumes from `latest_step()`, the newest complete one. Use it as a
-    context manager, or call `close()`, so that the last write finishes.
+    context manager, or call `close()`, to get the last write's error as an exception; a
+    write still pending at interpreter exit is completed then (if it fails, its error is
+    printed to stderr and the exit status is 1).
 
     With several processes (`jm.MultiWorkerMirroredStrategy`) every process opens the manager
     on the same directory and calls its methods in the same order: a save's collectives run
@@ -240,7 +242,11 @@ class CheckpointManager(PreemptionMixin):
           True when the step is saved (or being saved), False when the interval skips it.
 
         Raises:
-          ValueError: the step exists and `force` is False.
+          ValueError: the step exists and `force` is False; a leaf is a deleted (donated)
+            array.
+          TypeError: a leaf cannot be stored (raised before anything is written).
+          OSError: the directory is read-only, or the disk is full (for an async save, raised
+            by the next call), with the OS's errno.
           RuntimeError: the manager is closed.
           Exception: the error of an earlier background write, with its own type.
 
@@ -330,6 +336,8 @@ class CheckpointManager(PreemptionMixin):
 
         Raises:
           FileNotFoundError: no such step (the message lists the saved ones).
+          CorruptCheckpointError: the step is damaged; a damaged newest step is never
+            skipped silently (the message names the newest other step that is complete).
 
         Example:
             >>> import tempfile, jmirror as jm
