@@ -253,6 +253,24 @@ def test_donated_nnx_arguments(strategy):
     assert not model.conv.kernel[...].is_deleted()
 
 
+def test_mirrored_model_steps_reads_and_asserts(strategy):
+    model = strategy.mirror(Net(nnx.Rngs(params=0, dropout=1), axis_name=strategy.axis_name))
+    jmt.assert_mirrored(nnx.state(model), strategy)  # typed rng keys included
+    n = strategy.num_replicas
+    xs, _ = _data(n, steps=1)
+
+    @jm.replicate(strategy=strategy)
+    def forward(model, x):
+        return jm.all_reduce("mean", model(x).mean())
+
+    forward(model, _split(n, xs[0]))
+    jmt.assert_mirrored(nnx.state(model), strategy)
+    read = strategy.read(model)
+    assert isinstance(read, Net) and read is not model
+    assert read.conv.kernel[...].devices() == {strategy.devices[0]}
+    assert int(read.drop.rngs.count[...]) == 1
+
+
 # --- rngs ------------------------------------------------------------------------------------
 
 
