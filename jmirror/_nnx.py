@@ -9,12 +9,13 @@ its `Variable`s' values. Each call
    user's: it folds the replica id into every rng stream but `params`, starts metrics as
    sync-on-read components, calls the function, restores the streams' keys and returns the
    result with every `Variable`'s new value;
-3. writes those values back into the caller's `Variable`s (`set_raw_value`): a value proven
-   identical on every replica comes back mirrored, a metric's state as a `SyncOnRead`, any
-   other value as a `PerReplica` (never replica 0's value).
+3. writes those values back into the caller's `Variable`s (their raw value, as flax's own
+   `nnx.jit` applies its updates): a value proven identical on every replica comes back
+   mirrored, a metric's state as sync-on-read `MetricComponents` (`jmirror._nnx_metrics`),
+   any other value as a `PerReplica` (never replica 0's value).
 
-Shared references (one `Variable` reached through two paths) are found by identity and made
-one object again inside the trace, so a change through one path is seen through the other;
+Shared references (one `Variable` reached through two paths, as a module reached twice
+holds) are found by identity and made one `Variable` object again inside the trace, so a change through one path is seen through the other;
 the value is written back once. NNX objects that the function returns and that were reached
 from its arguments come back as the caller's own objects.
 
