@@ -14,10 +14,10 @@ its `Variable`s' values. Each call
    mirrored, a metric's state as sync-on-read `MetricComponents` (`jmirror._nnx_metrics`),
    any other value as a `PerReplica` (never replica 0's value).
 
-Shared references (one `Variable` reached through two paths, as a module reached twice
-holds) are found by identity and made one `Variable` object again inside the trace, so a change through one path is seen through the other;
-the value is written back once. NNX objects that the function returns and that were reached
-from its arguments come back as the caller's own objects.
+Shared references (a `Variable` or a module reached through two paths) are found by identity
+and made one object again inside the trace, so a change through one path is seen through the
+other; the value is written back once. NNX objects that the function returns and that were
+reached from its arguments come back as the caller's own objects.
 
 Nothing here runs for calls without NNX objects: `has_nodes` looks at the types of the
 top-level arguments only (and of the items of tuple, list and dict arguments).
@@ -155,7 +155,8 @@ def call(replicated: Any, args: tuple, kwargs: dict, lower: bool = False) -> Any
         first = seen.setdefault(id(v), k)
         if first != k:
             aliases.append((k, first))
-    twin = _twin(replicated, tuple(aliases))
+    shared = _shared_nodes(_dynamic(replicated, args, kwargs)) if aliases else ()
+    twin = _twin(replicated, (tuple(aliases), shared))
     if lower:
         return twin.lower(*args, **kwargs)
     result, values = twin(*args, **kwargs)
@@ -172,6 +173,32 @@ def call(replicated: Any, args: tuple, kwargs: dict, lower: bool = False) -> Any
             lambda r: r.resolve(tops) if isinstance(r, _Ref) else r, result, is_leaf=_is_ref
         )
     return result
+
+
+def _shared_nodes(root: Any) -> tuple[tuple[tuple, tuple], ...]:
+    """`(path, first path)` for every NNX object reached again after its first path (depth
+    first, in flattening order); only called when some `Variable` is reached twice."""
+    seen: dict[int, tuple] = {}
+    found: list[tuple[tuple, tuple]] = []
+
+    def walk(node: Any, path: tuple) -> None:
+        children = jax.tree_util.tree_flatten_with_path(
+            node, is_leaf=lambda x: x is not node and _is_graph(x)
+        )[0]
+        for p, child in children:
+            if not _is_graph(child):
+                continue
+            where = path + tuple(p)
+            first = seen.get(id(child))
+            if first is not None:
+                found.append((where, first))
+            else:
+                seen[id(child)] = where
+                if not _is_variable(child):
+                    walk(child, where)
+
+    walk(root, ())
+    return tuple(found)
 
 
 def _set_raw_value(variable: Any, value: Any) -> None:
@@ -199,12 +226,13 @@ def _tops(replicated: Any, args: tuple, kwargs: dict) -> list[Any]:
     return [x for x in leaves if _is_graph(x)]
 
 
-def _twin(replicated: Any, aliases: tuple) -> Any:
-    """The `Replicated` that runs `replicated`'s function through `_Entry`, per alias set."""
+def _twin(replicated: Any, aliases: tuple[tuple, tuple]) -> Any:
+    """The `Replicated` that runs `replicated`'s function through `_Entry`, per sharing
+    pattern (`Variable` aliases, shared objects)."""
     twins = _TWINS.setdefault(replicated, {})
     twin = twins.get(aliases)
     if twin is None:
-        entry = _Entry(replicated._fn, replicated._static, aliases, repr(replicated))
+        entry = _Entry(replicated._fn, replicated._static, *aliases, repr(replicated))
         twin = type(replicated)(entry, replicated._strategy, replicated._donate, replicated._static)
         twins[aliases] = twin
     return twin
@@ -248,10 +276,15 @@ class _Entry:
     """The replica function of a twin: the user's, with NNX state in and out."""
 
     # Slots: `functools.update_wrapper` in `Replicated` would copy a `__dict__` over its own.
-    __slots__ = ("user_fn", "static", "aliases", "name", "__name__", "__qualname__")
+    __slots__ = ("user_fn", "static", "aliases", "shared", "name", "__name__", "__qualname__")
 
-    def __init__(self, fn: Callable[..., Any], static: tuple, aliases: tuple, name: str):
-        self.user_fn, self.static, self.aliases, self.name = fn, static, aliases, name
+    def __init__(
+        self, fn: Callable[..., Any], static: tuple, aliases: tuple, shared: tuple, name: str
+    ):
+        self.user_fn, self.static, self.name = fn, static, name
+        # `aliases`: (k, i) when argument Variable k is Variable i; `shared`: (path, first
+        # path) of the NNX objects reached twice, made one object again inside the trace.
+        self.aliases, self.shared = aliases, shared
         self.__name__ = getattr(fn, "__name__", "replica_fn")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
 
@@ -263,6 +296,8 @@ class _Entry:
         is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
         flat = jax.tree_util.tree_flatten_with_path(root, is_leaf=is_variable)[0]
         found = [(p, x) for p, x in flat if isinstance(x, nnx.Variable)]
+        for path, first in self.shared:
+            _set_at(root, path, _get_at(root, first))
         for j, i in self.aliases:
             _set_at(root, found[j][0], found[i][1])
         for i, x in zip(dynamic, root[0]):
@@ -317,6 +352,13 @@ def _set_at(root: Any, path: tuple, value: Any) -> None:
         setattr(node, key.name, value)
     else:
         node[key.idx if isinstance(key, jax.tree_util.SequenceKey) else key.key] = value
+
+
+def _get_at(root: Any, path: tuple) -> Any:
+    node = root
+    for key in path:
+        node = _child(node, key)
+    return node
 
 
 def _child(node: Any, key: Any) -> Any:
