@@ -9,14 +9,15 @@ its `Variable`s' values. Each call
    user's: it folds the replica id into every rng stream but `params`, starts metrics as
    sync-on-read components, calls the function, restores the streams' keys and returns the
    result with every `Variable`'s new value;
-3. writes those values back into the caller's `Variable`s (`set_raw_value`): a value proven
-   identical on every replica comes back mirrored, a metric's state as a `SyncOnRead`, any
-   other value as a `PerReplica` (never replica 0's value).
+3. writes those values back into the caller's `Variable`s (their raw value, as flax's own
+   `nnx.jit` applies its updates): a value proven identical on every replica comes back
+   mirrored, a metric's state as sync-on-read `MetricComponents` (`jmirror._nnx_metrics`),
+   any other value as a `PerReplica` (never replica 0's value).
 
-Shared references (one `Variable` reached through two paths) are found by identity and made
-one object again inside the trace, so a change through one path is seen through the other;
-the value is written back once. NNX objects that the function returns and that were reached
-from its arguments come back as the caller's own objects.
+Shared references (a `Variable` or a module reached through two paths) are found by identity
+and made one object again inside the trace, so a change through one path is seen through the
+other; the value is written back once. NNX objects that the function returns and that were
+reached from its arguments come back as the caller's own objects.
 
 Nothing here runs for calls without NNX objects: `has_nodes` looks at the types of the
 top-level arguments only (and of the items of tuple, list and dict arguments).
@@ -31,10 +32,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-from jmirror import _context
-from jmirror._values import Aggregation, PerReplica, SyncOnRead
+from jmirror import _context, _nnx_metrics
+from jmirror._nnx_metrics import MetricComponents
+from jmirror._values import SyncOnRead
 
 # Items of a container argument looked at by `has_nodes`; NNX objects deeper in the
 # arguments are refused once per input signature by `check_nested`.
@@ -154,7 +155,8 @@ def call(replicated: Any, args: tuple, kwargs: dict, lower: bool = False) -> Any
         first = seen.setdefault(id(v), k)
         if first != k:
             aliases.append((k, first))
-    twin = _twin(replicated, tuple(aliases))
+    shared = _shared_nodes(_dynamic(replicated, args, kwargs)) if aliases else ()
+    twin = _twin(replicated, (tuple(aliases), shared))
     if lower:
         return twin.lower(*args, **kwargs)
     result, values = twin(*args, **kwargs)
@@ -171,6 +173,32 @@ def call(replicated: Any, args: tuple, kwargs: dict, lower: bool = False) -> Any
             lambda r: r.resolve(tops) if isinstance(r, _Ref) else r, result, is_leaf=_is_ref
         )
     return result
+
+
+def _shared_nodes(root: Any) -> tuple[tuple[tuple, tuple], ...]:
+    """`(path, first path)` for every NNX object reached again after its first path (depth
+    first, in flattening order); only called when some `Variable` is reached twice."""
+    seen: dict[int, tuple] = {}
+    found: list[tuple[tuple, tuple]] = []
+
+    def walk(node: Any, path: tuple) -> None:
+        children = jax.tree_util.tree_flatten_with_path(
+            node, is_leaf=lambda x: x is not node and _is_graph(x)
+        )[0]
+        for p, child in children:
+            if not _is_graph(child):
+                continue
+            where = path + tuple(p)
+            first = seen.get(id(child))
+            if first is not None:
+                found.append((where, first))
+            else:
+                seen[id(child)] = where
+                if not _is_variable(child):
+                    walk(child, where)
+
+    walk(root, ())
+    return tuple(found)
 
 
 def _set_raw_value(variable: Any, value: Any) -> None:
@@ -198,12 +226,13 @@ def _tops(replicated: Any, args: tuple, kwargs: dict) -> list[Any]:
     return [x for x in leaves if _is_graph(x)]
 
 
-def _twin(replicated: Any, aliases: tuple) -> Any:
-    """The `Replicated` that runs `replicated`'s function through `_Entry`, per alias set."""
+def _twin(replicated: Any, aliases: tuple[tuple, tuple]) -> Any:
+    """The `Replicated` that runs `replicated`'s function through `_Entry`, per sharing
+    pattern (`Variable` aliases, shared objects)."""
     twins = _TWINS.setdefault(replicated, {})
     twin = twins.get(aliases)
     if twin is None:
-        entry = _Entry(replicated._fn, replicated._static, aliases, repr(replicated))
+        entry = _Entry(replicated._fn, replicated._static, *aliases, repr(replicated))
         twin = type(replicated)(entry, replicated._strategy, replicated._donate, replicated._static)
         twins[aliases] = twin
     return twin
@@ -247,10 +276,15 @@ class _Entry:
     """The replica function of a twin: the user's, with NNX state in and out."""
 
     # Slots: `functools.update_wrapper` in `Replicated` would copy a `__dict__` over its own.
-    __slots__ = ("user_fn", "static", "aliases", "name", "__name__", "__qualname__")
+    __slots__ = ("user_fn", "static", "aliases", "shared", "name", "__name__", "__qualname__")
 
-    def __init__(self, fn: Callable[..., Any], static: tuple, aliases: tuple, name: str):
-        self.user_fn, self.static, self.aliases, self.name = fn, static, aliases, name
+    def __init__(
+        self, fn: Callable[..., Any], static: tuple, aliases: tuple, shared: tuple, name: str
+    ):
+        self.user_fn, self.static, self.name = fn, static, name
+        # `aliases`: (k, i) when argument Variable k is Variable i; `shared`: (path, first
+        # path) of the NNX objects reached twice, made one object again inside the trace.
+        self.aliases, self.shared = aliases, shared
         self.__name__ = getattr(fn, "__name__", "replica_fn")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
 
@@ -262,6 +296,8 @@ class _Entry:
         is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
         flat = jax.tree_util.tree_flatten_with_path(root, is_leaf=is_variable)[0]
         found = [(p, x) for p, x in flat if isinstance(x, nnx.Variable)]
+        for path, first in self.shared:
+            _set_at(root, path, _get_at(root, first))
         for j, i in self.aliases:
             _set_at(root, found[j][0], found[i][1])
         for i, x in zip(dynamic, root[0]):
@@ -269,9 +305,9 @@ class _Entry:
         variables = [x for _, x in found]
         before = jax.tree_util.tree_structure(root, is_leaf=is_variable)
         replica_id = _context.replica_context().replica_id
-        roles = _metric_roles(nnx, root)
+        roles = _nnx_metrics.metric_roles(nnx, root)
         for k in roles:
-            _start_metric(variables[k], replica_id)
+            _nnx_metrics.start_metric(variables[k], replica_id)
         folded = _fold_streams(nnx, root, replica_id)
         refs = _refs_of(nnx, root)
         result = self.user_fn(*arguments, **kwargs)
@@ -316,6 +352,13 @@ def _set_at(root: Any, path: tuple, value: Any) -> None:
         setattr(node, key.name, value)
     else:
         node[key.idx if isinstance(key, jax.tree_util.SequenceKey) else key.key] = value
+
+
+def _get_at(root: Any, path: tuple) -> Any:
+    node = root
+    for key in path:
+        node = _child(node, key)
+    return node
 
 
 def _child(node: Any, key: Any) -> Any:
@@ -369,132 +412,6 @@ def _fold_in(key: jax.Array, data: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.fold_in, in_axes=(0, None))(flat, data).reshape(key.shape)
 
 
-# --- metrics ---------------------------------------------------------------------------------
-
-
-def _metric_roles(nnx: Any, root: Any) -> dict[int, Aggregation]:
-    """For each argument `Variable` (by position) that is a metric's state, how it is read:
-    `SUM` for sums, `NONE` for a `Welford` (combined by `read_metrics`)."""
-    is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-    variables = [x for x in jax.tree_util.tree_leaves(root, is_leaf=is_variable) if is_variable(x)]
-    position = {id(v): k for k, v in reversed(list(enumerate(variables)))}
-    roles: dict[int, Aggregation] = {}
-    for path, metric, own in _leaf_metrics(nnx, root):
-        role = _aggregation(nnx, path, metric, own)
-        for v in own:
-            roles[position[id(v)]] = role
-    return roles
-
-
-def _where(path: tuple) -> str:
-    """`args[i]...` / `kwargs[...]` for a path into `([dynamic args], kwargs)`."""
-    if path[0].idx == 1:
-        return "kwargs" + jax.tree_util.keystr(path[1:])
-    return f"args[{path[1].idx}]" + jax.tree_util.keystr(path[2:])
-
-
-def _leaf_metrics(nnx: Any, root: Any) -> list[tuple[str, Any, list]]:
-    """Every metric holding state of its own, with its path and its own `Variable`s."""
-    metric_type = nnx.metrics.Metric
-    out = []
-    is_metric = lambda x: isinstance(x, metric_type)  # noqa: E731
-    for path, node in jax.tree_util.tree_flatten_with_path(root, is_leaf=is_metric)[0]:
-        if is_metric(node):
-            out.extend(_own_metrics(nnx, _where(path), node))
-    return out
-
-
-def _own_metrics(nnx: Any, path: str, metric: Any) -> list[tuple[str, Any, list]]:
-    kinds = (nnx.metrics.Metric, nnx.Variable)
-
-    def is_leaf(x: Any) -> bool:
-        return x is not metric and isinstance(x, kinds)
-
-    out, own = [], []
-    for p, node in jax.tree_util.tree_flatten_with_path(metric, is_leaf=is_leaf)[0]:
-        if isinstance(node, nnx.metrics.Metric):
-            out.extend(_own_metrics(nnx, path + jax.tree_util.keystr(p), node))
-        elif isinstance(node, nnx.Variable):
-            own.append(node)
-    if own:
-        out.append((path, metric, own))
-    return out
-
-
-def _aggregation(nnx: Any, path: str, metric: Any, own: list) -> Aggregation:
-    metrics = nnx.metrics
-    if isinstance(metric, metrics.Welford) and len(own) == 3:
-        return Aggregation.NONE
-    if not isinstance(metric, metrics.Welford) and all(
-        isinstance(v, metrics.MetricState) and _is_number(v.get_raw_value()) for v in own
-    ):
-        return Aggregation.SUM
-    raise TypeError(
-        f"jm.replicate cannot aggregate the metric {type(metric).__qualname__} at "
-        f"{path or '<root>'} across replicas: jmirror reads nnx.metrics.Average and Accuracy "
-        "(sums), Welford (combined with Chan's parallel formula), MultiMetric of those, and "
-        "metrics whose every state is an nnx.metrics.MetricState holding a sum of numbers. "
-        f"Found state {[type(v).__name__ for v in own]}. Keep sums in MetricState "
-        "variables, or update this metric outside the replicated function from "
-        "strategy.gather / strategy.reduce of the step's outputs."
-    )
-
-
-def _is_number(x: Any) -> bool:
-    if isinstance(x, SyncOnRead):
-        x = x.value
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        return isinstance(x, (int, float)) and not isinstance(x, bool)
-    return jnp.issubdtype(dtype, jnp.number)
-
-
-def _start_metric(variable: Any, replica_id: jax.Array) -> None:
-    """A metric's state as this replica's component: its own if sync-on-read already, else
-    the value on replica 0 and zero elsewhere (so reading gives the value back exactly)."""
-    value = variable.get_raw_value()
-    if isinstance(value, SyncOnRead):
-        variable.set_raw_value(value.value)
-        return
-    value = jnp.asarray(value)
-    variable.set_raw_value(jnp.where(replica_id == 0, value, jnp.zeros_like(value)))
-
-
-@jax.tree_util.register_pytree_with_keys_class
-class MetricComponents(SyncOnRead):
-    """A metric `Variable`'s sync-on-read state outside the replicas.
-
-    A `SyncOnRead` whose components the metric's own `reset()` (and any `variable[...] = v`
-    on the host) can overwrite: replica 0's component becomes `v` and the others zero, so
-    reading gives `v`. Reading it in any other way is a `TypeError` that points to
-    `strategy.read(metric)`.
-    """
-
-    __slots__ = ()
-
-    def __setitem__(self, index: Any, value: Any) -> None:
-        if index is not Ellipsis:
-            raise TypeError(_METRIC_ITEM)
-        stacked = self.value
-        value = jnp.asarray(value, stacked.dtype)
-        fresh = jnp.zeros_like(stacked).at[0].set(value)
-        object.__setattr__(self, "value", jax.device_put(fresh, stacked.sharding))
-
-    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(_METRIC_ITEM)
-
-    __getitem__ = __array__ = __jax_array__ = __float__ = __int__ = __bool__ = _refuse
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
-    __truediv__ = __rtruediv__ = __floordiv__ = __pow__ = __rpow__ = __neg__ = _refuse
-
-
-_METRIC_ITEM = (
-    "jm: this metric's state is sync-on-read (one component per replica, written by a replicated "
-    "function): read the metric with strategy.read(metric).compute(); reset it with "
-    "metric.reset() or assign a whole value with variable[...] = value."
-)
-
-
 # --- reading -------------------------------------------------------------------------------
 
 
@@ -502,37 +419,3 @@ def holds_metrics(tree: Any) -> bool:
     """Whether `tree` holds NNX objects (metrics among them) at its top or one container
     deep."""
     return _flax() is not None and _holds(tree)
-
-
-def read_metrics(gathered: Callable[[Any], jax.Array], tree: Any) -> Any:
-    """`tree` with every sync-on-read `Welford` combined across replicas (Chan et al.), as
-    a copy; `gathered(x)` gives a stacked leaf's components on one device."""
-    nnx = _flax()
-    welford = nnx.metrics.Welford
-
-    def one(node: Any) -> Any:
-        if not isinstance(node, welford):
-            return node
-        parts = [getattr(node, n).get_raw_value() for n in ("count", "mean", "m2")]
-        if not all(isinstance(p, SyncOnRead) for p in parts):
-            return node
-        copy = jax.tree.map(lambda x: x, node, is_leaf=lambda x: isinstance(x, SyncOnRead))
-        count, mean, m2 = _chan(*(gathered(p.value) for p in parts))
-        copy.count.set_raw_value(count)
-        copy.mean.set_raw_value(mean)
-        copy.m2.set_raw_value(m2)
-        return copy
-
-    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, (welford, PerReplica)))
-
-
-@jax.jit
-def _chan(count: jax.Array, mean: jax.Array, m2: jax.Array) -> tuple[jax.Array, ...]:
-    """Chan, Golub and LeVeque's parallel combination of Welford states (leading axis)."""
-    n = jnp.sum(count, axis=0)
-    weights = count.astype(mean.dtype)
-    total = jnp.sum(weights, axis=0)
-    safe = jnp.where(total == 0, 1, total)
-    combined = jnp.sum(weights * mean, axis=0) / safe
-    spread = jnp.sum(m2, axis=0) + jnp.sum(weights * (mean - combined) ** 2, axis=0)
-    return n.astype(count.dtype), combined, spread

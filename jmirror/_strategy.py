@@ -18,7 +18,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from jmirror import _context, _nnx
+from jmirror import _context, _nnx, _nnx_metrics
 from jmirror._backends import BACKENDS
 from jmirror._cross_replica import CrossReplica
 from jmirror._devices import Device, DeviceSpec, resolve_devices
@@ -336,7 +336,7 @@ class MirroredStrategy:
             (2.0, True)
         """
         if _nnx.holds_metrics(tree):
-            tree = _nnx.read_metrics(lambda x: jax.device_put(x, self.devices[0]), tree)
+            tree = _nnx_metrics.read_metrics(lambda x: jax.device_put(x, self.devices[0]), tree)
         return self._cross_replica("read(tree)").read(tree)
 
     def local_results(self, value: PyTree) -> tuple[PyTree, ...]:

@@ -146,13 +146,14 @@ def test_shared_references_identity_and_returned_objects(strategy):
     @jm.replicate(strategy=strategy)
     def step(model, also):
         seen["tied"] = model.shared.kernel is model.again.kernel
+        seen["same module"] = model.shared is model.again and also is model
         model.again.kernel[...] = model.again.kernel[...] + 1.0
         model.count[...] += 1
         also.count[...] += 1  # the same object through another argument
         return model, model.shared, jnp.asarray(1.0)
 
     out_model, out_layer, one = step(model, model)
-    assert seen["tied"]
+    assert seen["tied"] and seen["same module"]
     assert out_model is model and out_layer is model.shared
     assert model.again is model.shared
     np.testing.assert_allclose(strategy.read(model.shared.kernel[...]), kernel + 1.0)
@@ -253,6 +254,24 @@ def test_donated_nnx_arguments(strategy):
     assert not model.conv.kernel[...].is_deleted()
 
 
+def test_mirrored_model_steps_reads_and_asserts(strategy):
+    model = strategy.mirror(Net(nnx.Rngs(params=0, dropout=1), axis_name=strategy.axis_name))
+    jmt.assert_mirrored(nnx.state(model), strategy)  # typed rng keys included
+    n = strategy.num_replicas
+    xs, _ = _data(n, steps=1)
+
+    @jm.replicate(strategy=strategy)
+    def forward(model, x):
+        return jm.all_reduce("mean", model(x).mean())
+
+    forward(model, _split(n, xs[0]))
+    jmt.assert_mirrored(nnx.state(model), strategy)
+    read = strategy.read(model)
+    assert isinstance(read, Net) and read is not model
+    assert read.conv.kernel[...].devices() == {strategy.devices[0]}
+    assert int(read.drop.rngs.count[...]) == 1
+
+
 # --- rngs ------------------------------------------------------------------------------------
 
 
@@ -282,6 +301,32 @@ def test_dropout_masks_differ_per_replica_and_rng_state_stays_mirrored(strategy)
         np.testing.assert_array_equal(
             jax.random.key_data(strategy.read(drop.rngs.key[...])), jax.random.key_data(key)
         )
+
+
+def test_an_rngs_shared_by_a_module_and_an_argument_is_folded_once(strategy):
+    class Noisy(nnx.Module):
+        def __init__(self, rngs):
+            self.rngs = rngs
+
+        def __call__(self):
+            return jax.random.uniform(self.rngs.noise())
+
+    rngs = nnx.Rngs(params=0, noise=3)
+    key = rngs.noise.key[...]
+    module = Noisy(rngs)
+
+    @jm.replicate(strategy=strategy)
+    def draw(module, rngs):
+        return module(), jax.random.uniform(rngs.noise())
+
+    first, second = draw(module, rngs)
+    assert module.rngs is rngs
+    assert int(strategy.read(rngs.noise.count[...])) == 2  # one stream, advanced twice
+    for r, (a, b) in enumerate(zip(strategy.local_results(first), strategy.local_results(second))):
+        folded = jax.random.fold_in(key, r)
+        np.testing.assert_array_equal(a, jax.random.uniform(jax.random.fold_in(folded, 0)))
+        np.testing.assert_array_equal(b, jax.random.uniform(jax.random.fold_in(folded, 1)))
+    jmt.assert_mirrored(nnx.state(rngs), strategy)
 
 
 def test_params_stream_draws_identically_and_sync_gives_identical_draws(strategy):
