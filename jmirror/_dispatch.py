@@ -16,7 +16,7 @@ call, `check_donated` refuses arguments that jaxlib would crash on (a deleted bu
 buffer passed twice), with a `ValueError` instead of the process dying.
 
 **Per call, flat in the tree's size.** A replicated function asks its `Donation`
-(`dispatch.donation_for(donate_argnums)`) on every call. The policy depends only on the donated
+(`Donation(dispatch, donate_argnums)`) on every call. The policy depends only on the donated
 leaves' shapes and dtypes, so it is decided once per input signature: the key is the identity
 of the leaves' abstract values, which JAX shares between every output of one compiled program
 (so `state = step(state, ...)` hits the same key every call) and which the cache keeps alive
@@ -153,10 +153,6 @@ class Dispatch:
     def donates(self, donated: Sequence[Any]) -> bool:
         """Whether a step donates the arguments `donated` under this policy."""
         return donates(self.donation, self.topology.platform, self.topology.num_devices, donated)
-
-    def donation_for(self, donate_argnums: Sequence[int]) -> Donation:
-        """The donation of one function's `donate_argnums` under this policy (see `Donation`)."""
-        return Donation(self, tuple(donate_argnums))
 
     def wait_for_room(self) -> None:
         """Blocks until fewer than `max_in_flight` steps are queued on the platform."""

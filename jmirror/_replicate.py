@@ -100,7 +100,7 @@ class Replicated:
         last = self._donation
         if last is not None and last[0] is strategy:
             return last[1]
-        donation = strategy.dispatch.donation_for(self._donate)
+        donation = _dispatch.Donation(strategy.dispatch, self._donate)
         self._donation = (strategy, donation)
         return donation
 

@@ -1,5 +1,6 @@
 """Deadlock-free dispatch: bounded steps in flight on CPU host devices."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -71,3 +72,54 @@ def test_donation_policy_on_host_devices(n):
     w = step(strategy.mirror(large[0]))
     w = step(w)
     assert not w.is_deleted() and float(strategy.read(w)[0]) == 2.0
+
+
+def test_donation_policy_is_decided_once_per_input_signature(monkeypatch, n):
+    # The "auto" policy depends only on shapes and dtypes: a loop of state = step(state)
+    # must not look at every leaf's size on every call.
+    from jmirror import _dispatch
+
+    looked = []
+    all_small = _dispatch._all_small
+    monkeypatch.setattr(
+        _dispatch, "_all_small", lambda leaves: looked.append(1) or all_small(leaves)
+    )
+    strategy = jm.MirroredStrategy()
+    step = jm.replicate(
+        lambda s: jax.tree.map(lambda v: v + 1, s), strategy=strategy, donate_argnums=0
+    )
+    state = strategy.mirror({f"w{i}": np.zeros(3, np.float32) for i in range(50)})
+    for _ in range(10):
+        state = step(state)
+    assert len(looked) <= 2  # the mirrored inputs' signature, then the outputs' one
+    np.testing.assert_array_equal(strategy.read(state)["w7"], np.full(3, 10.0))
+
+
+def test_a_new_signature_is_decided_again(n):
+    # Same tree structure, one leaf now 8 MiB: "auto" must not reuse the small-leaf decision.
+    strategy = jm.MirroredStrategy()
+    step = jm.replicate(
+        lambda s: jax.tree.map(lambda v: v + 1, s), strategy=strategy, donate_argnums=0
+    )
+    small = strategy.mirror({"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)})
+    for _ in range(3):
+        small = step(small)
+    large = strategy.mirror({"a": np.zeros(4, np.float32), "b": np.zeros(2**21, np.float32)})
+    out = step(large)
+    assert large["b"].is_deleted() is (n == 1)  # not donated on several host devices
+    assert float(strategy.read(out)["b"][0]) == 1.0
+
+
+def test_one_deleted_leaf_among_fresh_ones_is_still_refused(n):
+    # The check looks at every donated leaf, not a sample: a state rebuilt from a new step's
+    # outputs and one old (donated) leaf would crash jaxlib on several devices.
+    strategy = jm.MirroredStrategy(donation="always")
+    step = jm.replicate(
+        lambda s: jax.tree.map(lambda v: v + 1, s), strategy=strategy, donate_argnums=0
+    )
+    old = strategy.mirror({f"w{i}": np.zeros(3, np.float32) for i in range(20)})
+    new = step(old)
+    mixed = {**new, "w13": old["w13"]}
+    with pytest.raises(ValueError, match=r"args\[0\]\['w13'\].*deleted"):
+        step(mixed)
+    np.testing.assert_array_equal(strategy.read(step(new))["w13"], np.full(3, 2.0))

@@ -112,3 +112,13 @@ def test_mirror_of_ordinary_arrays_does_not_warn(strategy, n):
         warnings.simplefilter("error")
         strategy.mirror({"a": jnp.ones((n, 3)), "b": np.ones((n, 2)), "c": 1.0})
         strategy.mirror(strategy.mirror(jnp.ones((n,))))
+
+
+def test_raw_pmap_output_as_plain_argument_warns(strategy, n):
+    # A half-migrated loop: a jax.pmap step's per-device output fed to a replicated one.
+    per_device = jax.pmap(lambda x: x * 2)(jnp.ones((n, 3)))
+    step = jm.replicate(lambda x: jm.all_reduce("sum", x.sum()), strategy=strategy)
+    with pytest.warns(UserWarning, match=r"args\[0\].*pmap way"):
+        step(per_device)
+    got = strategy.read(step(jm.PerReplica(per_device)))
+    np.testing.assert_allclose(got, 2.0 * 3 * n)  # each replica sums only its own slice
