@@ -109,15 +109,16 @@ class Replicated:
         strategy.dispatch.wait_for_room()
         signatures = len(self._signatures)
         jitted = self._jitted_by_donation[donate]
-        try:
-            result, token = jitted(strategy, *args, **kwargs)
-        except ValueError:
-            # jax.jit refuses arrays committed to other devices; move them (rare) and retry.
-            placed = self._place(strategy, args, kwargs)
-            if placed is None:
-                raise
-            args, kwargs = placed
-            result, token = jitted(strategy, *args, **kwargs)
+        with strategy.dispatch.bounded(self):  # a cheap step may run (and wait) inline
+            try:
+                result, token = jitted(strategy, *args, **kwargs)
+            except ValueError:
+                # jax.jit refuses arrays committed to other devices; move them (rare), retry.
+                placed = self._place(strategy, args, kwargs)
+                if placed is None:
+                    raise
+                args, kwargs = placed
+                result, token = jitted(strategy, *args, **kwargs)
         if token is None:
             token = self._token(result)
         if isinstance(token, jax.core.Tracer):
