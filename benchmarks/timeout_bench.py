@@ -15,9 +15,10 @@ drift on a shared machine hits both alike; the median ratio is printed:
         benchmarks/timeout_bench.py [--hidden 512] [--steps 40] [--rounds 7]
 
 Alone (1 x 8 host devices) there is no other process to wait for, so nothing is watched
-either way: the ratio shows the cost of the check that says so. Last, the cost of one
-`jmirror._deadline.watch` call (what a watched step adds on the caller's thread) is timed
-directly; it starts the watchdog's threads in that process. Only process 0 prints.
+either way: the ratio shows the cost of the check that says so. Last, what a step with a
+timeout adds on the caller's thread (one `jmirror._deadline.bounded` block around its
+dispatch, one `watch` of its output) is timed directly; it starts the watchdog's threads in
+that process. Only process 0 prints.
 """
 
 import argparse
@@ -91,7 +92,7 @@ def main() -> None:
             for timeout, (_, run) in loops.items():
                 rates[timeout, read].append(run(args.steps, read))
     strategy = loops[300][0]
-    watch_us = watch_cost()
+    watch_us, bounded_us = watch_cost()
     if strategy.process_index != 0:
         return
     layout = f"{strategy.num_processes} x {strategy.num_local_replicas}"
@@ -107,25 +108,35 @@ def main() -> None:
             f"{args.hidden}"
         )
     print(
-        f"{layout} jmirror._deadline.watch: {watch_us:.2f} us per call (the per-step cost of "
-        "timeout_s on the caller's thread; median of 5 x 20000 calls on a finished output)"
+        f"{layout} jmirror._deadline: watch {watch_us:.2f} us, bounded {bounded_us:.2f} us per "
+        "call (what timeout_s adds to a step on the caller's thread: one of each; median of "
+        "5 x 20000 calls, on a finished output)"
     )
 
 
-def watch_cost() -> float:
-    """Microseconds per `_deadline.watch` call, the one thing `timeout_s` adds to a step."""
+def watch_cost() -> tuple[float, float]:
+    """Microseconds per `_deadline.watch` call and per empty `_deadline.bounded` block: what
+    `timeout_s` adds to a step (its dispatch is bounded, its output watched)."""
     from jmirror import _deadline
 
     token = jax.numpy.zeros(())
     token.block_until_ready()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(20000):
-            _deadline.watch(token, "benchmark", 300.0)
-        times.append((time.perf_counter() - start) / 20000 * 1e6)
-        time.sleep(0.5)  # let the waiter drain the queue
-    return statistics.median(times)
+
+    def per_call(fn) -> float:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(20000):
+                fn()
+            times.append((time.perf_counter() - start) / 20000 * 1e6)
+            time.sleep(0.5)  # let the waiter drain the queue
+        return statistics.median(times)
+
+    def bounded() -> None:
+        with _deadline.bounded("benchmark", 300.0):
+            pass
+
+    return per_call(lambda: _deadline.watch(token, "benchmark", 300.0)), per_call(bounded)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ out and the processes that did not arrive to stderr, and exits with `EXIT_CODE` 
 a blocked XLA wait cannot be interrupted from Python). This module is the one place that does it:
 
 - `bounded(call, timeout_s)`: a context manager around a wait of the caller's thread (a
-  barrier, a collective whose result is read on the host, `initialize`).
+  barrier, a collective whose result is read on the host, `initialize`, and the dispatch of a
+  cross-process call, which XLA:CPU runs inline, waiting, when the program is cheap). Time
+  JAX spends tracing and compiling in it is not counted (a `jax.monitoring` listener starts
+  the clock again after each compilation event of the thread).
 - `watch(token, call, timeout_s)`: an asynchronous cross-process call (a replicated step, a
   read) recorded by one of its outputs. Its clock starts when it is waited on: when every
   call watched before it has completed (calls complete in order), or when it is dispatched if
@@ -49,11 +52,12 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import jax
 import jax.core
+import jax.monitoring
 
 from jmirror import _shim
 
@@ -104,6 +108,7 @@ class _Wait:
     seq: int = 0  # for a watched call: its number among this process's watched calls
     token: Any = None  # for a watched call: the output waited for
     missing: Callable[[], str] | None = None  # names the absent processes itself
+    paused: bool = False  # while its thread traces and compiles a new program
     absent: tuple[int, ...] | None = None  # the absent processes, when known already
 
 
@@ -139,6 +144,7 @@ class _Watchdog:
         # Registered after jax.distributed's own exit handler, so it runs before it: the
         # threads stop before the runtime they publish to is shut down.
         atexit.register(self.stop)
+        jax.monitoring.register_event_duration_secs_listener(_restart_after_compiling)
         for thread in self._threads:
             thread.start()
 
@@ -203,7 +209,11 @@ class _Watchdog:
         while not self._stop.wait(POLL_S):
             now = time.monotonic()
             with self._lock:
-                late = [w for w in self._waits.values() if now - w.started > w.timeout_s]
+                late = [
+                    w
+                    for w in self._waits.values()
+                    if not w.paused and now - w.started > w.timeout_s
+                ]
                 head = self._head
             if head is not None and now - head.started > head.timeout_s:
                 late.append(head)
@@ -409,15 +419,79 @@ def threads() -> tuple[threading.Thread, ...]:
     return _WATCHDOG.threads
 
 
-@contextlib.contextmanager
+class _Bounded:
+    """The context of one bounded wait (see `bounded`)."""
+
+    __slots__ = ("_wait", "_key")
+
+    def __init__(self, wait: _Wait):
+        self._wait = wait
+        self._key = 0
+
+    def __enter__(self) -> None:
+        watchdog = _started()
+        self._wait.started = time.monotonic()
+        self._key = watchdog.add_wait(self._wait)
+        _current().append(self._wait)
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        _current().pop()
+        _WATCHDOG.end_wait(self._key)
+        if error is not None and _GLOO_RENDEZVOUS.search(str(error)):
+            wait = self._wait
+            _WATCHDOG.expire(_Wait(wait.call, wait.timeout_s, wait.setting, 0.0), cause=str(error))
+
+
+_NO_BOUND = contextlib.nullcontext()
+_THREAD = threading.local()  # each thread's bounded waits in progress, innermost last
+
+
+def _current() -> list[_Wait]:
+    try:
+        return _THREAD.waits
+    except AttributeError:
+        _THREAD.waits = []
+        return _THREAD.waits
+
+
+def _restart_after_compiling(event: str, duration_secs: float, **kwargs: Any) -> None:
+    """A `jax.monitoring` listener: JAX traced, lowered or compiled something in this thread,
+    so the clock of this thread's innermost bounded wait starts again (compilation and
+    tracing are not waiting for other processes); a backend compilation ends its pause."""
+    if event.startswith(_COMPILE_EVENTS):
+        waits = getattr(_THREAD, "waits", None)
+        if waits:
+            waits[-1].started = time.monotonic()
+            if event == _BACKEND_COMPILE_EVENT:
+                waits[-1].paused = False
+
+
+_COMPILE_EVENTS = "/jax/core/compile/"
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def compiling() -> None:
+    """Pauses this thread's innermost bounded wait: it starts tracing a new program, which
+    JAX then compiles. The clock starts again when JAX's backend compilation in this thread
+    ends (or when the wait ends). Called by `jmirror._tracing` for a new replica function
+    signature, whose trace and compilation may take long, inside `jm.replicate`'s bound."""
+    waits = getattr(_THREAD, "waits", None)
+    if waits:
+        waits[-1].paused = True
+
+
 def bounded(
     call: Any,
     timeout_s: float | None,
     *,
     setting: str = "jm.MultiWorkerMirroredStrategy",
     missing: Callable[[], str] | None = None,
-) -> Iterator[None]:
+) -> contextlib.AbstractContextManager[None]:
     """Bounds a wait of the caller's thread for other processes to `timeout_s` (None: none).
+
+    Use it around a dispatch that may run (and wait) inline, and around a host read of a
+    collective's result. Time JAX spends tracing or compiling inside it is not counted: the
+    clock starts again after each of JAX's compilation events in this thread.
 
     Args:
       call: what is waited for, named in the message (its `str`, equal on every process).
@@ -427,18 +501,8 @@ def bounded(
         service cannot, e.g. before every process has joined it).
     """
     if timeout_s is None:
-        yield
-        return
-    watchdog = _started()
-    key = watchdog.add_wait(_Wait(call, timeout_s, setting, time.monotonic(), missing=missing))
-    try:
-        yield
-    except Exception as e:
-        if _GLOO_RENDEZVOUS.search(str(e)):
-            watchdog.expire(_Wait(call, timeout_s, setting, time.monotonic()), cause=str(e))
-        raise
-    finally:
-        watchdog.end_wait(key)
+        return _NO_BOUND
+    return _Bounded(_Wait(call, timeout_s, setting, 0.0, missing=missing))
 
 
 def watch(token: Any, call: Any, timeout_s: float | None, setting: str | None = None) -> None:

@@ -27,11 +27,14 @@ problem.
 **Timeout.** With several processes and `timeout_s` (`jm.MultiWorkerMirroredStrategy`), each
 tracked step is also watched by `jmirror._deadline`, which ends the process when one has not
 completed `timeout_s` seconds after it was waited on: so the wait for room here is bounded too.
+The dispatch itself is bounded as well (`bounded`): XLA:CPU runs a cheap program inline, so
+a step may wait for the other processes before the call returns.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import operator
@@ -157,6 +160,10 @@ class Dispatch:
     def wait_for_room(self) -> None:
         """Blocks until fewer than `max_in_flight` steps are queued on the platform."""
         self.in_flight.wait_for_room(self.max_in_flight)
+
+    def bounded(self, call: Any) -> contextlib.AbstractContextManager[None]:
+        """The bound on dispatching a step across processes (a cheap one may run inline)."""
+        return _deadline.bounded(call, self.timeout_s)
 
     def track(self, token: Any, call: Any = "a replicated step") -> None:
         """Records a dispatched step by one of its outputs (`call` names it if it times out)."""

@@ -269,8 +269,10 @@ def _agreement(topology: Topology) -> Agree | None:
 
     def agree(state: int) -> list[int]:
         mine = jax.make_array_from_process_local_data(rows, np.array([state], np.int32), shape)
-        (copy,) = gather(mine).addressable_shards
-        with _deadline.bounded(_AGREEMENT, topology.timeout_s):  # after the first compilation
+        # Bounded from the dispatch (this small program runs inline on XLA:CPU, waiting for
+        # the others there); the first call's compilation is not counted.
+        with _deadline.bounded(_AGREEMENT, topology.timeout_s):
+            (copy,) = gather(mine).addressable_shards
             return np.asarray(copy.data).tolist()  # process indices are 0 to P - 1, in order
 
     return agree

@@ -13,7 +13,8 @@ shards. Every process runs the same program and calls the same methods in the sa
   about this process's replicas (leading axis `num_local_replicas`).
 
 With `timeout_s` (the topology's), each of these cross-process calls is bounded by
-`jmirror._deadline`: `mirror`'s broadcast is waited for here, a read's result is watched.
+`jmirror._deadline`: `mirror`'s broadcast and a read's dispatch are waited for here (a cheap
+program runs inline on XLA:CPU), a read's result is watched until it is ready.
 """
 
 from __future__ import annotations
@@ -103,9 +104,11 @@ class ProcessHostOps(HostOps):
         self, fn: Callable[[jax.Array], jax.Array], x: jax.Array, call: str
     ) -> jax.Array:
         """`fn(x)` computed over the global array, as this process's copy (watched as `call`)."""
-        out = _jit_mirrored(fn, self.topology.mirrored)(x)
+        timeout = self.topology.timeout_s
+        with _deadline.bounded(call, timeout):  # a cheap program may run (and wait) inline
+            out = _jit_mirrored(fn, self.topology.mirrored)(x)
         mine = self._on_first_device(out)
-        _deadline.watch(mine, call, self.topology.timeout_s)
+        _deadline.watch(mine, call, timeout)
         return mine
 
     def _on_first_device(self, x: jax.Array) -> jax.Array:

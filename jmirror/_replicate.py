@@ -125,15 +125,16 @@ class Replicated:
         strategy.dispatch.wait_for_room()
         jitted = self._jitted_by_donation[donate]
         compiled = self._compiled(jitted)
-        try:
-            result, token = jitted(strategy, *args, **kwargs)
-        except ValueError:
-            # jax.jit refuses arrays committed to other devices; move them (rare) and retry.
-            placed = self._place(strategy, args, kwargs)
-            if placed is None:
-                raise
-            args, kwargs = placed
-            result, token = jitted(strategy, *args, **kwargs)
+        with strategy.dispatch.bounded(self):  # a cheap step may run (and wait) inline
+            try:
+                result, token = jitted(strategy, *args, **kwargs)
+            except ValueError:
+                # jax.jit refuses arrays committed to other devices; move them (rare), retry.
+                placed = self._place(strategy, args, kwargs)
+                if placed is None:
+                    raise
+                args, kwargs = placed
+                result, token = jitted(strategy, *args, **kwargs)
         if isinstance(token, jax.core.Tracer):
             # Traced by the caller's own transformation (jit, grad, vmap, scan, ...): JAX
             # dispatches it, so there is nothing to bound and no compilation of ours to count.

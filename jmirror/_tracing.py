@@ -26,7 +26,7 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 
-from jmirror import _context
+from jmirror import _context, _deadline
 from jmirror._context import Runner
 from jmirror._proof import prove
 from jmirror._values import PerReplica, Sharded, SyncOnRead, is_distributed
@@ -127,6 +127,7 @@ class ProvenStep:
 
 def trace_and_prove(call: ReplicaCall, avals: Sequence[jax.ShapeDtypeStruct]) -> ProvenStep:
     """Traces `call` on per-replica `avals` and proves which outputs are identical."""
+    _deadline.compiling()  # tracing and compiling are not waiting for other processes
     strategy = call.strategy
     axis_env = [(strategy.axis_name, strategy.num_replicas)]
 

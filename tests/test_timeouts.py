@@ -154,6 +154,29 @@ def test_a_watched_call_past_its_bound_ends_the_process(tmp_path):
 
 
 @ONCE
+def test_tracing_and_compiling_a_new_program_is_not_counted(tmp_path):
+    # As jm.replicate's first call of a signature: its trace and compilation (seconds, for
+    # this unrolled program) run inside the bound on its dispatch, which is 0.5 s.
+    run = _python(
+        tmp_path,
+        """
+        import functools
+        big = jax.jit(lambda x: functools.reduce(lambda a, i: jnp.sin(a) + i, range(2000), x))
+        small = jnp.ones(3)  # runs in microseconds once compiled
+        start = time.monotonic()
+        with _deadline.bounded("a first call", 0.5):
+            _deadline.compiling()  # what jmirror._tracing says when it traces a new signature
+            big(small).block_until_ready()
+        print("compiled and ran in", round(time.monotonic() - start, 1), "s", flush=True)
+        """,
+        "compiling",
+    )
+    code, _ = run.wait(STARTUP_S + 60)
+    assert code == 0, run.output()
+    assert "compiled and ran in" in run.output()
+
+
+@ONCE
 def test_calls_queued_behind_others_count_from_when_they_are_waited_on(tmp_path):
     # Ten calls of d seconds each, dispatched at once, each needing the one before: 10 d from
     # dispatch to the last result, but each is waited on for about d only, within 4 d.
@@ -192,8 +215,11 @@ def _absent(text, call_pattern, process):
 
 
 @ONCE
-def test_a_stuck_peer_ends_the_run_within_the_timeout_naming_the_call_and_it(tmp_path):
-    run = _launch(tmp_path, "stuck", TIMEOUT_S)
+@pytest.mark.parametrize("mode", ["stuck", "stuck-input"])
+def test_a_stuck_peer_ends_the_run_within_the_timeout_naming_the_call_and_it(tmp_path, mode):
+    # "stuck-input": process 0 waits in the input agreement of distribute_dataset, whose small
+    # all-gather XLA:CPU runs inline: the call itself waits, before it returns.
+    run = _launch(tmp_path, mode, TIMEOUT_S)
     try:
         stuck = _started_at(run, r"process 1 is stuck")
         code, _ = run.wait(TIMEOUT_S + SLACK_S + 30)
@@ -203,12 +229,15 @@ def test_a_stuck_peer_ends_the_run_within_the_timeout_naming_the_call_and_it(tmp
     out = run.output()
     assert code == _deadline.EXIT_CODE, out
     assert elapsed < TIMEOUT_S + SLACK_S, (elapsed, out)
+    call = (
+        r"(the replicated step jm\.replicate\(loss_step\)|strategy\.reduce|the input agreement.*)"
+    )
     assert re.search(
-        rf"\[0\] jmirror: timed out: the replicated step jm\.replicate\(loss_step\) has not "
-        rf"completed {TIMEOUT_S} s after it was waited on \(timeout_s={TIMEOUT_S} of "
-        r"jm\.MultiWorkerMirroredStrategy\); ending process 0 with exit status 1\.",
+        rf"\[0\] jmirror: timed out: {call} has not completed {TIMEOUT_S} s after it was "
+        rf"waited on \(timeout_s={TIMEOUT_S} of jm\.MultiWorkerMirroredStrategy\); ending "
+        r"process 0 with exit status 1\.",
         out,
-    ) or re.search(r"\[0\] jmirror: timed out: strategy\.reduce has not completed", out), out
+    ), out
     assert re.search(r"\[0\] jmirror: processes that did not arrive at .*: 1\.", out), out
     assert "[0] jmirror:   process 1: in none of jmirror's cross-process waits" in out
     assert "jmirror.launch: process 0 exited with code 1" in out

@@ -94,14 +94,16 @@ class Group:
         n = next(_KEYS)
         return f"jmirror.checkpoint.{n}.start:{what}", f"jmirror.checkpoint.{n}.end:{what}"
 
-    def barrier(self, key: str, call: str, timeout_s: float | None = None) -> None:
+    def barrier(self, key: str, call: str | None = None, timeout_s: float | None = None) -> None:
         """Waits until every process of the group reaches the barrier `key` (any thread).
 
         Bounded by `timeout_s` (default: the strategy's), and by `BARRIER_TIMEOUT_S` without
-        one; `call` names the barrier if it times out (equal on every process).
+        one; `call` names the barrier if it times out (equal on every process; default: from
+        the key).
         """
         if self.size == 1:
             return
+        call = call or f"jm.checkpoint's barrier {key}"
         wait = ocp.multihost.get_barrier_sync_fn(processes=set(self.processes))
         if timeout_s is None:
             timeout_s = self.timeout_s

@@ -7,6 +7,8 @@ TIMEOUT is `timeout_s` (a number, or `none`) for the strategy (and for `initiali
 
 - `stuck`: 5 steps, then process 1 sleeps "forever"; process 0 goes on stepping and printing
   the reduced loss (it waits in its read or its step for process 1).
+- `stuck-input`: as `stuck`, the batches coming from `distribute_dataset` (process 0 waits in
+  the input agreement or its step).
 - `skip-save`: 3 steps, then process 0 calls `jm.checkpoint.save(DIR, ...)` and process 1
   does not (it goes on stepping).
 - `skip-manager-save`: the same with `CheckpointManager(DIR).save(3, ...)` (async).
@@ -76,6 +78,19 @@ def one_step(k: int) -> float:
     return total
 
 
+if mode == "stuck-input":
+    n = strategy.num_replicas
+
+    def batches():
+        for k in range(10**6):
+            if k == 5 and me == 1:
+                say("process 1 is stuck")
+                time.sleep(FOREVER)
+            yield np.random.default_rng(k).normal(size=(n * 4, 8)).astype(np.float32)
+
+    for k, batch in enumerate(strategy.distribute_dataset(batches, remainder="drop", prefetch=0)):
+        w, loss = step(w, batch)
+        say(f"process {me} step {k}")
 if mode == "first" and me == 1:
     say("process 1 sleeps before the first collective")
     time.sleep(FOREVER)
