@@ -33,6 +33,13 @@ from jmirror._values import (
 )
 
 _REDUCED = {Aggregation.SUM: ReduceOp.SUM, Aggregation.MEAN: ReduceOp.MEAN}
+_MIRROR_TRACED = (
+    "strategy.mirror got a traced value at {path}: it was called inside jax.jit (or "
+    "another JAX transformation), where values have no devices yet. strategy.mirror places "
+    "concrete values on the strategy's devices and runs outside transformations: call it on "
+    "the result, strategy.mirror(jax.jit(init)(...)); inside a replicated function, jm.sync "
+    "makes a value mirrored."
+)
 _MIRROR_PMAP_LAYOUT = (
     "strategy.mirror got a jax.Array of shape {shape} at {path}{others} laid out the jax.pmap "
     "way (its leading axis of {n} split over the strategy's {n} devices, as "
@@ -68,6 +75,11 @@ class HostOps(CrossReplica):
                     f"strategy.mirror got a PerReplica at path {jax.tree_util.keystr(path)!r}; "
                     "per-replica values cannot be mirrored as they are. Reduce them first "
                     "(strategy.reduce) or pick one (strategy.local_results)."
+                )
+            if isinstance(leaf, jax.core.Tracer):
+                where = jax.tree_util.keystr(path)
+                raise TypeError(
+                    _MIRROR_TRACED.format(path=repr(where) if where else "the top level")
                 )
             # SyncOnRead state is already placed; exactly-mirrored arrays are kept (one
             # sharding for mirrored state, so a step's outputs match its inputs' signature).

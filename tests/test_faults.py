@@ -339,3 +339,14 @@ def test_per_replica_of_the_wrong_size_names_the_leaf(strategy, leaf):
     f = jm.replicate(lambda x: x * 2, strategy=strategy)
     with pytest.raises(ValueError, match=r"per-replica leaf of shape .* at args\[0\]\.values"):
         f(jm.PerReplica(leaf))
+
+
+def test_mirror_inside_jit_is_a_type_error_naming_the_path(strategy):
+    # Found by a hostile hunt: a raw AttributeError ("The 'sharding' attribute is not available
+    # on traced array") from jmirror's internals.
+    with pytest.raises(TypeError, match=r"strategy.mirror got a traced value at \"\['w'\]\""):
+        jax.jit(lambda x: strategy.mirror({"w": x}))(jnp.ones(3))
+    with pytest.raises(TypeError, match="at the top level.*strategy.mirror\\(jax.jit\\(init\\)"):
+        jax.jit(strategy.mirror)(jnp.ones(3))
+    # Outside the transformation it still places the value.
+    np.testing.assert_array_equal(np.asarray(strategy.mirror(jnp.ones(3))), np.ones(3))
