@@ -42,24 +42,24 @@ network only.
 
 from __future__ import annotations
 
-import dataclasses
-import errno
-import importlib.util
-import ipaddress
 import logging
 import math
-import operator
 import os
 import re
 import signal
-import socket
 import sys
 import time
-from typing import Any
 
 import jax
 
-from jmirror import _deadline
+from jmirror import _cluster_config, _deadline
+from jmirror._cluster_config import (
+    ENV_COORDINATOR,
+    ENV_DEVICES_PER_PROCESS,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    ENV_RESTART,
+)
 
 __all__ = [
     "ENV_COORDINATOR",
@@ -72,12 +72,6 @@ __all__ = [
     "is_initialized",
 ]
 
-ENV_COORDINATOR = "JMIRROR_COORDINATOR"
-ENV_NUM_PROCESSES = "JMIRROR_NUM_PROCESSES"
-ENV_PROCESS_ID = "JMIRROR_PROCESS_ID"
-ENV_DEVICES_PER_PROCESS = "JMIRROR_DEVICES_PER_PROCESS"
-ENV_RESTART = "JMIRROR_RESTART"  # set by the launcher: restarts before this start ("0" first)
-
 _TOO_LATE = (
     "jm.distributed.initialize() must run before anything touches a device, but JAX's backends "
     "are already initialized (by a computation, an array, jax.devices(), ...). Found: {what}. "
@@ -85,20 +79,7 @@ _TOO_LATE = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class _Request:
-    """What one call of `initialize` asked for, after the launcher's environment is read."""
-
-    source: str  # "arguments", "launcher", "cluster" or "one process"
-    coordinator_address: str | None
-    num_processes: int | None
-    process_id: int | None
-    heartbeat_timeout_s: int
-    devices_per_process: int | None
-    cluster: str | None
-
-
-_initialized: _Request | None = None
+_initialized: _cluster_config.Request | None = None
 
 
 def initialize(
@@ -171,14 +152,17 @@ def initialize(
     """
     global _initialized
     timeout = _deadline.check_timeout(timeout_s, "jm.distributed.initialize")
-    request = _request(coordinator_address, num_processes, process_id, heartbeat_timeout_s)
+    request = _cluster_config.resolve(
+        coordinator_address, num_processes, process_id, heartbeat_timeout_s
+    )
     if _initialized is not None:
         if request == _initialized:
             return
         raise RuntimeError(
             "jm.distributed.initialize() was already called with another configuration: "
-            f"first {_describe(_initialized)}, now {_describe(request)}. Call it once, first "
-            "thing in the program, with the same arguments on every call."
+            f"first {_cluster_config.describe(_initialized)}, now "
+            f"{_cluster_config.describe(request)}. Call it once, first thing in the program, "
+            "with the same arguments on every call."
         )
     if request.source == "one process":
         _initialized = request
@@ -189,8 +173,8 @@ def initialize(
             "direct call of jax.distributed.initialize(). Call one of them, not both: "
             "jm.distributed.initialize() also selects gloo and a short heartbeat timeout."
         )
-    _check_port_free(request)
-    _check_backends_not_initialized(_describe(request))
+    _cluster_config.check_port_free(request)
+    _check_backends_not_initialized(_cluster_config.describe(request))
     if request.devices_per_process is not None:
         jax.config.update("jax_num_cpu_devices", request.devices_per_process)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -202,7 +186,7 @@ def initialize(
     _initialized = request
 
 
-def _join(request: _Request, timeout_s: float | None) -> None:
+def _join(request: _cluster_config.Request, timeout_s: float | None) -> None:
     """`jax.distributed.initialize`, its wait for the other processes bounded by `timeout_s`.
 
     JAX's own bound (`initialization_timeout`) aborts the process with `DEADLINE_EXCEEDED`
@@ -221,12 +205,12 @@ def _join(request: _Request, timeout_s: float | None) -> None:
             request.num_processes,
             request.process_id,
             heartbeat_timeout_seconds=request.heartbeat_timeout_s,
-            coordinator_bind_address=_bind_address(request.coordinator_address),
+            coordinator_bind_address=_cluster_config.bind_address(request.coordinator_address),
             initialization_timeout=jax_timeout,
         )
 
 
-def _not_joined(request: _Request) -> str:
+def _not_joined(request: _cluster_config.Request) -> str:
     """Who may be missing while `jax.distributed.initialize` waits (no one can be asked yet)."""
     me, count = request.process_id, request.num_processes
     where = f"the coordinator at {request.coordinator_address}"
@@ -349,285 +333,13 @@ def check_initialized(call: str) -> None:
     count = os.environ.get(ENV_NUM_PROCESSES)
     if count is None or jax.distributed.is_initialized():
         return
-    if _int_from_env(ENV_NUM_PROCESSES, 1) > 1:
+    if _cluster_config.int_from_env(ENV_NUM_PROCESSES, 1) > 1:
         raise RuntimeError(
             f"{call} runs in a process started for {count} processes ({ENV_NUM_PROCESSES}="
             f"{count}, e.g. by python -m jmirror.launch), but JAX's distributed runtime is not "
             "initialized, so this process would see only its own devices. Call "
             "jm.distributed.initialize() first thing in the program, right after the imports."
         )
-
-
-def _request(
-    coordinator_address: str | None,
-    num_processes: int | None,
-    process_id: int | None,
-    heartbeat_timeout_s: int,
-) -> _Request:
-    """Resolve the arguments, the launcher's environment and cluster detection into a request."""
-    num_processes = _as_int(num_processes)
-    process_id = _as_int(process_id)
-    _check_arguments(coordinator_address, num_processes, process_id, heartbeat_timeout_s)
-    given = (coordinator_address, num_processes, process_id)
-    launcher = os.environ.get(ENV_COORDINATOR) is not None
-    if not launcher:
-        _check_no_partial_launcher_environment()
-    variable = None
-    if launcher and coordinator_address is None:
-        coordinator_address = os.environ[ENV_COORDINATOR]
-        variable = ENV_COORDINATOR
-        _check_address(coordinator_address, ENV_COORDINATOR, variable)
-    if launcher:
-        if num_processes is None:
-            num_processes = _int_from_env(ENV_NUM_PROCESSES, 1)
-        if process_id is None:
-            process_id = _int_from_env(ENV_PROCESS_ID, 0)
-    devices = None
-    if launcher and os.environ.get(ENV_DEVICES_PER_PROCESS) is not None:
-        devices = _int_from_env(ENV_DEVICES_PER_PROCESS, 1)
-    resolved = (coordinator_address, num_processes, process_id)
-    complete = None not in resolved
-    source = "arguments" if None not in given else "launcher" if launcher else "cluster"
-    cluster = None if complete else _detect_cluster()
-    if num_processes is not None and process_id is not None:
-        _check_range(num_processes, process_id, f"from the {source}")
-    if complete and coordinator_address is not None:
-        _check_host_resolves(coordinator_address, variable)
-    if not complete and cluster is None:
-        if given == (None, None, None):
-            return _Request("one process", None, None, None, heartbeat_timeout_s, None, None)
-        missing = [n for n, v in zip(_NAMES, resolved) if v is None]
-        raise ValueError(
-            "jm.distributed.initialize() needs coordinator_address, num_processes and "
-            f"process_id outside a cluster; got {_format(resolved)}, missing "
-            f"{', '.join(missing)}. Pass all three (or none, to run one process), or start the "
-            "program with python -m jmirror.launch."
-        )
-    return _Request(source, *resolved, heartbeat_timeout_s, devices, cluster)
-
-
-def _as_int(value: Any) -> Any:
-    """An integer-like argument (a numpy integer, ...) as an int; anything else unchanged."""
-    if value is None or isinstance(value, (bool, int)):
-        return value
-    try:
-        return operator.index(value)
-    except TypeError:
-        return value
-
-
-def _check_no_partial_launcher_environment() -> None:
-    """`JMIRROR_NUM_PROCESSES` / `JMIRROR_PROCESS_ID` without `JMIRROR_COORDINATOR`: an error.
-
-    Otherwise the process would silently run alone although its environment asks for several.
-    """
-    found = [n for n in (ENV_NUM_PROCESSES, ENV_PROCESS_ID) if os.environ.get(n) is not None]
-    if found:
-        values = ", ".join(f"{n}={os.environ[n]!r}" for n in found)
-        raise ValueError(
-            f"jm.distributed.initialize() found {values} but no {ENV_COORDINATOR}: a run of "
-            f"several processes needs all three. Set {ENV_COORDINATOR}='host:port' of process "
-            "0, or unset them to run one process (python -m jmirror.launch sets all three)."
-        )
-
-
-_NAMES = ("coordinator_address", "num_processes", "process_id")
-
-
-def _format(values: tuple[object, ...]) -> str:
-    return ", ".join(f"{name}={value!r}" for name, value in zip(_NAMES, values))
-
-
-def _describe(request: _Request) -> str:
-    values = (request.coordinator_address, request.num_processes, request.process_id)
-    where = f" ({request.cluster})" if request.cluster else ""
-    devices = request.devices_per_process
-    return (
-        f"{request.source}{where}: {_format(values)}, "
-        f"heartbeat_timeout_s={request.heartbeat_timeout_s}"
-        + (f", {devices} host devices per process" if devices is not None else "")
-    )
-
-
-def _check_arguments(
-    coordinator_address: object, num_processes: object, process_id: object, heartbeat: object
-) -> None:
-    if coordinator_address is not None:
-        if not isinstance(coordinator_address, str):
-            raise TypeError(
-                "jm.distributed.initialize(coordinator_address=...) expects a 'host:port' "
-                f"string; got {coordinator_address!r} of type {type(coordinator_address).__name__}."
-            )
-        _check_address(coordinator_address, "coordinator_address")
-    for name, value in (("num_processes", num_processes), ("process_id", process_id)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            raise TypeError(
-                f"jm.distributed.initialize({name}=...) expects an int or None; got {value!r} "
-                f"of type {type(value).__name__}."
-            )
-    if not isinstance(heartbeat, int) or isinstance(heartbeat, bool) or heartbeat < 1:
-        raise ValueError(
-            "jm.distributed.initialize(heartbeat_timeout_s=...) expects a whole number of seconds "
-            f">= 1; got {heartbeat!r}. The default, 10, ends the other processes about 10 s "
-            "after one is lost."
-        )
-
-
-def _check_address(address: str, where: str, variable: str | None = None) -> None:
-    """`host:port` with a host and a port in 1-65535, else a ValueError naming the fix.
-
-    `where` names the argument; `variable`, when the address came from the environment, the
-    variable it was read from.
-    """
-    host, sep, port = address.rpartition(":")
-    if not address.strip():
-        problem = "it is empty"
-    elif not sep:
-        problem = "it has no ':port'"
-    elif not host:
-        problem = "the host before ':' is missing"
-    elif not port.isdigit():
-        problem = f"the port {port!r} is not a number"
-    elif not 0 < int(port) < 65536:
-        problem = f"the port {int(port)} is not in 1-65535"
-    elif host.strip() != host or any(c.isspace() for c in host):
-        problem = "the host contains spaces"
-    else:
-        return
-    if variable is not None:
-        raise ValueError(
-            f"jm.distributed.initialize() reads {variable} as the coordinator's 'host:port' "
-            f"with a port in 1-65535, e.g. '10.0.0.1:1234'; found {variable}={address!r}: "
-            f"{problem}. Fix or unset it (python -m jmirror.launch sets it), or pass "
-            "coordinator_address."
-        )
-    raise ValueError(
-        f"jm.distributed.initialize() expects {where} as 'host:port' with a port in "
-        f"1-65535, e.g. '10.0.0.1:1234'; got {address!r}: {problem}."
-    )
-
-
-def _check_host_resolves(address: str, variable: str | None) -> None:
-    """A host name that does not resolve is an error now, not JAX's 300 s connection wait."""
-    host, _, port = address.rpartition(":")
-    try:
-        socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as error:
-        source = f"{variable}={address!r}" if variable else f"coordinator_address={address!r}"
-        raise ValueError(
-            f"jm.distributed.initialize(): the coordinator's host {host!r} ({source}) does not "
-            f"resolve to an address ({error}). Give process 0's host name or IP address."
-        ) from None
-
-
-def _check_port_free(request: _Request) -> None:
-    """On process 0, a coordinator port already in use is an `OSError` now.
-
-    JAX would otherwise fail to start its service ("Failed to start RPC server") only after
-    about half a minute, without naming the port. The port is probed on the address JAX will
-    bind (with `SO_REUSEADDR`, as gRPC binds, so that connections closing on it do not count).
-    """
-    address = request.coordinator_address
-    if request.process_id != 0 or address is None:
-        return
-    bind = _bind_address(address) or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
-    port = int(address.rpartition(":")[2])
-    host = bind.rpartition(":")[0].strip("[]") if bind else "::"
-    families = [socket.AF_INET6, socket.AF_INET] if ":" in host else [socket.AF_INET]
-    for family in families:
-        try:
-            sock = socket.socket(family, socket.SOCK_STREAM)
-        except OSError:  # no IPv6 here: JAX's "[::]" is IPv4's every interface
-            host = "0.0.0.0" if host == "::" else host
-            continue
-        with sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((host, port))
-            except OSError as error:
-                if error.errno != errno.EADDRINUSE:
-                    return  # not ours to judge (an address of another machine, ...): JAX's
-                raise OSError(
-                    errno.EADDRINUSE,
-                    f"jm.distributed.initialize(): the coordinator port {port} "
-                    f"({address!r}) is already in use on this machine, so process 0 cannot "
-                    "start the coordination service there. Choose a free port (python -m "
-                    "jmirror.launch picks one itself), or stop the program that holds it "
-                    "(e.g. an earlier run still alive).",
-                ) from None
-        return
-
-
-def _check_range(num_processes: int, process_id: int, where: str) -> None:
-    if num_processes < 1 or not 0 <= process_id < num_processes:
-        raise ValueError(
-            "jm.distributed.initialize() expects num_processes >= 1 and "
-            f"0 <= process_id < num_processes; got num_processes={num_processes}, "
-            f"process_id={process_id} ({where}). Number the processes 0 to num_processes - 1."
-        )
-
-
-def _int_from_env(name: str, minimum: int) -> int:
-    text = os.environ.get(name)
-    if text is None:
-        raise ValueError(
-            f"jm.distributed.initialize() found {ENV_COORDINATOR}="
-            f"{os.environ.get(ENV_COORDINATOR)!r} but no {name}: a run of several processes "
-            f"needs {ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID}. Set {name} "
-            "(python -m jmirror.launch sets all three), or pass the arguments."
-        )
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value < minimum:
-        raise ValueError(
-            f"jm.distributed.initialize() reads {name} as an integer >= {minimum}; found "
-            f"{name}={text!r}. Fix or unset it (python -m jmirror.launch sets it)."
-        )
-    return value
-
-
-def _detect_cluster() -> str | None:
-    """The cluster JAX would detect, only when it runs several processes; else None.
-
-    Checked from environment variables only, as JAX's own detection does for SLURM and Open MPI.
-    A single SLURM task or MPI rank is one process. `KUBERNETES_SERVICE_HOST` is set in every
-    Kubernetes pod, so a pod counts only as a member of an Indexed Job (`JOB_COMPLETION_INDEX`),
-    which is what JAX's Kubernetes detection expects (a JobSet's pods are Indexed Jobs too).
-    """
-    env = os.environ
-    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
-    if all(name in env for name in slurm):
-        return "SLURM" if env["SLURM_NTASKS"] != "1" else None
-    if "OMPI_MCA_orte_hnp_uri" in env:
-        return "Open MPI" if env.get("OMPI_COMM_WORLD_SIZE", "2") != "1" else None
-    if "KUBERNETES_SERVICE_HOST" in env and "JOB_COMPLETION_INDEX" in env:
-        if importlib.util.find_spec("kubernetes") is None:
-            raise RuntimeError(
-                "jm.distributed.initialize() found a Kubernetes Indexed Job "
-                "(KUBERNETES_SERVICE_HOST and JOB_COMPLETION_INDEX are set), but JAX's "
-                "Kubernetes detection needs the kubernetes package, which is not installed. "
-                "Install it (pip install 'jax[k8s]') or pass coordinator_address, "
-                "num_processes and process_id."
-            )
-        return "Kubernetes"
-    return None
-
-
-def _bind_address(coordinator_address: str | None) -> str | None:
-    """Bind a loopback coordinator to that address only; otherwise keep JAX's default."""
-    if coordinator_address is None:
-        return None
-    host, _, port = coordinator_address.rpartition(":")
-    host = host.strip("[]")
-    if host == "localhost":
-        return f"127.0.0.1:{port}"
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return None
-    return coordinator_address if loopback else None
 
 
 def _check_backends_not_initialized(what: str) -> None:

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent / "multiprocess"))
 import harness  # noqa: E402
 
 import jmirror as jm  # noqa: E402
-from jmirror import distributed  # noqa: E402
+from jmirror import _cluster_config, distributed  # noqa: E402
 
 starts_processes = pytest.mark.skipif(
     os.environ.get("JMIRROR_TEST_DEVICES", "8") != "8",
@@ -125,13 +125,13 @@ def test_bad_arguments(fresh, args, kwargs, error, message):
 def test_a_cluster_is_detected_only_when_it_runs_several_processes(fresh, env, expected):
     for name, value in env.items():
         fresh.setenv(name, value)
-    assert distributed._detect_cluster() == expected
+    assert _cluster_config.detect_cluster() == expected
 
 
 def test_a_kubernetes_job_without_the_kubernetes_package_is_explained(fresh):
     fresh.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
     fresh.setenv("JOB_COMPLETION_INDEX", "0")
-    fresh.setattr(distributed.importlib.util, "find_spec", lambda name: None)
+    fresh.setattr(_cluster_config.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RuntimeError, match=r"pip install 'jax\[k8s\]'"):
         jm.distributed.initialize()
 
@@ -147,7 +147,7 @@ def test_a_kubernetes_job_without_the_kubernetes_package_is_explained(fresh):
     ],
 )
 def test_a_loopback_coordinator_binds_loopback_only(address, bind):
-    assert distributed._bind_address(address) == bind
+    assert _cluster_config.bind_address(address) == bind
 
 
 def test_check_initialized_catches_a_launched_process_that_did_not_initialize(fresh):

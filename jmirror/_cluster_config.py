@@ -1,0 +1,314 @@
+"""The configuration of `jm.distributed.initialize`, checked before JAX is asked.
+
+Where a run's `coordinator_address`, `num_processes` and `process_id` come from (the arguments,
+the `JMIRROR_*` variables of `python -m jmirror.launch`, a detected cluster), resolved into one
+`Request`; and every check made of it before `jax.distributed.initialize` runs, so that a
+mistake is an error at once: the arguments' types and ranges, the variables' values, the
+coordinator's `host:port` and whether its host resolves, a coordinator port already in use on
+process 0. Also the bind address of a loopback coordinator. The standard library only: it never
+touches JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import importlib.util
+import ipaddress
+import operator
+import os
+import socket
+from typing import Any
+
+ENV_COORDINATOR = "JMIRROR_COORDINATOR"
+ENV_NUM_PROCESSES = "JMIRROR_NUM_PROCESSES"
+ENV_PROCESS_ID = "JMIRROR_PROCESS_ID"
+ENV_DEVICES_PER_PROCESS = "JMIRROR_DEVICES_PER_PROCESS"
+ENV_RESTART = "JMIRROR_RESTART"  # set by the launcher: restarts before this start ("0" first)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What one call of `initialize` asked for, after the launcher's environment is read."""
+
+    source: str  # "arguments", "launcher", "cluster" or "one process"
+    coordinator_address: str | None
+    num_processes: int | None
+    process_id: int | None
+    heartbeat_timeout_s: int
+    devices_per_process: int | None
+    cluster: str | None
+
+
+def resolve(
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    heartbeat_timeout_s: int,
+) -> Request:
+    """Resolve the arguments, the launcher's environment and cluster detection into a request."""
+    num_processes = _as_int(num_processes)
+    process_id = _as_int(process_id)
+    _check_arguments(coordinator_address, num_processes, process_id, heartbeat_timeout_s)
+    given = (coordinator_address, num_processes, process_id)
+    launcher = os.environ.get(ENV_COORDINATOR) is not None
+    if not launcher:
+        _check_no_partial_launcher_environment()
+    variable = None
+    if launcher and coordinator_address is None:
+        coordinator_address = os.environ[ENV_COORDINATOR]
+        variable = ENV_COORDINATOR
+        _check_address(coordinator_address, ENV_COORDINATOR, variable)
+    if launcher:
+        if num_processes is None:
+            num_processes = int_from_env(ENV_NUM_PROCESSES, 1)
+        if process_id is None:
+            process_id = int_from_env(ENV_PROCESS_ID, 0)
+    devices = None
+    if launcher and os.environ.get(ENV_DEVICES_PER_PROCESS) is not None:
+        devices = int_from_env(ENV_DEVICES_PER_PROCESS, 1)
+    resolved = (coordinator_address, num_processes, process_id)
+    complete = None not in resolved
+    source = "arguments" if None not in given else "launcher" if launcher else "cluster"
+    cluster = None if complete else detect_cluster()
+    if num_processes is not None and process_id is not None:
+        _check_range(num_processes, process_id, f"from the {source}")
+    if complete and coordinator_address is not None:
+        _check_host_resolves(coordinator_address, variable)
+    if not complete and cluster is None:
+        if given == (None, None, None):
+            return Request("one process", None, None, None, heartbeat_timeout_s, None, None)
+        missing = [n for n, v in zip(_NAMES, resolved) if v is None]
+        raise ValueError(
+            "jm.distributed.initialize() needs coordinator_address, num_processes and "
+            f"process_id outside a cluster; got {_format(resolved)}, missing "
+            f"{', '.join(missing)}. Pass all three (or none, to run one process), or start the "
+            "program with python -m jmirror.launch."
+        )
+    return Request(source, *resolved, heartbeat_timeout_s, devices, cluster)
+
+
+def _as_int(value: Any) -> Any:
+    """An integer-like argument (a numpy integer, ...) as an int; anything else unchanged."""
+    if value is None or isinstance(value, (bool, int)):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
+
+
+def _check_no_partial_launcher_environment() -> None:
+    """`JMIRROR_NUM_PROCESSES` / `JMIRROR_PROCESS_ID` without `JMIRROR_COORDINATOR`: an error.
+
+    Otherwise the process would silently run alone although its environment asks for several.
+    """
+    found = [n for n in (ENV_NUM_PROCESSES, ENV_PROCESS_ID) if os.environ.get(n) is not None]
+    if found:
+        values = ", ".join(f"{n}={os.environ[n]!r}" for n in found)
+        raise ValueError(
+            f"jm.distributed.initialize() found {values} but no {ENV_COORDINATOR}: a run of "
+            f"several processes needs all three. Set {ENV_COORDINATOR}='host:port' of process "
+            "0, or unset them to run one process (python -m jmirror.launch sets all three)."
+        )
+
+
+_NAMES = ("coordinator_address", "num_processes", "process_id")
+
+
+def _format(values: tuple[object, ...]) -> str:
+    return ", ".join(f"{name}={value!r}" for name, value in zip(_NAMES, values))
+
+
+def describe(request: Request) -> str:
+    """The request in words, for the error of a second call with another configuration."""
+    values = (request.coordinator_address, request.num_processes, request.process_id)
+    where = f" ({request.cluster})" if request.cluster else ""
+    devices = request.devices_per_process
+    return (
+        f"{request.source}{where}: {_format(values)}, "
+        f"heartbeat_timeout_s={request.heartbeat_timeout_s}"
+        + (f", {devices} host devices per process" if devices is not None else "")
+    )
+
+
+def _check_arguments(
+    coordinator_address: object, num_processes: object, process_id: object, heartbeat: object
+) -> None:
+    if coordinator_address is not None:
+        if not isinstance(coordinator_address, str):
+            raise TypeError(
+                "jm.distributed.initialize(coordinator_address=...) expects a 'host:port' "
+                f"string; got {coordinator_address!r} of type {type(coordinator_address).__name__}."
+            )
+        _check_address(coordinator_address, "coordinator_address")
+    for name, value in (("num_processes", num_processes), ("process_id", process_id)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise TypeError(
+                f"jm.distributed.initialize({name}=...) expects an int or None; got {value!r} "
+                f"of type {type(value).__name__}."
+            )
+    if not isinstance(heartbeat, int) or isinstance(heartbeat, bool) or heartbeat < 1:
+        raise ValueError(
+            "jm.distributed.initialize(heartbeat_timeout_s=...) expects a whole number of seconds "
+            f">= 1; got {heartbeat!r}. The default, 10, ends the other processes about 10 s "
+            "after one is lost."
+        )
+
+
+def _check_address(address: str, where: str, variable: str | None = None) -> None:
+    """`host:port` with a host and a port in 1-65535, else a ValueError naming the fix.
+
+    `where` names the argument; `variable`, when the address came from the environment, the
+    variable it was read from.
+    """
+    host, sep, port = address.rpartition(":")
+    if not address.strip():
+        problem = "it is empty"
+    elif not sep:
+        problem = "it has no ':port'"
+    elif not host:
+        problem = "the host before ':' is missing"
+    elif not port.isdigit():
+        problem = f"the port {port!r} is not a number"
+    elif not 0 < int(port) < 65536:
+        problem = f"the port {int(port)} is not in 1-65535"
+    elif host.strip() != host or any(c.isspace() for c in host):
+        problem = "the host contains spaces"
+    else:
+        return
+    if variable is not None:
+        raise ValueError(
+            f"jm.distributed.initialize() reads {variable} as the coordinator's 'host:port' "
+            f"with a port in 1-65535, e.g. '10.0.0.1:1234'; found {variable}={address!r}: "
+            f"{problem}. Fix or unset it (python -m jmirror.launch sets it), or pass "
+            "coordinator_address."
+        )
+    raise ValueError(
+        f"jm.distributed.initialize() expects {where} as 'host:port' with a port in "
+        f"1-65535, e.g. '10.0.0.1:1234'; got {address!r}: {problem}."
+    )
+
+
+def _check_host_resolves(address: str, variable: str | None) -> None:
+    """A host name that does not resolve is an error now, not JAX's 300 s connection wait."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as error:
+        source = f"{variable}={address!r}" if variable else f"coordinator_address={address!r}"
+        raise ValueError(
+            f"jm.distributed.initialize(): the coordinator's host {host!r} ({source}) does not "
+            f"resolve to an address ({error}). Give process 0's host name or IP address."
+        ) from None
+
+
+def check_port_free(request: Request) -> None:
+    """On process 0, a coordinator port already in use is an `OSError` now.
+
+    JAX would otherwise fail to start its service ("Failed to start RPC server") only after
+    about half a minute, without naming the port. The port is probed on the address JAX will
+    bind (with `SO_REUSEADDR`, as gRPC binds, so that connections closing on it do not count).
+    """
+    address = request.coordinator_address
+    if request.process_id != 0 or address is None:
+        return
+    bind = bind_address(address) or os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
+    port = int(address.rpartition(":")[2])
+    host = bind.rpartition(":")[0].strip("[]") if bind else "::"
+    families = [socket.AF_INET6, socket.AF_INET] if ":" in host else [socket.AF_INET]
+    for family in families:
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 here: JAX's "[::]" is IPv4's every interface
+            host = "0.0.0.0" if host == "::" else host
+            continue
+        with sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as error:
+                if error.errno != errno.EADDRINUSE:
+                    return  # not ours to judge (an address of another machine, ...): JAX's
+                raise OSError(
+                    errno.EADDRINUSE,
+                    f"jm.distributed.initialize(): the coordinator port {port} "
+                    f"({address!r}) is already in use on this machine, so process 0 cannot "
+                    "start the coordination service there. Choose a free port (python -m "
+                    "jmirror.launch picks one itself), or stop the program that holds it "
+                    "(e.g. an earlier run still alive).",
+                ) from None
+        return
+
+
+def _check_range(num_processes: int, process_id: int, where: str) -> None:
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+        raise ValueError(
+            "jm.distributed.initialize() expects num_processes >= 1 and "
+            f"0 <= process_id < num_processes; got num_processes={num_processes}, "
+            f"process_id={process_id} ({where}). Number the processes 0 to num_processes - 1."
+        )
+
+
+def int_from_env(name: str, minimum: int) -> int:
+    """The integer in variable `name`, at least `minimum`, else a ValueError naming the fix."""
+    text = os.environ.get(name)
+    if text is None:
+        raise ValueError(
+            f"jm.distributed.initialize() found {ENV_COORDINATOR}="
+            f"{os.environ.get(ENV_COORDINATOR)!r} but no {name}: a run of several processes "
+            f"needs {ENV_COORDINATOR}, {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID}. Set {name} "
+            "(python -m jmirror.launch sets all three), or pass the arguments."
+        )
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ValueError(
+            f"jm.distributed.initialize() reads {name} as an integer >= {minimum}; found "
+            f"{name}={text!r}. Fix or unset it (python -m jmirror.launch sets it)."
+        )
+    return value
+
+
+def detect_cluster() -> str | None:
+    """The cluster JAX would detect, only when it runs several processes; else None.
+
+    Checked from environment variables only, as JAX's own detection does for SLURM and Open MPI.
+    A single SLURM task or MPI rank is one process. `KUBERNETES_SERVICE_HOST` is set in every
+    Kubernetes pod, so a pod counts only as a member of an Indexed Job (`JOB_COMPLETION_INDEX`),
+    which is what JAX's Kubernetes detection expects (a JobSet's pods are Indexed Jobs too).
+    """
+    env = os.environ
+    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+    if all(name in env for name in slurm):
+        return "SLURM" if env["SLURM_NTASKS"] != "1" else None
+    if "OMPI_MCA_orte_hnp_uri" in env:
+        return "Open MPI" if env.get("OMPI_COMM_WORLD_SIZE", "2") != "1" else None
+    if "KUBERNETES_SERVICE_HOST" in env and "JOB_COMPLETION_INDEX" in env:
+        if importlib.util.find_spec("kubernetes") is None:
+            raise RuntimeError(
+                "jm.distributed.initialize() found a Kubernetes Indexed Job "
+                "(KUBERNETES_SERVICE_HOST and JOB_COMPLETION_INDEX are set), but JAX's "
+                "Kubernetes detection needs the kubernetes package, which is not installed. "
+                "Install it (pip install 'jax[k8s]') or pass coordinator_address, "
+                "num_processes and process_id."
+            )
+        return "Kubernetes"
+    return None
+
+
+def bind_address(coordinator_address: str | None) -> str | None:
+    """Bind a loopback coordinator to that address only; otherwise keep JAX's default."""
+    if coordinator_address is None:
+        return None
+    host, _, port = coordinator_address.rpartition(":")
+    host = host.strip("[]")
+    if host == "localhost":
+        return f"127.0.0.1:{port}"
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return None
+    return coordinator_address if loopback else None
