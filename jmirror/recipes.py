@@ -32,11 +32,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from flax.training import train_state
-from jax import lax
 
-from jmirror._context import all_reduce, merge_call, replica_id, sync
+from jmirror import _nnx_recipes
+from jmirror._accumulation import accumulate_gradients, make_accumulating_train_step
+from jmirror._context import all_reduce, replica_id, sync
 from jmirror._replicate import Replicated, replicate
 from jmirror._strategy import MirroredStrategy
 from jmirror._values import Aggregation, PyTree, ReduceOp, SyncOnRead
@@ -129,44 +129,19 @@ def make_train_step(
     """
 
     def train_step(state: train_state.TrainState, batch: PyTree, key: Any = None):
-        pair = _nnx_pair(state, "make_train_step")
+        pair = _nnx_recipes.pair(state, "make_train_step")
         step = state.step if pair is None else pair[1].step[...]
         args = (batch,) if key is None else (batch, fold_in_replica(key, step))
         if pair is None:
             out, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(state.params, *args)
         else:
-            out, grads = nnx.value_and_grad(loss_fn, has_aux=has_aux)(pair[0], *args)
+            out, grads = _nnx_recipes.value_and_grad(loss_fn, has_aux, pair[0], *args)
         loss, aux = out if has_aux else (out, None)
         grads, loss = all_reduce(ReduceOp.MEAN, (grads, loss))
-        state = _apply(state, pair, grads)
+        state = _nnx_recipes.apply(state, pair, grads)
         return (state, loss, aux) if has_aux else (state, loss)
 
     return replicate(train_step, strategy=strategy)
-
-
-def _nnx_pair(state: Any, recipe: str) -> tuple[Any, Any] | None:
-    """`(model, optimizer)` when `state` starts with an NNX model and optimizer, else None."""
-    if not isinstance(state, (tuple, list)):
-        return None
-    if len(state) >= 2 and isinstance(state[0], nnx.Module):
-        if isinstance(state[1], nnx.Optimizer):
-            return state[0], state[1]
-    if any(isinstance(x, (nnx.Module, nnx.Optimizer)) for x in state):
-        raise TypeError(
-            f"recipes.{recipe} expects a flax TrainState or an NNX (model, optimizer) pair; "
-            f"found a {type(state).__name__} of {[type(x).__name__ for x in state]}. Pass "
-            "(model, optimizer), with optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)."
-        )
-    return None
-
-
-def _apply(state: Any, pair: tuple[Any, Any] | None, grads: PyTree) -> Any:
-    """The state after one optimizer step: a new `TrainState`, or the pair updated in place."""
-    if pair is None:
-        return state.apply_gradients(grads=grads)
-    model, optimizer = pair
-    optimizer.update(model, grads)
-    return state
 
 
 # --- (b) batch norm ------------------------------------------------------------------------------
@@ -308,132 +283,6 @@ def make_batch_norm_train_step(
     return replicate(train_step, strategy=strategy)
 
 
-# --- (d) gradient accumulation -------------------------------------------------------------------
-
-
-def _mean_over_replicas(strategy: MirroredStrategy, tree: PyTree) -> PyTree:
-    return strategy.reduce(ReduceOp.MEAN, tree)
-
-
-def accumulate_gradients(
-    loss_fn: LossFn, params: PyTree, batch: PyTree, num_micro_batches: int
-) -> tuple[jax.Array, PyTree]:
-    """Returns the mean loss and gradients over the global batch, one micro-batch at a time.
-
-    Call it in replica context. The replica's batch is cut into `num_micro_batches` equal
-    micro-batches along axis 0 and a `lax.scan` runs them one after another, so only one
-    micro-batch's activations are alive at a time. After each micro-batch a `jm.merge_call`
-    averages its loss and gradients across replicas (`strategy.reduce(MEAN, ...)` in
-    cross-replica context, lowered to one all-reduce): the pattern TensorFlow's
-    `merge_call` cannot run inside a loop. The result equals the full-batch gradients and is
-    identical on every replica. (Reducing once after the scan sends less; this recipe shows
-    `merge_call` in a loop.)
-
-    Args:
-      loss_fn: `loss_fn(params, micro_batch)` returning the mean loss over the micro-batch.
-      params: the parameters (mirrored), or an NNX model: then `loss_fn(model, micro_batch)`
-        and the gradients are the `nnx.State` of its `nnx.Param`s, as `nnx.grad` gives
-        (changes `loss_fn` makes to other state, such as batch statistics, are not kept).
-      batch: the replica's batch, every leaf with a leading size divisible by
-        `num_micro_batches`.
-      num_micro_batches: how many micro-batches to cut the replica's batch into.
-
-    Raises:
-      ValueError: when a leaf's leading size is not divisible by `num_micro_batches`.
-
-    Example:
-        >>> import jax, jax.numpy as jnp, numpy as np, jmirror as jm
-        >>> from jmirror import recipes
-        >>> strategy = jm.MirroredStrategy()
-        >>> loss_fn = lambda w, x: jnp.mean((x * w - 1.0) ** 2)
-        >>> n = strategy.num_replicas
-        >>> x = np.linspace(0.0, 1.0, 4 * n, dtype=np.float32)
-        >>> _, grads = strategy.run(lambda w, b: recipes.accumulate_gradients(loss_fn, w, b, 2),
-        ...                         args=(jnp.ones(()), jm.PerReplica(x.reshape(n, 4))))
-        >>> bool(jnp.allclose(strategy.read(grads), jax.grad(loss_fn)(jnp.ones(()), x)))
-        True
-    """
-    if (
-        isinstance(num_micro_batches, bool)
-        or not isinstance(num_micro_batches, int)
-        or (num_micro_batches < 1)
-    ):
-        raise ValueError(
-            f"recipes.accumulate_gradients(num_micro_batches={num_micro_batches!r}) expects a "
-            "positive int."
-        )
-    paths = jax.tree_util.tree_flatten_with_path(batch)[0]
-    for path, leaf in paths:
-        size = jnp.shape(leaf)[0] if jnp.ndim(leaf) else None
-        if size is None or size % num_micro_batches:
-            raise ValueError(
-                f"recipes.accumulate_gradients: the batch leaf at {jax.tree_util.keystr(path)!r} "
-                f"has shape {jnp.shape(leaf)}, whose leading size is not divisible by "
-                f"num_micro_batches={num_micro_batches}. Use a per-replica batch size that is "
-                "a multiple of num_micro_batches."
-            )
-    micro_loss = loss_fn
-    if isinstance(params, nnx.Module):
-        graphdef, params, rest = nnx.split(params, nnx.Param, ...)
-
-        def micro_loss(p: PyTree, micro_batch: PyTree) -> jax.Array:
-            return loss_fn(nnx.merge(graphdef, p, rest, copy=True), micro_batch)
-
-    micro = jax.tree.map(
-        lambda x: jnp.reshape(x, (num_micro_batches, -1) + jnp.shape(x)[1:]), batch
-    )
-    grad_fn = jax.value_and_grad(micro_loss)
-    first = jax.tree.map(lambda x: x[0], micro)
-    shapes = jax.eval_shape(grad_fn, params, first)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-    def accumulate(total: PyTree, micro_batch: PyTree) -> tuple[PyTree, None]:
-        loss_and_grads = grad_fn(params, micro_batch)
-        loss_and_grads = merge_call(_mean_over_replicas, args=(loss_and_grads,))
-        return jax.tree.map(jnp.add, total, loss_and_grads), None
-
-    (loss, grads), _ = lax.scan(accumulate, zeros, micro)
-    return jax.tree.map(lambda x: x / num_micro_batches, (loss, grads))
-
-
-def make_accumulating_train_step(
-    loss_fn: LossFn, num_micro_batches: int, *, strategy: MirroredStrategy | None = None
-) -> Replicated:
-    """Returns a replicated train step that accumulates gradients over micro-batches.
-
-    The step is `step(state, batch) -> (state, loss)` for a mirrored flax `TrainState` or
-    an NNX `(model, optimizer)` pair (updated in place; `loss_fn(model, micro_batch)`); it
-    applies the gradients of `accumulate_gradients` once, like one step on the global batch.
-
-    Args:
-      loss_fn: `loss_fn(params, micro_batch)` returning the mean loss over the micro-batch.
-      num_micro_batches: micro-batches per replica batch.
-      strategy: passed to `jm.replicate`.
-
-    Example:
-        >>> import jax.numpy as jnp, numpy as np, optax, jmirror as jm
-        >>> from flax.training.train_state import TrainState
-        >>> from jmirror import recipes
-        >>> strategy = jm.MirroredStrategy()
-        >>> state = strategy.mirror(TrainState.create(
-        ...     apply_fn=None, params={"w": jnp.zeros(())}, tx=optax.sgd(0.5)))
-        >>> step = recipes.make_accumulating_train_step(
-        ...     lambda p, x: jnp.mean((p["w"] - x) ** 2), 2, strategy=strategy)
-        >>> n = strategy.num_replicas
-        >>> state, loss = step(state, jm.PerReplica(np.ones((n, 4), np.float32)))
-        >>> float(strategy.read(state.params["w"])), float(strategy.read(loss))
-        (1.0, 1.0)
-    """
-
-    def train_step(state: train_state.TrainState, batch: PyTree):
-        pair = _nnx_pair(state, "make_accumulating_train_step")
-        params = state.params if pair is None else pair[0]
-        loss, grads = accumulate_gradients(loss_fn, params, batch, num_micro_batches)
-        return _apply(state, pair, grads), loss
-
-    return replicate(train_step, strategy=strategy)
-
-
 # --- (e) float16 loss scaling --------------------------------------------------------------------
 
 
@@ -567,7 +416,7 @@ def make_loss_scaled_train_step(
     """
 
     def train_step(state: LossScaleTrainState, batch: PyTree):
-        pair = _nnx_pair(state, "make_loss_scaled_train_step")
+        pair = _nnx_recipes.pair(state, "make_loss_scaled_train_step")
         if pair is not None:
             return _nnx_loss_scaled_step(loss_fn, tuple(state), batch)  # type: ignore[arg-type]
         loss_scale = state.loss_scale
@@ -600,20 +449,4 @@ def _nnx_loss_scaled_step(loss_fn: LossFn, state: tuple, batch: PyTree) -> tuple
             "recipes.make_loss_scaled_train_step expects an NNX (model, optimizer, loss_scale) "
             f"triple with a recipes.DynamicLossScale; found {[type(x).__name__ for x in state]}."
         )
-    model, optimizer, loss_scale = state
-
-    def scaled_loss(model: Any) -> tuple[jax.Array, jax.Array]:
-        loss = loss_fn(model, batch)
-        return loss.astype(jnp.float32) * loss_scale.scale, loss
-
-    (_, loss), grads = nnx.value_and_grad(scaled_loss, has_aux=True)(model)
-    grads, finite = _unscaled_finite(grads, loss_scale)
-    grads, loss = all_reduce(ReduceOp.MEAN, (grads, loss.astype(jnp.float32)))
-    before = jax.tree.map(lambda x: x, nnx.state((model, optimizer)))  # a snapshot
-    optimizer.update(model, grads)
-    after = nnx.state((model, optimizer))
-    nnx.update(
-        (model, optimizer),
-        jax.tree.map(lambda new, old: jnp.where(finite, new, old), after, before),
-    )
-    return (model, optimizer, loss_scale.adjust(finite)), loss
+    return _nnx_recipes.loss_scaled_step(loss_fn, state, batch, _unscaled_finite)
