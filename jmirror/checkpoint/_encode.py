@@ -84,7 +84,7 @@ class _Encoder:
         self.n = strategy.num_replicas
         self.several = self.topology.process_count > 1
         self.fetch: list[tuple[str, Any]] = []  # (array name, device or host value)
-        self.reads: list[tuple[SyncOnRead, list[str]]] = []  # nodes to aggregate
+        self.reads: list[tuple[SyncOnRead | Sharded, list[str]]] = []  # nodes to read
         self.count = 0
 
     def _name(self) -> str:
@@ -227,8 +227,9 @@ class _Encoder:
         values = dict(self.fetch)
         reads = []
         for node, names in self.reads:
-            leaves = jax.tree.leaves(node.value)
-            if all(np.size(leaf) == 0 for leaf in leaves):  # nothing to aggregate
+            # A Sharded node (jm.shard_update) is read whole with the others.
+            leaves = jax.tree.leaves(node.value) if isinstance(node, SyncOnRead) else [None]
+            if all(leaf is not None and np.size(leaf) == 0 for leaf in leaves):  # nothing to read
                 values.update(
                     (k, np.zeros(np.shape(x)[1:], x.dtype)) for k, x in zip(names, leaves)
                 )
