@@ -20,7 +20,6 @@ process sees exactly the complete checkpoints.
 from __future__ import annotations
 
 import json
-import operator
 import os
 from typing import Any
 
@@ -41,20 +40,6 @@ def _positive_int(value: Any, name: str, allow_none: bool) -> int | None:
     if value < 1:
         raise ValueError(f"CheckpointManager({name}={value}) must be at least 1.")
     return value
-
-
-def _step(step: Any, call: str) -> int:
-    if isinstance(step, bool):
-        raise TypeError(f"{call} expects an int step, got {step!r}.")
-    try:
-        step = operator.index(step)
-    except TypeError:
-        raise TypeError(
-            f"{call} expects an int step, got {step!r} of type {type(step).__name__}."
-        ) from None
-    if step < 0:
-        raise ValueError(f"{call} got step {step}; steps are non-negative ints.")
-    return step
 
 
 def _json_copy(data: Any) -> Any:
@@ -263,7 +248,7 @@ class CheckpointManager(PreemptionMixin):
                 "CheckpointManager.save was called after close(); open a new "
                 f"CheckpointManager({str(self._root)!r})."
             )
-        step = _step(step, "CheckpointManager.save")
+        step = _storage.check_step(step, "CheckpointManager.save")
         self._raise_error(wait=False)
         if step % self._interval != 0 and not force and not self._is_preemption_step(step):
             return False
@@ -323,7 +308,7 @@ class CheckpointManager(PreemptionMixin):
                     f"{_storage.listing(self._root)}. Save a step first."
                 )
             step = steps[-1]
-        step = _step(step, call)
+        step = _storage.check_step(step, call)
         if step not in steps:
             raise FileNotFoundError(
                 f"{call}: no checkpoint of step {step} in {self._root}; the saved steps are "

@@ -43,7 +43,6 @@ which is what `manager.save_and_exit_if_preempted(step, state, data=...)` does.
 
 from __future__ import annotations
 
-import operator
 import os
 import signal
 import sys
@@ -55,6 +54,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from jmirror import distributed
+from jmirror.checkpoint import _storage
 
 _MAX_STEP = 2**31 - 1  # JAX's sync point counts steps in a C int
 
@@ -178,23 +178,6 @@ def reached(step: int) -> bool:
     return bool(agreed)
 
 
-def _step(step: Any, call: str) -> int:
-    if isinstance(step, bool):
-        raise TypeError(f"{call} expects an int step, got {step!r}.")
-    try:
-        step = operator.index(step)
-    except TypeError:
-        raise TypeError(
-            f"{call} expects an int step, got {step!r} of type {type(step).__name__}."
-        ) from None
-    if not 0 <= step <= _MAX_STEP:
-        raise ValueError(
-            f"{call} got step {step}; steps are ints from 0 to {_MAX_STEP} (JAX's preemption "
-            "sync point counts them in a C int)."
-        )
-    return step
-
-
 class PreemptionMixin:
     """`CheckpointManager`'s preemption methods (the manager's own state stays in the manager)."""
 
@@ -252,7 +235,7 @@ class PreemptionMixin:
             ...     manager.reached_preemption(3)
             False
         """
-        return reached(_step(step, "CheckpointManager.reached_preemption"))
+        return reached(_storage.check_step(step, "CheckpointManager.reached_preemption", _MAX_STEP))
 
     def save_and_exit_if_preempted(self, step: int, state: Any, *, data: Any = None) -> bool:
         """At the preemption step: save `state`, close the manager and exit with status 0.

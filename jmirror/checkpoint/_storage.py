@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import operator
 import os
 import pathlib
 import re
@@ -48,6 +49,26 @@ _ORBAX_TMP = ".orbax-checkpoint-tmp"
 _STEP = re.compile(r"0|[1-9][0-9]*")
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+
+
+def check_step(step: Any, call: str, maximum: int | None = None) -> int:
+    """`step` as an int of 0 or more (at most `maximum`), else the error naming `call`."""
+    if isinstance(step, bool):
+        raise TypeError(f"{call} expects an int step, got {step!r}.")
+    try:
+        step = operator.index(step)
+    except TypeError:
+        raise TypeError(
+            f"{call} expects an int step, got {step!r} of type {type(step).__name__}."
+        ) from None
+    if step < 0:
+        raise ValueError(f"{call} got step {step}; steps are non-negative ints.")
+    if maximum is not None and step > maximum:
+        raise ValueError(
+            f"{call} got step {step}; steps are ints from 0 to {maximum} (JAX's preemption "
+            "sync point counts them in a C int)."
+        )
+    return step
 
 
 def as_path(directory: str | os.PathLike) -> pathlib.Path:
