@@ -228,8 +228,8 @@ class _Encoder:
         reads = []
         for node, names in self.reads:
             # A Sharded node (jm.shard_update) is read whole with the others.
-            leaves = jax.tree.leaves(node.value) if isinstance(node, SyncOnRead) else [None]
-            if all(leaf is not None and np.size(leaf) == 0 for leaf in leaves):  # nothing to read
+            leaves = jax.tree.leaves(node.value) if isinstance(node, SyncOnRead) else []
+            if leaves and all(np.size(leaf) == 0 for leaf in leaves):  # nothing to aggregate
                 values.update(
                     (k, np.zeros(np.shape(x)[1:], x.dtype)) for k, x in zip(names, leaves)
                 )
