@@ -138,6 +138,7 @@ def read(path: pathlib.Path, target: PyTree, strategy: MirroredStrategy, call: s
     try:
         doc, saved_n, tree, specs = _read_tree(path, call)
         if target is not None:
+            target = _decode.fit_metrics(tree, target, strategy.num_replicas)
             _decode.check_target(tree, target)
         _decode.check_replicas(tree, saved_n, strategy.num_replicas)
         arrays = _read_verified(path, doc, tree, specs)
