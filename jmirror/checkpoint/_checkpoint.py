@@ -92,7 +92,9 @@ def restore(
       target: `None` to rebuild the saved tree from dicts, lists, tuples, `SyncOnRead` and
         `PerReplica` nodes (other pytree classes come back as dicts of their fields); or a
         pytree of the saved structure (leaves may be `jax.ShapeDtypeStruct`) whose
-        structure the result takes.
+        structure the result takes. An `nnx.metrics` metric's state takes the saved kind:
+        saved sync-on-read (updated by a replicated function), it comes back as components
+        in a target made by `nnx.eval_shape` or a fresh metric, and the other way round.
       strategy: where to place the state; `None` for `jm.get_strategy()`.
 
     Returns:
