@@ -39,6 +39,7 @@ class Leaf:
         self.key_impl = node.get("key_impl")
         self.dtype: np.dtype | None = None
         self.aggregation: Aggregation | None = None  # set for the leaves of a SyncOnRead
+        self.metric = False  # restored into an NNX metric's `MetricComponents`
         if self.key_impl is None:
             self.dtype = _format.parse_dtype(self.dtype_name, where)
         elif self.key_impl not in _format.KEY_IMPLS:
@@ -213,8 +214,9 @@ def fit_metrics(tree: Tree, target: Any, n: int) -> Any:
     A metric updated by a replicated function holds sync-on-read `MetricComponents`; a target
     made by `nnx.eval_shape` (or a metric not yet updated) holds a plain value there, and a
     live metric holds components where a fresh one was saved. Such a `Variable` of the target
-    takes the saved kind: components of `n` replicas (placed as `strategy.assign` places a
-    value) or a plain leaf of one component's shape. Every other part of `target` is kept.
+    takes the saved kind: components of `n` replicas (placed as `MetricComponents` takes a
+    value: replica 0's component is the saved total, the others zero, so reading is exact)
+    or a plain leaf of one component's shape. Every other part of `target` is kept.
     """
     nnx = sys.modules.get("flax.nnx")
     if nnx is None or target is None:
@@ -234,6 +236,9 @@ def fit_metrics(tree: Tree, target: Any, n: int) -> Any:
         components = isinstance(value, SyncOnRead)
         if node is None or children(value if not components else value.value) is not None:
             return x  # not a metric's one array: left to check_target
+        if node.kind == "sync_on_read":
+            for leaf in node.leaves():
+                leaf.metric = True
         if node.kind == "sync_on_read" and not components:
             stacked = jax.ShapeDtypeStruct((n,) + np.shape(value), _dtype(value))
             value = MetricComponents(stacked, node.aggregation)  # type: ignore[arg-type]
@@ -357,6 +362,12 @@ def _components(leaf: Leaf, value: np.ndarray, n: int) -> np.ndarray:
     """N components whose aggregation is `value`, as `strategy.assign` places them."""
     dtype = leaf.dtype
     aggregation = leaf.aggregation
+    if aggregation is Aggregation.SUM and leaf.metric:
+        # As `MetricComponents` takes a value: replica 0's component, zero elsewhere (the
+        # sum is then exact for floats too).
+        out = np.zeros((n,) + np.shape(value), dtype)
+        out[0] = value
+        return out
     if aggregation is Aggregation.SUM:
         if np.issubdtype(dtype, np.inexact):
             each = (value / n).astype(dtype)
