@@ -128,7 +128,8 @@ def shard_update(
             return _init_placed(inner, params, *found)  # the devices the params are on
         chosen = strategy or _context.current_strategy()
         topology = chosen.topology
-        params = chosen.mirror(params)
+        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+            params = chosen.mirror(params)  # traced (`nnx.eval_shape`): the layouts say it
         return _init_placed(inner, params, topology.mirrored, topology.stacked, chosen.num_replicas)
 
     def update(updates: PyTree, state: PyTree, params: PyTree = None) -> tuple[PyTree, PyTree]:

@@ -652,3 +652,29 @@ def _optimizer_step(strategy, reduce_grads):
         optimizer.update(model, grads)
 
     return step
+
+
+def test_nnx_optimizer_with_shard_update_restores_into_an_eval_shape_target(strategy, tmp_path):
+    # nnx.eval_shape traces tx.init (no mirroring of tracers). Oracle: the uninterrupted run.
+    n = strategy.num_replicas
+    xs, ys = _data(n, steps=3)
+
+    def pair():
+        model = Net(nnx.Rngs(params=0, dropout=1), axis_name=strategy.axis_name)
+        model.drop.deterministic = True
+        tx = jm.shard_update(optax.adam(1e-2), strategy=strategy)
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    step = _optimizer_step(strategy, reduce_grads=False)
+    whole, first = pair(), pair()
+    for i in range(3):
+        step(*whole, _split(n, xs[i]), _split(n, ys[i]))
+    step(*first, _split(n, xs[0]), _split(n, ys[0]))
+    jm.checkpoint.save(tmp_path / "c", first, strategy=strategy)
+    resumed = jm.checkpoint.restore(tmp_path / "c", nnx.eval_shape(pair), strategy=strategy)
+    mu = resumed[1].opt_state[0].mu["head"]["kernel"].get_raw_value()
+    assert isinstance(mu, jm.Sharded) and mu.shards.shape[0] == n
+    for i in (1, 2):
+        step(*resumed, _split(n, xs[i]), _split(n, ys[i]))
+    for a, b in zip(jax.tree.leaves(nnx.state(whole)), jax.tree.leaves(nnx.state(resumed))):
+        np.testing.assert_array_equal(_np(a), _np(b))
