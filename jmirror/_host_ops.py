@@ -204,7 +204,8 @@ class HostOps(CrossReplica):
             else:
                 out.append(node)
         if pending:
-            stacked = jax.device_put([leaf for _, leaf in work], self.topology.devices[0])
+            leaves = [_copyable(leaf) for _, leaf in work]
+            stacked = jax.device_put(leaves, self.topology.devices[0])
             reduced = iter(_reduce_many(tuple(op for op, _ in work))(stacked))
             for i, inner, size in pending:
                 out[i] = inner.unflatten([next(reduced) for _ in range(size)])
@@ -219,7 +220,7 @@ class HostOps(CrossReplica):
 
     def _gathered(self, stacked: Any) -> jax.Array:
         """The stacked components of a leaf, all on devices[0]."""
-        return jax.device_put(stacked, self.topology.devices[0])
+        return jax.device_put(_copyable(stacked), self.topology.devices[0])
 
     def _component(self, stacked: Any, i: int) -> Any:
         if isinstance(stacked, jax.Array):
@@ -299,6 +300,21 @@ def _shares_memory(source: Any, placed: jax.Array) -> bool:
         return False  # host values were copied on the host
     mine = {shard.data.unsafe_buffer_pointer() for shard in source.addressable_shards}
     return any(shard.data.unsafe_buffer_pointer() in mine for shard in placed.addressable_shards)
+
+
+def _copyable(x: Any) -> Any:
+    """`x`, or for a zero-size array the host zeros of its shape and dtype.
+
+    JAX lays out the outputs of a computation whose outputs are all zero-size with shards of
+    the whole shape, which `device_put` cannot copy; such an array holds nothing to move.
+    """
+    if isinstance(x, jax.Array) and x.size == 0 and not _is_key(x.dtype):
+        return np.zeros(x.shape, x.dtype)
+    return x
+
+
+def _is_key(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 @functools.cache

@@ -35,7 +35,7 @@ import jax
 
 from jmirror import _context, _nnx_metrics
 from jmirror._nnx_metrics import MetricComponents
-from jmirror._values import SyncOnRead
+from jmirror._values import Sharded, SyncOnRead
 
 # Items of a container argument looked at by `has_nodes`; NNX objects deeper in the
 # arguments are refused once per input signature by `check_nested`.
@@ -310,7 +310,11 @@ class _Entry:
             _nnx_metrics.start_metric(variables[k], replica_id)
         folded = _fold_streams(nnx, root, replica_id)
         refs = _refs_of(nnx, root)
+        sharded = [(v, v.get_raw_value()) for v in variables]
+        sharded = [(v, x) for v, x in sharded if isinstance(x, Sharded)]
         result = self.user_fn(*arguments, **kwargs)
+        for variable, before in sharded:
+            _keep_sharded(variable, before, self.name)
         for variable, original, key in folded:
             if variable.get_raw_value() is key:
                 variable.set_raw_value(original)
@@ -340,6 +344,28 @@ class _Entry:
                 is_leaf=lambda x: isinstance(x, _graph_types(nnx)),
             )
         return result, values
+
+
+def _keep_sharded(variable: Any, before: Sharded, name: str) -> None:
+    """Makes a `Variable` that held a `jm.Sharded` (`jm.shard_update`'s state, as in an
+    `nnx.Optimizer`'s `opt_state`) hold one again when flax wrote the new pieces back as a
+    mapping (`nnx.Optimizer.update` rebuilds its state with `nnx.state`, which takes the
+    `Sharded` node apart into `{"shards": pieces}`)."""
+    after = variable.get_raw_value()
+    if isinstance(after, Sharded):
+        return
+    leaves = jax.tree_util.tree_leaves(after)
+    shape = getattr(before.shards, "shape", None)
+    if len(leaves) == 1 and getattr(leaves[0], "shape", None) == shape:
+        variable.set_raw_value(Sharded(leaves[0], before.shape))
+        return
+    raise TypeError(
+        f"{name}: an NNX Variable held a jm.Sharded piece of shape {shape} (jm.shard_update's "
+        f"state) and the function replaced it by {type(after).__name__} with leaf shapes "
+        f"{[getattr(x, 'shape', None) for x in leaves]}; the state of jm.shard_update must "
+        "keep its pieces. Update it with tx.update inside the replicated function and keep "
+        "the state it returns."
+    )
 
 
 def _set_at(root: Any, path: tuple, value: Any) -> None:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -128,7 +129,8 @@ def shard_update(
             return _init_placed(inner, params, *found)  # the devices the params are on
         chosen = strategy or _context.current_strategy()
         topology = chosen.topology
-        params = chosen.mirror(params)
+        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+            params = chosen.mirror(params)  # traced (`nnx.eval_shape`): the layouts say it
         return _init_placed(inner, params, topology.mirrored, topology.stacked, chosen.num_replicas)
 
     def update(updates: PyTree, state: PyTree, params: PyTree = None) -> tuple[PyTree, PyTree]:

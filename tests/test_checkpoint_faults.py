@@ -459,6 +459,26 @@ def test_zero_size_leaves_save_and_restore_with_their_shapes(strategy, n, tmp_pa
             np.testing.assert_array_equal(got["w"], np.arange(3.0))
 
 
+def test_zero_size_sync_on_read_nodes_round_trip_as_read(strategy, n, tmp_path):
+    # Fully and partly zero-size nodes of every aggregation; oracle: the read before saving.
+    readable = {
+        "mean": strategy.sync_on_read(np.zeros((0,), np.int32), "mean"),
+        "first": strategy.sync_on_read(np.zeros((0, 2), np.float32), "only_first_replica"),
+        "mixed": strategy.sync_on_read({"a": np.zeros((0, 3)), "b": np.arange(3.0)}, "sum"),
+    }
+    state = {**readable, "none": strategy.sync_on_read(np.zeros((0,), np.float32), "none")}
+    want = strategy.read(readable)
+    jm.checkpoint.save(tmp_path / "c", state, strategy=strategy)
+    for target in (None, state):
+        out = jm.checkpoint.restore(tmp_path / "c", target, strategy=strategy)
+        got = strategy.read({k: out[k] for k in readable})
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            np.testing.assert_array_equal(g, w)
+        assert out["none"].value.shape == (n, 0) and out["none"].aggregation.value == "none"
+        assert out["mean"].value.dtype == np.int32
+
+
 @pytest.mark.parametrize(
     "leaf, path",
     [

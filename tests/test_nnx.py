@@ -490,3 +490,191 @@ def test_recipes_loss_scaled_step_with_nnx_triple(strategy):
     got = strategy.read(nnx.state(model, nnx.Param))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(nnx.state(ref_model, nnx.Param))):
         np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-3)
+
+
+# --- together with the rest (round 3 integration) ----------------------------------------------
+
+
+def _noisy_step(strategy, donate):
+    @jm.replicate(strategy=strategy, donate_argnums=donate)
+    def step(model, optimizer, rngs, x, y):
+        x = x + 0.01 * jax.random.normal(rngs.noise(), x.shape)
+        loss, grads = nnx.value_and_grad(_loss)(model, x, y)
+        optimizer.update(model, jm.all_reduce("mean", grads))
+        return jm.all_reduce("mean", loss)
+
+    return step
+
+
+def test_donated_model_optimizer_and_rngs_equal_an_undonated_run(strategy):
+    # Oracle: the same step without donation.
+    n = strategy.num_replicas
+    xs, ys = _data(n, steps=3)
+    runs = []
+    for donate in ((0, 1, 2), ()):
+        model, optimizer = _pair(strategy.axis_name, deterministic=False)
+        rngs = nnx.Rngs(noise=3)
+        step = _noisy_step(strategy, donate)
+        losses = [
+            float(strategy.read(step(model, optimizer, rngs, _split(n, x), _split(n, y))))
+            for x, y in zip(xs, ys)
+        ]
+        runs.append(
+            (losses, [_np(v) for v in jax.tree.leaves(nnx.state((model, optimizer, rngs)))])
+        )
+        assert int(strategy.read(rngs.noise.count[...])) == 3
+        assert not model.head.kernel[...].is_deleted()
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_strategy_run_with_an_nnx_pair_equals_replicate():
+    # strategy.run on the shard_map backend; oracle: jm.replicate on pmap.
+    n = len(jax.devices())
+    xs, ys = _data(n, steps=2)
+    results = []
+    for backend, use_run in (("shard_map", True), ("pmap", False)):
+        strategy = jm.MirroredStrategy(backend=backend)
+        model, optimizer = _pair(strategy.axis_name)
+
+        def step(model, optimizer, x, y):
+            loss, grads = nnx.value_and_grad(_loss)(model, x, y)
+            optimizer.update(model, jm.all_reduce("mean", grads))
+            return jm.all_reduce("mean", loss)
+
+        replicated = jm.replicate(step, strategy=strategy)
+        for x, y in zip(xs, ys):
+            args = (model, optimizer, _split(n, x), _split(n, y))
+            loss = strategy.run(step, args) if use_run else replicated(*args)
+        jmt.assert_mirrored(nnx.state(model), strategy)
+        results.append(
+            [float(strategy.read(loss))] + [_np(v) for v in jax.tree.leaves(nnx.state(model))]
+        )
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _functional_step(strategy, tx, reduce_grads):
+    @jm.replicate(strategy=strategy)
+    def step(model, opt_state, x, y):
+        params = nnx.state(model, nnx.Param)
+        grads = nnx.grad(_loss)(model, x, y)
+        if reduce_grads:  # jm.shard_update takes each replica's own gradients
+            grads = jm.all_reduce("mean", grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        nnx.update(model, optax.apply_updates(params, updates))
+        return opt_state
+
+    return step
+
+
+def test_shard_update_as_the_optimizer_of_an_nnx_model(strategy):
+    # Oracle: optax.adam on the all-reduced gradients (SPEC 12: rtol 1e-5).
+    n = strategy.num_replicas
+    xs, ys = _data(n, steps=3)
+    models = []
+    for sharded in (True, False):
+        model = strategy.mirror(Net(nnx.Rngs(params=0, dropout=1), axis_name=strategy.axis_name))
+        model.drop.deterministic = True
+        tx = jm.shard_update(optax.adam(1e-2)) if sharded else optax.adam(1e-2)
+        opt_state = tx.init(nnx.state(model, nnx.Param))
+        step = _functional_step(strategy, tx, reduce_grads=not sharded)
+        for x, y in zip(xs, ys):
+            opt_state = step(model, opt_state, _split(n, x), _split(n, y))
+        jmt.assert_mirrored(nnx.state(model, nnx.Param), strategy)
+        models.append(model)
+    for a, b in zip(jax.tree.leaves(nnx.state(models[0])), jax.tree.leaves(nnx.state(models[1]))):
+        np.testing.assert_allclose(_np(a), _np(b), rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoint_manager_resume_of_an_nnx_pair_is_bitwise(strategy, tmp_path):
+    # Oracle: the uninterrupted run. Dropout on: the rng state must resume too.
+    n = strategy.num_replicas
+    xs, ys = _data(n, steps=4)
+    step = _replicated_step(strategy)
+
+    def run(model, optimizer, steps):
+        for x, y in zip(xs[steps], ys[steps]):
+            step(model, optimizer, _split(n, x), _split(n, y))
+
+    whole = _pair(strategy.axis_name, deterministic=False)
+    run(*whole, slice(0, 4))
+    first = _pair(strategy.axis_name, deterministic=False)
+    run(*first, slice(0, 2))
+    with jm.checkpoint.CheckpointManager(tmp_path, strategy=strategy) as manager:
+        manager.save(2, {"model": first[0], "optimizer": first[1]})
+        manager.wait_until_finished()
+        abstract = nnx.eval_shape(lambda: _pair(strategy.axis_name, deterministic=False))
+        out = manager.restore(2, target={"model": abstract[0], "optimizer": abstract[1]})
+    resumed = out["model"], out["optimizer"]
+    run(*resumed, slice(2, 4))
+    for a, b in zip(jax.tree.leaves(nnx.state(whole)), jax.tree.leaves(nnx.state(resumed))):
+        np.testing.assert_array_equal(_np(a), _np(b))
+    jmt.assert_mirrored(nnx.state(resumed), strategy)
+
+
+def test_nnx_optimizer_with_shard_update_equals_adam_on_reduced_grads(strategy, tmp_path):
+    # nnx.Optimizer.update rebuilds its state with nnx.state, which took jm.Sharded apart
+    # after the first step. Oracle: nnx.Optimizer with optax.adam on the all-reduced grads.
+    n = strategy.num_replicas
+    xs, ys = _data(n, steps=3)
+    pairs = []
+    for sharded in (True, False):
+        model = Net(nnx.Rngs(params=0, dropout=1), axis_name=strategy.axis_name)
+        model.drop.deterministic = True
+        tx = jm.shard_update(optax.adam(1e-2), strategy=strategy) if sharded else optax.adam(1e-2)
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        step = _optimizer_step(strategy, reduce_grads=not sharded)
+        for x, y in zip(xs, ys):
+            step(model, optimizer, _split(n, x), _split(n, y))
+        pairs.append((model, optimizer))
+    (model, optimizer), (ref_model, ref_optimizer) = pairs
+    mu = optimizer.opt_state[0].mu["head"]["kernel"].get_raw_value()
+    assert isinstance(mu, jm.Sharded) and mu.shape == ref_model.head.kernel.shape
+    got = strategy.read(nnx.state((model, optimizer)))
+    want = strategy.read(nnx.state((ref_model, ref_optimizer)))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(_np(a), _np(b), rtol=1e-5, atol=1e-6)
+    # Saved whole, restored sharded into the live structure.
+    jm.checkpoint.save(tmp_path / "c", optimizer, strategy=strategy)
+    out = jm.checkpoint.restore(tmp_path / "c", optimizer, strategy=strategy)
+    for a, b in zip(jax.tree.leaves(strategy.read(nnx.state(out))), jax.tree.leaves(got[1])):
+        np.testing.assert_array_equal(_np(a), _np(b))
+
+
+def _optimizer_step(strategy, reduce_grads):
+    @jm.replicate(strategy=strategy)
+    def step(model, optimizer, x, y):
+        grads = nnx.grad(_loss)(model, x, y)
+        if reduce_grads:
+            grads = jm.all_reduce("mean", grads)
+        optimizer.update(model, grads)
+
+    return step
+
+
+def test_nnx_optimizer_with_shard_update_restores_into_an_eval_shape_target(strategy, tmp_path):
+    # nnx.eval_shape traces tx.init (no mirroring of tracers). Oracle: the uninterrupted run.
+    n = strategy.num_replicas
+    xs, ys = _data(n, steps=3)
+
+    def pair():
+        model = Net(nnx.Rngs(params=0, dropout=1), axis_name=strategy.axis_name)
+        model.drop.deterministic = True
+        tx = jm.shard_update(optax.adam(1e-2), strategy=strategy)
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    step = _optimizer_step(strategy, reduce_grads=False)
+    whole, first = pair(), pair()
+    for i in range(3):
+        step(*whole, _split(n, xs[i]), _split(n, ys[i]))
+    step(*first, _split(n, xs[0]), _split(n, ys[0]))
+    jm.checkpoint.save(tmp_path / "c", first, strategy=strategy)
+    resumed = jm.checkpoint.restore(tmp_path / "c", nnx.eval_shape(pair), strategy=strategy)
+    mu = resumed[1].opt_state[0].mu["head"]["kernel"].get_raw_value()
+    assert isinstance(mu, jm.Sharded) and mu.shards.shape[0] == n
+    for i in (1, 2):
+        step(*resumed, _split(n, xs[i]), _split(n, ys[i]))
+    for a, b in zip(jax.tree.leaves(nnx.state(whole)), jax.tree.leaves(nnx.state(resumed))):
+        np.testing.assert_array_equal(_np(a), _np(b))

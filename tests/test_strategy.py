@@ -187,6 +187,40 @@ def test_read_sync_on_read_aggregations(strategy, n):
         strategy.read(jm.SyncOnRead(ids.values, "none"))
 
 
+@pytest.mark.parametrize("agg", ["sum", "mean", "only_first_replica"])
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_read_zero_size_sync_on_read(strategy, n, agg, dtype):
+    # Oracle: numpy's reduction of the stacked zeros (jnp.mean's dtype for an integer mean).
+    ops = {"sum": jnp.sum, "mean": jnp.mean, "only_first_replica": lambda x, axis: x[0]}
+
+    def expected(x):
+        return ops[agg](jnp.asarray(x), axis=0)
+
+    empty = np.zeros((0,), dtype)
+    mixed = {"a": np.zeros((0, 3), dtype), "b": np.arange(3, dtype=dtype), "c": np.zeros(0)}
+    for value in (empty, mixed):
+        node = strategy.sync_on_read(value, agg)
+        got = strategy.read(node)
+        stacked = jax.tree.map(lambda x: np.stack([x] * n), value)
+        for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(stacked)):
+            want = expected(x)
+            assert g.shape == want.shape and g.dtype == want.dtype
+            np.testing.assert_allclose(np.asarray(g), np.asarray(want))
+            assert g.devices() == {strategy.devices[0]}
+
+
+def test_zero_size_outputs_of_a_step_read_reduce_and_gather(strategy, n):
+    # A step whose outputs are all zero-size: JAX lays them out with whole-array shards.
+    @jm.replicate(strategy=strategy)
+    def step(x):
+        return x * 2
+
+    out = step(jm.PerReplica(np.zeros((n, 0, 2), np.float32)))
+    assert strategy.reduce("sum", out).shape == (0, 2)
+    assert strategy.gather(out).shape == (0, 2)
+    assert strategy.read(jm.SyncOnRead(out.values, "mean")).shape == (0, 2)
+
+
 # --- reduce / gather / local_results ----------------------------------------------------------
 
 

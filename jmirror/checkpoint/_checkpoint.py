@@ -92,7 +92,9 @@ def restore(
       target: `None` to rebuild the saved tree from dicts, lists, tuples, `SyncOnRead` and
         `PerReplica` nodes (other pytree classes come back as dicts of their fields); or a
         pytree of the saved structure (leaves may be `jax.ShapeDtypeStruct`) whose
-        structure the result takes.
+        structure the result takes. An `nnx.metrics` metric's state takes the saved kind:
+        saved sync-on-read (updated by a replicated function), it comes back as components
+        in a target made by `nnx.eval_shape` or a fresh metric, and the other way round.
       strategy: where to place the state; `None` for `jm.get_strategy()`.
 
     Returns:
@@ -138,6 +140,7 @@ def read(path: pathlib.Path, target: PyTree, strategy: MirroredStrategy, call: s
     try:
         doc, saved_n, tree, specs = _read_tree(path, call)
         if target is not None:
+            target = _decode.fit_metrics(tree, target, strategy.num_replicas)
             _decode.check_target(tree, target)
         _decode.check_replicas(tree, saved_n, strategy.num_replicas)
         arrays = _read_verified(path, doc, tree, specs)

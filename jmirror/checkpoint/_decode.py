@@ -8,11 +8,13 @@ count), `PerReplica` leaves split over the replicas (same replica count only).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
 import numpy as np
 
+from jmirror._nnx_metrics import MetricComponents
 from jmirror._values import Aggregation, PerReplica, PyTree, Sharded, SyncOnRead, is_distributed
 from jmirror.checkpoint import _format, _sharded
 from jmirror.checkpoint._encode import children, container_kind
@@ -37,6 +39,7 @@ class Leaf:
         self.key_impl = node.get("key_impl")
         self.dtype: np.dtype | None = None
         self.aggregation: Aggregation | None = None  # set for the leaves of a SyncOnRead
+        self.metric = False  # restored into an NNX metric's `MetricComponents`
         if self.key_impl is None:
             self.dtype = _format.parse_dtype(self.dtype_name, where)
         elif self.key_impl not in _format.KEY_IMPLS:
@@ -205,6 +208,59 @@ def check_target(tree: Tree, target: Any, stacked: bool = False) -> None:
         check_target(child, sub, stacked)
 
 
+def fit_metrics(tree: Tree, target: Any, n: int) -> Any:
+    """`target` with each NNX metric `Variable` holding the kind of state saved there.
+
+    A metric updated by a replicated function holds sync-on-read `MetricComponents`; a target
+    made by `nnx.eval_shape` (or a metric not yet updated) holds a plain value there, and a
+    live metric holds components where a fresh one was saved. Such a `Variable` of the target
+    takes the saved kind: components of `n` replicas (placed as `MetricComponents` takes a
+    value: replica 0's component is the saved total, the others zero, so reading is exact)
+    or a plain leaf of one component's shape. Every other part of `target` is kept.
+    """
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None or target is None:
+        return target
+    state = nnx.metrics.MetricState
+    is_state = lambda x: isinstance(x, state)  # noqa: E731
+    if not any(is_state(x) for x in jax.tree.leaves(target, is_leaf=is_state)):
+        return target
+    saved = {jax.tree_util.keystr(node.path): node for node in _nodes(tree)}
+
+    def one(path: tuple, x: Any) -> Any:
+        pairs = children(x) if is_state(x) else None
+        if not pairs or len(pairs) != 1:
+            return x
+        entry, value = pairs[0]
+        node = saved.get(jax.tree_util.keystr(path + (entry,)))
+        components = isinstance(value, SyncOnRead)
+        if node is None or children(value if not components else value.value) is not None:
+            return x  # not a metric's one array: left to check_target
+        if node.kind == "sync_on_read":
+            for leaf in node.leaves():
+                leaf.metric = True
+        if node.kind == "sync_on_read" and not components:
+            stacked = jax.ShapeDtypeStruct((n,) + np.shape(value), _dtype(value))
+            value = MetricComponents(stacked, node.aggregation)  # type: ignore[arg-type]
+        elif node.leaf is not None and components:
+            value = jax.ShapeDtypeStruct(np.shape(value.value)[1:], _dtype(value.value))
+        else:
+            return x
+        variable = jax.tree.structure(x, is_leaf=lambda y: y is not x)
+        return jax.tree.unflatten(variable, [value])
+
+    return jax.tree_util.tree_map_with_path(one, target, is_leaf=is_state)
+
+
+def _nodes(tree: Tree) -> list[Tree]:
+    return [tree] + [node for _, child in tree.children for node in _nodes(child)]
+
+
+def _dtype(x: Any) -> Any:
+    dtype = getattr(x, "dtype", None)
+    return dtype if dtype is not None else np.asarray(x).dtype
+
+
 def _key_mismatch(tree: Tree, pairs: list, saved_keys: list, target_keys: list) -> ValueError:
     """The error at the first key where the checkpoint's and target's containers differ."""
     i = next(i for i, (a, b) in enumerate(zip(saved_keys + [None], target_keys + [None])) if a != b)
@@ -239,8 +295,9 @@ def check_replicas(tree: Tree, saved_n: int, n: int) -> None:
     for leaf in tree.leaves():
         if leaf.kind == "stacked":
             where = jax.tree_util.keystr(leaf.path)
+            what = "PerReplica" if leaf.aggregation is None else "SyncOnRead (aggregation NONE)"
             raise ValueError(
-                f"jm.checkpoint.restore: the PerReplica value at path {where!r} was saved with "
+                f"jm.checkpoint.restore: the {what} value at path {where!r} was saved with "
                 f"{saved_n} replicas and the strategy has {n}; per-replica components cannot "
                 "be restored onto another replica count. Keep a mirrored value instead (for "
                 "random keys: save one mirrored key and derive per-replica keys with "
@@ -305,6 +362,12 @@ def _components(leaf: Leaf, value: np.ndarray, n: int) -> np.ndarray:
     """N components whose aggregation is `value`, as `strategy.assign` places them."""
     dtype = leaf.dtype
     aggregation = leaf.aggregation
+    if aggregation is Aggregation.SUM and leaf.metric:
+        # As `MetricComponents` takes a value: replica 0's component, zero elsewhere (the
+        # sum is then exact for floats too).
+        out = np.zeros((n,) + np.shape(value), dtype)
+        out[0] = value
+        return out
     if aggregation is Aggregation.SUM:
         if np.issubdtype(dtype, np.inexact):
             each = (value / n).astype(dtype)

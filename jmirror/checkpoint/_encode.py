@@ -225,19 +225,9 @@ class _Encoder:
         are not copied and nothing is returned.
         """
         values = dict(self.fetch)
-        reads = []
-        for node, names in self.reads:
-            # A Sharded node (jm.shard_update) is read whole with the others.
-            leaves = jax.tree.leaves(node.value) if isinstance(node, SyncOnRead) else []
-            if leaves and all(np.size(leaf) == 0 for leaf in leaves):  # nothing to aggregate
-                values.update(
-                    (k, np.zeros(np.shape(x)[1:], x.dtype)) for k, x in zip(names, leaves)
-                )
-            else:
-                reads.append((node, names))
-        if reads:
-            read = self.strategy.read([node for node, _ in reads])
-            for (_, names), tree in zip(reads, read):
+        if self.reads:
+            read = self.strategy.read([node for node, _ in self.reads])
+            for (_, names), tree in zip(self.reads, read):
                 for name, leaf in zip(names, jax.tree.leaves(tree)):
                     values[name] = leaf
         for name, x in values.items():
@@ -246,6 +236,9 @@ class _Encoder:
         values.update(self.gather({k: x for k, x in values.items() if _is_global(x)}))
         if not keep:
             return {}
+        for name, x in values.items():
+            if isinstance(x, jax.Array) and x.size == 0:  # nothing to fetch (see `_copyable`
+                values[name] = np.zeros(x.shape, x.dtype)  # of `jmirror._host_ops`)
         on_device = [name for name, x in values.items() if isinstance(x, jax.Array)]
         fetched = jax.device_get([values[name] for name in on_device])
         for name, host in zip(on_device, fetched):
