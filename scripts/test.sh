@@ -2,8 +2,9 @@
 # Sets up .venv, lints (ruff, and pyright where Node.js is present), then runs the whole
 # test suite on 8 host devices and on 1. The two passes run side by side: the 8-device pass
 # spends much of its time waiting on the processes its tests start (launcher, timeouts,
-# preemption), which only it runs; the 1-device pass is mostly compiling. The 1-device
-# pass's output follows the 8-device pass's.
+# preemption), which only it runs; the 1-device pass, at a lower priority (nice), compiles in
+# those gaps, so the timing of the processes the 8-device pass starts is left alone. The
+# 1-device pass's output follows the 8-device pass's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
@@ -13,7 +14,7 @@ if command -v node >/dev/null 2>&1; then  # pyright runs on Node.js; skipped whe
   .venv/bin/pyright jmirror
 fi
 one_device_log="$(mktemp)"
-JMIRROR_TEST_DEVICES=1 .venv/bin/python -m pytest -q -p no:cacheprovider "$@" \
+JMIRROR_TEST_DEVICES=1 nice -n 10 .venv/bin/python -m pytest -q -p no:cacheprovider "$@" \
   >"$one_device_log" 2>&1 &
 one_device=$!
 trap 'kill "$one_device" 2>/dev/null || true; rm -f "$one_device_log"' EXIT
