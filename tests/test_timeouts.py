@@ -266,8 +266,9 @@ def test_a_save_that_one_process_skips_ends_the_run_naming_the_wait_and_it(tmp_p
     in_save = r"jm\.checkpoint's (barrier before writing \S+|gathering of every process's data)"
     on_0 = re.search(rf"\[0\] jmirror: processes that did not arrive at {in_save}: 1\.", out)
     on_1 = re.search(
-        r"\[1\] jmirror: processes that did not arrive at the replicated step "
-        rf"jm\.replicate\(loss_step\).*: 0\.\n\[1\] jmirror:   process 0: waiting in {in_save}",
+        # process 1's own wait: its next step, or the reduce after it (seen under load in CI)
+        rf"\[1\] jmirror: processes that did not arrive at [^\n]*: 0\.\n"
+        rf"\[1\] jmirror:   process 0: waiting in {in_save}",
         out,
     )
     assert on_0 or on_1, out
