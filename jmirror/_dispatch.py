@@ -12,7 +12,7 @@ that JAX dispatches itself (a replicated function traced inside the caller's `ja
 **Donation.** `donation="always"` donates exactly what `donate_argnums` names. `"auto"` also
 does, except on several XLA:CPU host devices for arguments holding a leaf of `LARGE_DONATION`
 bytes or more, where donating made steps much slower (benchmarks/RESULTS.md). Before a donating
-call, `check_donated` refuses arguments that jaxlib would crash on (a deleted buffer, or one
+call, `Donation.check` refuses arguments that jaxlib would crash on (a deleted buffer, or one
 buffer passed twice), with a `ValueError` instead of the process dying.
 
 **Per call, flat in the tree's size.** A replicated function asks its `Donation`
@@ -288,21 +288,6 @@ def _safe(
     if concrete:
         return not any(map(_IS_DELETED, donated))
     return not _any_deleted(donated)
-
-
-def check_donated(call: str, args: tuple, kwargs: dict, donate_argnums: Sequence[int]) -> None:
-    """Refuses donated arguments that would crash jaxlib: deleted buffers, buffers used twice.
-
-    On several devices jaxlib dies (SIGSEGV) on either; on one it raises. Checked in Python
-    before every donating call, from the arguments' identities (no device work): the common
-    case costs C++ flattens and C-level passes over the leaves; paths are worked out only to
-    explain a problem.
-    """
-    argnums = tuple(donate_argnums)
-    per_arg = list(map(_LEAVES, args))
-    donated = list(itertools.chain.from_iterable(per_arg[i] for i in argnums if i < len(per_arg)))
-    if not _safe(donated, _all_concrete(donated), per_arg, kwargs, argnums):
-        _explain_donated(call, args, kwargs, argnums)
 
 
 _CONCRETE: set[type] = set()  # the concrete (never traced) jax.Array classes seen
