@@ -74,10 +74,10 @@ def shard_update(
         devices the parameters are mirrored on (as `strategy.mirror` placed them), else
         `jm.get_strategy()` when `init` is called.
       bucket_bytes: `None` (the default) packs the gradients of each dtype into one buffer:
-        one reduce-scatter and one all-gather per dtype. XLA then holds that buffer beside
-        the gradients (one more copy of them at the step's peak). An int packs them into
-        buffers of at most about that many bytes (in tree order; a larger leaf has its own),
-        each reduced as soon as its gradients exist: fewer bytes held at once, one
+        one reduce-scatter and one all-gather per dtype; each gradient is written into the
+        buffer as it is produced. An int packs them into buffers of at most about that many
+        bytes (in tree order; a larger leaf has its own), each reduced as soon as its
+        gradients exist: fewer bytes held at once (no whole-model buffer), one
         reduce-scatter and one all-gather per buffer. The bytes moved are the same.
 
     Returns:
