@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Sets up .venv, lints (ruff, and pyright where Node.js is present), then runs the whole
-# test suite on 8 host devices and on 1. The two passes run side by side: the 8-device pass
-# spends much of its time waiting on the processes its tests start (launcher, timeouts,
-# preemption), which only it runs; the 1-device pass, at a lower priority (nice), compiles in
-# those gaps, so the timing of the processes the 8-device pass starts is left alone. The
-# 1-device pass's output follows the 8-device pass's.
+# test suite on 8 host devices and on 1.
+#
+# The suite runs as three pytest sessions side by side, each in its own temporary directory:
+# - the tests that start processes (the launcher, timeouts, preemption, several processes),
+#   on 8 devices: they spend most of their time waiting on those processes, and run once;
+# - every other test on 8 devices;
+# - the whole suite on 1 device, at a lower priority (nice), so that it computes in the
+#   others' gaps and leaves the timing of the processes alone (the process tests skip there).
+# Each session's output is printed when all have finished. Arguments go to pytest; with
+# arguments the two device passes run side by side over what they select.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
@@ -13,15 +18,51 @@ bash scripts/setup.sh test
 if command -v node >/dev/null 2>&1; then  # pyright runs on Node.js; skipped where there is none
   .venv/bin/pyright jmirror
 fi
-one_device_log="$(mktemp)"
-JMIRROR_TEST_DEVICES=1 nice -n 10 .venv/bin/python -m pytest -q -p no:cacheprovider "$@" \
-  >"$one_device_log" 2>&1 &
-one_device=$!
-trap 'kill "$one_device" 2>/dev/null || true; rm -f "$one_device_log"' EXIT
+
+PROCESS_TESTS=(
+  tests/test_timeouts.py tests/test_preemption.py tests/test_launch.py
+  tests/test_launch_restarts.py tests/test_distributed.py tests/test_multi_worker.py
+  tests/test_checkpoint_processes.py tests/test_input_processes.py tests/test_resume.py
+)
+work="$(mktemp -d)"
+pids=()
+trap 'kill "${pids[@]}" 2>/dev/null || true; rm -rf "$work"' EXIT
+
+session() {  # session NAME DEVICES [nice] -- PYTEST ARGS...: runs in the background
+  local name="$1" devices="$2"
+  shift 2
+  local prefix=()
+  if [[ "$1" == nice ]]; then
+    prefix=(nice -n 10)
+    shift
+  fi
+  shift  # --
+  local dir="$work/${#pids[@]}"
+  mkdir -p "$dir"
+  JMIRROR_TEST_DEVICES="$devices" "${prefix[@]}" .venv/bin/python -m pytest -q \
+    -p no:cacheprovider --basetemp "$dir/tmp" "$@" >"$dir/log" 2>&1 &
+  pids+=("$!")
+  names+=("$name")
+}
+
+names=()
+if (($#)); then
+  session "8 host devices" 8 -- "$@"
+  session "1 host device" 1 nice -- "$@"
+else
+  ignore=()
+  for f in "${PROCESS_TESTS[@]}"; do ignore+=("--ignore=$f"); done
+  session "8 host devices: tests that start processes" 8 -- "${PROCESS_TESTS[@]}"
+  session "8 host devices: the other tests" 8 -- "${ignore[@]}"
+  session "1 host device" 1 nice --
+fi
+
 status=0
-echo "--- the test suite on 8 host devices ---"
-JMIRROR_TEST_DEVICES=8 .venv/bin/python -m pytest -q -p no:cacheprovider "$@" || status=$?
-wait "$one_device" || status=$?
-echo "--- the test suite on 1 host device ---"
-cat "$one_device_log"
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}" || status=$?
+done
+for i in "${!names[@]}"; do
+  echo "--- the test suite on ${names[$i]} ---"
+  cat "$work/$i/log"
+done
 exit "$status"
