@@ -74,10 +74,10 @@ def shard_update(
         devices the parameters are mirrored on (as `strategy.mirror` placed them), else
         `jm.get_strategy()` when `init` is called.
       bucket_bytes: `None` (the default) packs the gradients of each dtype into one buffer:
-        one reduce-scatter and one all-gather per dtype; each gradient is written into the
-        buffer as it is produced. An int packs them into buffers of at most about that many
-        bytes (in tree order; a larger leaf has its own), each reduced as soon as its
-        gradients exist: fewer bytes held at once (no whole-model buffer), one
+        one reduce-scatter and one all-gather per dtype. XLA then holds that buffer beside
+        the gradients (one more copy of them at the step's peak). An int packs them into
+        buffers of at most about that many bytes (in tree order; a larger leaf has its own),
+        each reduced as soon as its gradients exist: fewer bytes held at once, one
         reduce-scatter and one all-gather per buffer. The bytes moved are the same.
 
     Returns:
@@ -305,31 +305,13 @@ def _scatter_mean(leaves: list[Any], pieces: Pieces, bucket_bytes: int | None) -
     for dtype, group in _buffers([leaves[i] for i in split], bucket_bytes):
         indices = [split[j] for j in group]
         stacked = [stack(leaves[i], n) for i in indices]
-        offsets = np.cumsum([0] + [s.shape[1] for s in stacked])
-        buffer = _pack(stacked, offsets, dtype)
-        mine = lax.psum_scatter(buffer, axis, scatter_dimension=0, tiled=True).reshape(-1)
+        buffer = jnp.concatenate(stacked, axis=1).reshape(-1)
+        mine = lax.psum_scatter(buffer, axis, scatter_dimension=0, tiled=True)
         mine = mine / jnp.asarray(n, dtype)
+        offsets = np.cumsum([0] + [s.shape[1] for s in stacked])
         for i, start, stop in zip(indices, offsets[:-1], offsets[1:]):
             out[i] = Piece(mine[start:stop], tuple(np.shape(leaves[i])))
     return out
-
-
-def _pack(stacked: list[Any], offsets: np.ndarray, dtype: Any) -> Any:
-    """The (N, total) buffer of the `stacked` leaves side by side, written in place.
-
-    Each leaf is written into the buffer by its own `dynamic_update_slice`, the last leaf
-    first: a backward pass produces the gradients of the last layers first, so XLA can write
-    each gradient into the buffer as soon as it exists and free it, instead of holding every
-    gradient beside the buffer (as a `concatenate` of them all does: one more copy of the
-    gradients at the step's peak). The buffer stays two-dimensional up to the reduce-scatter,
-    since reshaping it first makes XLA copy it.
-    """
-    if len(stacked) == 1:
-        return stacked[0]
-    buffer = jnp.zeros((stacked[0].shape[0], int(offsets[-1])), dtype)
-    for k in reversed(range(len(stacked))):
-        buffer = lax.dynamic_update_slice(buffer, stacked[k], (0, int(offsets[k])))
-    return buffer
 
 
 def _gather(outs: list[Any], pieces: Pieces, bucket_bytes: int | None = None) -> list[Any]:
