@@ -110,26 +110,24 @@ class InFlight:
         return self._queue[i]
 
     def wait_for_room(self, limit: int) -> None:
-        """Blocks until fewer than `limit` steps are queued."""
-        must_block = False  # set when a step's output was donated to a later step
-        while True:
-            with self._lock:
-                if not self._queue or (len(self._queue) < limit and not must_block):
-                    return
-                oldest = self._queue.popleft()
-            if oldest.is_deleted():
-                # Donated to a later (already queued) step: waiting for that step covers
-                # this one.
-                must_block = True
-                continue
-            oldest.block_until_ready()
-            must_block = False
+        """Blocks until fewer than `limit` steps are queued.
 
-    def track(self, token: Any) -> None:
-        """Records a dispatched step by one of its outputs; tracers and host values are not."""
-        if isinstance(token, jax.Array) and not isinstance(token, jax.core.Tracer):
-            with self._lock:
-                self._queue.append(token)
+        When the queue is full, the older steps are waited for together (one batched
+        `jax.block_until_ready`), down to half the bound: the next `limit // 2` calls then
+        find room at once, so most calls wait on nothing and none waits on one step at a
+        time. At most `limit` steps are ever in flight.
+        """
+        with self._lock:
+            if len(self._queue) < limit:
+                return
+            done = [self._queue.popleft() for _ in range(len(self._queue) - limit // 2)]
+        jax.block_until_ready(done)
+
+    def track(self, token: jax.Array) -> None:
+        """Records a dispatched step by its token (a concrete scalar the step returns, which
+        only jmirror holds: it is never donated or deleted)."""
+        with self._lock:
+            self._queue.append(token)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
