@@ -34,20 +34,11 @@ def _script(tmp_path, name, code):
     return str(path)
 
 
-_RUNS = []  # every launcher a test started: killed (with its process groups) after the test
-
-
-@pytest.fixture(autouse=True)
-def _kill_leftover_launchers():
-    yield
-    while _RUNS:
-        _RUNS.pop().kill()
+kill_leftover_launchers = harness.kill_leftover_launchers  # every launcher, after each test
 
 
 def _launch(tmp_path, *args, name="launch"):
-    run = harness.Background(["-m", "jmirror.launch", *args], tmp_path, name, cwd=tmp_path)
-    _RUNS.append(run)
-    return run
+    return harness.launch(args, tmp_path, name, cwd=tmp_path)
 
 
 def _gone_within(pids, seconds):

@@ -233,22 +233,12 @@ def test_one_process_a_second_sigterm_ends_it_and_close_restores_the_default(tmp
 # --- 2 processes x 4 host devices under the launcher -----------------------------------------
 
 
-_RUNS = []  # every launcher a test started: killed (with its process groups) after the test
-
-
-@pytest.fixture(autouse=True)
-def _kill_leftover_launchers():
-    yield
-    while _RUNS:
-        _RUNS.pop().kill()
+kill_leftover_launchers = harness.kill_leftover_launchers  # every launcher, after each test
 
 
 def _launch(out_dir, *args, name="launch"):
     out_dir.mkdir(exist_ok=True)
-    command = ["-m", "jmirror.launch", "--processes", "2", "--devices-per-process", "4"]
-    run = harness.Background([*command, *args], out_dir, name)
-    _RUNS.append(run)
-    return run
+    return harness.launch(["--processes", "2", "--devices-per-process", "4", *args], out_dir, name)
 
 
 def _finals(out_dir):

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).parent
 WORKER = HERE / "worker.py"
 
@@ -64,6 +66,25 @@ class Background:
             except ProcessLookupError:
                 pass
         self.popen.wait(timeout=10)
+
+
+_LAUNCHED: list[Background] = []  # killed, with their process groups, when the test ends
+
+
+def launch(args, out_dir: Path, name: str = "launch", **kwargs) -> Background:
+    """`python -m jmirror.launch ARGS` in the background, killed after the test by the
+    `kill_leftover_launchers` fixture (a test module takes it in with
+    `kill_leftover_launchers = harness.kill_leftover_launchers`)."""
+    run = Background(["-m", "jmirror.launch", *args], out_dir, name, **kwargs)
+    _LAUNCHED.append(run)
+    return run
+
+
+@pytest.fixture(autouse=True)
+def kill_leftover_launchers():
+    yield
+    while _LAUNCHED:
+        _LAUNCHED.pop().kill()
 
 
 def is_running(pid: int) -> bool:
