@@ -87,6 +87,11 @@ class CrossReplica(abc.ABC):
         """Mirrored leaves as their value, `SyncOnRead` nodes aggregated (no `PerReplica`)."""
 
     @abc.abstractmethod
+    def stacked(self, x: Any) -> Any:
+        """Every replica's component of the stacked leaf `x` (a sync-on-read value), as one
+        array on which this process can combine them (the NNX metrics' own combines)."""
+
+    @abc.abstractmethod
     def local_results(self, value: PyTree) -> tuple[PyTree, ...]:
         """The N per-replica components of `value`, in replica order."""
 

@@ -222,6 +222,9 @@ class HostOps(CrossReplica):
         """The stacked components of a leaf, all on devices[0]."""
         return jax.device_put(_copyable(stacked), self.topology.devices[0])
 
+    def stacked(self, x: Any) -> Any:
+        return self._gathered(x)
+
     def _component(self, stacked: Any, i: int) -> Any:
         if isinstance(stacked, jax.Array):
             device = self.topology.devices[i]

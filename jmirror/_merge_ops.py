@@ -60,6 +60,9 @@ class MergeOps(CrossReplica):
 
     # --- reading -------------------------------------------------------------------------------
 
+    def stacked(self, x: Any) -> Any:
+        return x
+
     def read(self, tree: PyTree) -> PyTree:
         self.check_readable(tree)
 

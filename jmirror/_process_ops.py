@@ -111,6 +111,10 @@ class ProcessHostOps(HostOps):
         _deadline.watch(mine, call, timeout)
         return mine
 
+    def stacked(self, x: Any) -> Any:
+        """Every process's components, gathered onto this process's first device."""
+        return self._everywhere(_whole, x, _READ)
+
     def _on_first_device(self, x: jax.Array) -> jax.Array:
         first = self.topology.first_local_device
         for shard in x.addressable_shards:
@@ -192,6 +196,10 @@ def _from_local(local: np.ndarray, sharding: Any, shape: tuple[int, ...]) -> jax
 @functools.cache
 def _jit_mirrored(fn: Callable[[jax.Array], jax.Array], sharding: Any) -> Callable:
     return jax.jit(fn, out_shardings=sharding)
+
+
+def _whole(x: jax.Array) -> jax.Array:
+    return x
 
 
 def _first(x: jax.Array) -> jax.Array:

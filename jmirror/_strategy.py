@@ -335,9 +335,10 @@ class MirroredStrategy:
             >>> float(out["w"]), int(out["n"]) == strategy.num_replicas
             (2.0, True)
         """
+        ops = self._cross_replica("read(tree)")
         if _nnx.holds_metrics(tree):
-            tree = _nnx_metrics.read_metrics(lambda x: jax.device_put(x, self.devices[0]), tree)
-        return self._cross_replica("read(tree)").read(tree)
+            tree = _nnx_metrics.read_metrics(ops.stacked, tree)
+        return ops.read(tree)
 
     def local_results(self, value: PyTree) -> tuple[PyTree, ...]:
         """Returns the per-replica components of `value`, in replica order.

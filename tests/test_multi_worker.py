@@ -4,6 +4,7 @@ These tests start processes, so they run once, in the 8-device pass of the suite
 one-process oracle has 8 devices too).
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import jmirror as jm
 
 HERE = Path(__file__).parent / "multiprocess"
 sys.path.insert(0, str(HERE))
-from training import batches, init_state, make_step  # noqa: E402
+from training import batches, init_state, make_step, metric_values  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("JMIRROR_TEST_DEVICES", "8") != "8" or len(jax.devices()) != 8,
@@ -95,6 +96,24 @@ def test_a_per_replica_of_all_replicas_built_on_one_process_is_refused(two_proce
     for seen in two_processes:
         message = str(seen["wrong_size_error"])
         assert "num_local_replicas=4" in message and "(8, 2)" in message
+
+
+@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
+def test_nnx_metrics_read_across_processes_equal_one_device(two_processes, backend):
+    # Average and Welford (Chan's combine of every replica's count, mean and m2) over the
+    # replicas of both processes, against the same metrics updated on one device.
+    from flax import nnx
+
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average(), stats=nnx.metrics.Welford())
+    for values in metric_values(8):
+        metrics.update(values=jax.numpy.asarray(values.reshape(-1)))
+    want = metrics.compute()
+    for seen in two_processes:
+        np.testing.assert_allclose(seen[f"{backend}/metric_average"], want["loss"], rtol=1e-5)
+        for field in dataclasses.fields(want["stats"]):
+            got = seen[f"{backend}/metric_welford_{field.name}"]
+            want_field = getattr(want["stats"], field.name)
+            np.testing.assert_allclose(got, want_field, rtol=1e-5, atol=1e-6)
 
 
 def test_with_one_process_it_is_a_mirrored_strategy(backend):

@@ -7,6 +7,7 @@ backends, exercises the cross-replica reads, and writes what it saw to OUT_DIR/p
 for the test to compare with one process of 8 devices.
 """
 
+import dataclasses
 import sys
 
 import jmirror as jm
@@ -18,7 +19,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from training import batches, init_state, make_step  # noqa: E402
+from flax import nnx  # noqa: E402
+from training import batches, init_state, make_step, metric_values  # noqa: E402
 
 out_dir = sys.argv[1]
 results: dict[str, np.ndarray] = {}
@@ -50,6 +52,17 @@ for backend in ("pmap", "shard_map"):
     )
     total = jm.replicate(lambda v: jm.all_reduce("sum", v), strategy=strategy)(mine)
     results[f"{backend}/user_per_replica_sum"] = np.asarray(strategy.read(total))
+    # NNX metrics (sync-on-read): each process passes its own replicas' rows of the values.
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average(), stats=nnx.metrics.Welford())
+    update = jm.replicate(lambda m, v: m.update(values=v), strategy=strategy)
+    local = slice(4 * strategy.process_index, 4 * strategy.process_index + 4)
+    for values in metric_values(n):
+        update(metrics, jm.PerReplica(values[local]))
+    computed = strategy.read(metrics).compute()
+    results[f"{backend}/metric_average"] = np.asarray(computed["loss"])
+    for field in dataclasses.fields(computed["stats"]):
+        value = getattr(computed["stats"], field.name)
+        results[f"{backend}/metric_welford_{field.name}"] = np.asarray(value)
 try:
     jm.replicate(lambda v: v, strategy=strategy)(jm.PerReplica(np.zeros((8, 2), np.float32)))
     results["wrong_size_error"] = np.asarray("")

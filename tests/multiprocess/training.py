@@ -47,3 +47,13 @@ def make_step():
         return optax.apply_updates(params, updates), opt_state, jm.all_reduce("mean", loss), count
 
     return step
+
+
+def metric_values(n, steps=3, seed=2):
+    """Values for NNX metrics, one row per replica: a different count of real values in each
+    replica's row would need masking, so every row has 5, spread differently per replica."""
+    rs = np.random.RandomState(seed)
+    for _ in range(steps):
+        yield (rs.randn(n, 5) * (1 + np.arange(n)[:, None]) + np.arange(n)[:, None]).astype(
+            np.float32
+        )
