@@ -18,7 +18,7 @@ import jmirror as jm
 
 HERE = Path(__file__).parent / "multiprocess"
 sys.path.insert(0, str(HERE))
-from training import batches, init_state, make_step, metric_values  # noqa: E402
+from training import batches, init_state, make_step, metric_values, nnx_training  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("JMIRROR_TEST_DEVICES", "8") != "8" or len(jax.devices()) != 8,
@@ -114,6 +114,17 @@ def test_nnx_metrics_read_across_processes_equal_one_device(two_processes, backe
             got = seen[f"{backend}/metric_welford_{field.name}"]
             want_field = getattr(want["stats"], field.name)
             np.testing.assert_allclose(got, want_field, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
+def test_nnx_in_place_training_across_processes_equals_one_process(two_processes, backend):
+    # BatchNorm's statistics over all 8 replicas, Dropout's per-replica rngs folded with the
+    # global replica id, the optimizer written back into the caller's objects on each process.
+    losses, state, steps = nnx_training(jm.MirroredStrategy(backend=backend))
+    for seen in two_processes:
+        np.testing.assert_allclose(seen[f"{backend}/nnx_losses"], losses, rtol=2e-5)
+        np.testing.assert_allclose(seen[f"{backend}/nnx_state"], state, rtol=2e-4, atol=1e-6)
+        assert int(seen[f"{backend}/nnx_steps"]) == steps == 4
 
 
 def test_with_one_process_it_is_a_mirrored_strategy(backend):

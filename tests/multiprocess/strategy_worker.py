@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from flax import nnx  # noqa: E402
-from training import batches, init_state, make_step, metric_values  # noqa: E402
+from training import batches, init_state, make_step, metric_values, nnx_training  # noqa: E402
 
 out_dir = sys.argv[1]
 results: dict[str, np.ndarray] = {}
@@ -59,6 +59,9 @@ for backend in ("pmap", "shard_map"):
     for values in metric_values(n):
         update(metrics, jm.PerReplica(values[local]))
     computed = strategy.read(metrics).compute()
+    losses, state, steps = nnx_training(strategy)
+    results[f"{backend}/nnx_losses"], results[f"{backend}/nnx_state"] = losses, state
+    results[f"{backend}/nnx_steps"] = np.asarray(steps)
     results[f"{backend}/metric_average"] = np.asarray(computed["loss"])
     for field in dataclasses.fields(computed["stats"]):
         value = getattr(computed["stats"], field.name)

@@ -57,3 +57,50 @@ def metric_values(n, steps=3, seed=2):
         yield (rs.randn(n, 5) * (1 + np.arange(n)[:, None]) + np.arange(n)[:, None]).astype(
             np.float32
         )
+
+
+def nnx_training(strategy, steps=4, per_replica=4):
+    """An NNX model (BatchNorm over the replicas, Dropout with per-replica rngs) and its
+    `nnx.Optimizer`, trained in place by `jm.replicate` on `strategy`; each process passes its
+    own replicas' rows. Returns (losses, the parameters and batch statistics flattened, step)."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            # No bias before BatchNorm: its gradient is zero up to rounding, which Adam would
+            # turn into steps of the learning rate whose sign depends on summation order.
+            self.hidden = nnx.Linear(16, 32, use_bias=False, rngs=rngs)
+            self.bn = nnx.BatchNorm(32, axis_name=strategy.axis_name, rngs=rngs)
+            self.drop = nnx.Dropout(0.25, rngs=rngs)
+            self.out = nnx.Linear(32, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(self.drop(nnx.relu(self.bn(self.hidden(x)))))
+
+    model = Net(nnx.Rngs(params=0, dropout=1))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @jm.replicate(strategy=strategy)
+    def train_step(model, optimizer, x, y):
+        def loss_of(model):
+            logits = model(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        loss, grads = nnx.value_and_grad(loss_of)(model)
+        optimizer.update(model, jm.all_reduce("mean", grads))
+        return jm.all_reduce("mean", loss)
+
+    n = strategy.num_replicas
+    local = getattr(strategy, "num_local_replicas", n)  # a MirroredStrategy: one process
+    index = getattr(strategy, "process_index", 0)
+    rows = slice(local * index, local * (index + 1))
+    losses = []
+    for x, y in batches(n, steps=steps, per_replica=per_replica, seed=3):
+        x = x.reshape(n, per_replica, -1)[rows]
+        y = y.reshape(n, per_replica)[rows]
+        losses.append(
+            float(strategy.read(train_step(model, optimizer, jm.PerReplica(x), jm.PerReplica(y))))
+        )
+    state = strategy.read(nnx.state(model, nnx.Param, nnx.BatchStat))
+    flat = np.concatenate([np.ravel(np.asarray(v)) for v in jax.tree.leaves(state)])
+    return np.asarray(losses), flat, int(strategy.read(optimizer.step[...]))
