@@ -125,6 +125,10 @@ def test_nnx_in_place_training_across_processes_equals_one_process(two_processes
         np.testing.assert_allclose(seen[f"{backend}/nnx_losses"], losses, rtol=2e-5)
         np.testing.assert_allclose(seen[f"{backend}/nnx_state"], state, rtol=2e-4, atol=1e-6)
         assert int(seen[f"{backend}/nnx_steps"]) == steps == 4
+        # Saved on both processes, restored into nnx.eval_shape targets: the restored pair's
+        # next step gives the trained pair's next loss, bitwise.
+        restored, trained = seen[f"{backend}/nnx_again"]
+        assert restored == trained
 
 
 def test_with_one_process_it_is_a_mirrored_strategy(backend):

@@ -59,7 +59,8 @@ for backend in ("pmap", "shard_map"):
     for values in metric_values(n):
         update(metrics, jm.PerReplica(values[local]))
     computed = strategy.read(metrics).compute()
-    losses, state, steps = nnx_training(strategy)
+    losses, state, steps, again = nnx_training(strategy, checkpoint_dir=f"{out_dir}/nnx_{backend}")
+    results[f"{backend}/nnx_again"] = again
     results[f"{backend}/nnx_losses"], results[f"{backend}/nnx_state"] = losses, state
     results[f"{backend}/nnx_steps"] = np.asarray(steps)
     results[f"{backend}/metric_average"] = np.asarray(computed["loss"])

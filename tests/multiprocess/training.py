@@ -59,7 +59,7 @@ def metric_values(n, steps=3, seed=2):
         )
 
 
-def nnx_training(strategy, steps=4, per_replica=4):
+def nnx_training(strategy, steps=4, per_replica=4, checkpoint_dir=None):
     """An NNX model (BatchNorm over the replicas, Dropout with per-replica rngs) and its
     `nnx.Optimizer`, trained in place by `jm.replicate` on `strategy`; each process passes its
     own replicas' rows. Returns (losses, the parameters and batch statistics flattened, step)."""
@@ -77,8 +77,11 @@ def nnx_training(strategy, steps=4, per_replica=4):
         def __call__(self, x):
             return self.out(self.drop(nnx.relu(self.bn(self.hidden(x)))))
 
-    model = Net(nnx.Rngs(params=0, dropout=1))
-    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    def make():
+        model = Net(nnx.Rngs(params=0, dropout=1))
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    model, optimizer = make()
 
     @jm.replicate(strategy=strategy)
     def train_step(model, optimizer, x, y):
@@ -103,4 +106,17 @@ def nnx_training(strategy, steps=4, per_replica=4):
         )
     state = strategy.read(nnx.state(model, nnx.Param, nnx.BatchStat))
     flat = np.concatenate([np.ravel(np.asarray(v)) for v in jax.tree.leaves(state)])
-    return np.asarray(losses), flat, int(strategy.read(optimizer.step[...]))
+    out = np.asarray(losses), flat, int(strategy.read(optimizer.step[...]))
+    if checkpoint_dir is None:
+        return out
+    # Saved by every process, restored into `nnx.eval_shape` targets; one more step of the
+    # restored pair and of the trained one.
+    jm.checkpoint.save(checkpoint_dir, (model, optimizer), strategy=strategy)
+    target = nnx.eval_shape(make)
+    restored = jm.checkpoint.restore(checkpoint_dir, target, strategy=strategy)
+    x, y = next(batches(n, steps=1, per_replica=per_replica, seed=4))
+    x, y = jm.PerReplica(x.reshape(n, per_replica, -1)[rows]), jm.PerReplica(y.reshape(n, -1)[rows])
+    again = [
+        float(strategy.read(train_step(*pair, x, y))) for pair in (restored, (model, optimizer))
+    ]
+    return (*out, np.asarray(again))
