@@ -61,6 +61,7 @@ status=0
 for i in "${!pids[@]}"; do
   wait "${pids[$i]}" || status=$?
 done
+pids=()  # all waited for: nothing for the exit trap to kill
 for i in "${!names[@]}"; do
   echo "--- the test suite on ${names[$i]} ---"
   cat "$work/$i/log"
