@@ -37,9 +37,21 @@ def _launch(tmp_path, mode, timeout, *args):
     return harness.Background(command, tmp_path, mode)
 
 
-def _started_at(run, pattern, limit=STARTUP_S):
-    run.wait_for(pattern, limit)
-    return time.monotonic()
+def _timed_out(tmp_path, mode, started, *args):
+    """The output of a 2 x 4 run of `mode` with `timeout_s=TIMEOUT_S`, checked to have ended
+    with jmirror's timeout status within the timeout (plus slack) of the line `started`."""
+    run = _launch(tmp_path, mode, TIMEOUT_S, *args)
+    try:
+        run.wait_for(started, STARTUP_S)
+        start = time.monotonic()
+        code, _ = run.wait(TIMEOUT_S + SLACK_S + 30)
+    finally:
+        run.kill()
+    elapsed = time.monotonic() - start
+    out = run.output()
+    assert code == _deadline.EXIT_CODE, out
+    assert elapsed < TIMEOUT_S + SLACK_S, (elapsed, out)
+    return out
 
 
 # --- the argument -------------------------------------------------------------------------------
@@ -222,16 +234,7 @@ def _absent(text, call_pattern, process):
 def test_a_stuck_peer_ends_the_run_within_the_timeout_naming_the_call_and_it(tmp_path, mode):
     # "stuck-input": process 0 waits in the input agreement of distribute_dataset, whose small
     # all-gather XLA:CPU runs inline: the call itself waits, before it returns.
-    run = _launch(tmp_path, mode, TIMEOUT_S)
-    try:
-        stuck = _started_at(run, r"process 1 is stuck")
-        code, _ = run.wait(TIMEOUT_S + SLACK_S + 30)
-    finally:
-        run.kill()
-    elapsed = time.monotonic() - stuck
-    out = run.output()
-    assert code == _deadline.EXIT_CODE, out
-    assert elapsed < TIMEOUT_S + SLACK_S, (elapsed, out)
+    out = _timed_out(tmp_path, mode, r"process 1 is stuck")
     call = (
         r"(the replicated step jm\.replicate\(loss_step\)|strategy\.reduce|the input agreement.*)"
     )
@@ -249,16 +252,7 @@ def test_a_stuck_peer_ends_the_run_within_the_timeout_naming_the_call_and_it(tmp
 @ONCE
 @pytest.mark.parametrize("mode", ["skip-save", "skip-manager-save"])
 def test_a_save_that_one_process_skips_ends_the_run_naming_the_wait_and_it(tmp_path, mode):
-    run = _launch(tmp_path, mode, TIMEOUT_S, tmp_path / "checkpoint")
-    try:
-        saving = _started_at(run, r"process 0 saves")
-        code, _ = run.wait(TIMEOUT_S + SLACK_S + 30)
-    finally:
-        run.kill()
-    elapsed = time.monotonic() - saving
-    out = run.output()
-    assert code == _deadline.EXIT_CODE, out
-    assert elapsed < TIMEOUT_S + SLACK_S, (elapsed, out)
+    out = _timed_out(tmp_path, mode, r"process 0 saves", tmp_path / "checkpoint")
     assert "process 0 saved" not in out
     # Process 0 waits in the save (its barrier, or the manager's gathering of every process's
     # data) for process 1, which waits in its next step for process 0: whichever times out
@@ -276,16 +270,7 @@ def test_a_save_that_one_process_skips_ends_the_run_naming_the_wait_and_it(tmp_p
 
 @ONCE
 def test_a_process_that_never_calls_initialize_ends_the_run_naming_it(tmp_path):
-    run = _launch(tmp_path, "no-init", TIMEOUT_S)
-    try:
-        started = _started_at(run, r"process 1 never calls initialize")
-        code, _ = run.wait(TIMEOUT_S + SLACK_S + 30)
-    finally:
-        run.kill()
-    elapsed = time.monotonic() - started
-    out = run.output()
-    assert code == _deadline.EXIT_CODE, out
-    assert elapsed < TIMEOUT_S + SLACK_S, (elapsed, out)
+    out = _timed_out(tmp_path, "no-init", r"process 1 never calls initialize")
     assert (
         f"[0] jmirror: timed out: jm.distributed.initialize() has not completed {TIMEOUT_S} s"
         in out
