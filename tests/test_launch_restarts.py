@@ -188,11 +188,8 @@ def _running(tmp_path, grace, body):
 @starts_processes
 def test_sigterm_is_forwarded_and_processes_that_exit_0_make_it_0(tmp_path):
     run, pids = _running(tmp_path, "20", "exit")
-    try:
-        run.popen.send_signal(signal.SIGTERM)
-        code, stop_s = run.wait(20)
-    finally:
-        run.kill()
+    run.popen.send_signal(signal.SIGTERM)
+    code, stop_s = run.wait(20)
     assert code == 0, run.output()
     assert stop_s < 10  # they exited by themselves: no waiting for the grace period
     assert run.out.read_text().count("saving") == 2
@@ -204,11 +201,8 @@ def test_sigterm_is_forwarded_and_processes_that_exit_0_make_it_0(tmp_path):
 @starts_processes
 def test_after_the_grace_period_sigkill_and_143(tmp_path):
     run, pids = _running(tmp_path, "2", "ignore")
-    try:
-        run.popen.send_signal(signal.SIGTERM)
-        code, stop_s = run.wait(20)
-    finally:
-        run.kill()
+    run.popen.send_signal(signal.SIGTERM)
+    code, stop_s = run.wait(20)
     print(f"launcher returned {stop_s:.1f} s after SIGTERM, with a grace period of 2 s")
     assert code == 128 + signal.SIGTERM, run.output()
     assert 2 <= stop_s < 10
@@ -221,13 +215,10 @@ def test_after_the_grace_period_sigkill_and_143(tmp_path):
 @starts_processes
 def test_a_second_sigterm_kills_at_once(tmp_path):
     run, pids = _running(tmp_path, "60", "ignore")
-    try:
-        run.popen.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        run.popen.send_signal(signal.SIGTERM)
-        code, stop_s = run.wait(20)
-    finally:
-        run.kill()
+    run.popen.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    run.popen.send_signal(signal.SIGTERM)
+    code, stop_s = run.wait(20)
     assert code == 128 + signal.SIGTERM, run.output()
     assert stop_s < 10
     assert "still running at a second signal; sent SIGKILL" in run.err.read_text()
