@@ -108,11 +108,17 @@ def test_bad_usage_is_a_clear_usage_error(tmp_path, capsys, argv, message):
 # --- restarts --------------------------------------------------------------------------------
 
 FAILS_FIRST = """
-    import os, sys
-    restart = os.environ["JMIRROR_RESTART"]
-    print("start", os.environ["JMIRROR_PROCESS_ID"], "restart", restart,
+    import os, sys, time
+    restart, index = os.environ["JMIRROR_RESTART"], os.environ["JMIRROR_PROCESS_ID"]
+    print("start", index, "restart", restart,
           "coordinator", os.environ["JMIRROR_COORDINATOR"], flush=True)
-    if int(restart) < int(sys.argv[1]) and os.environ["JMIRROR_PROCESS_ID"] == "1":
+    if index == "0":
+        open(f"started-{restart}", "w").close()
+    if int(restart) < int(sys.argv[1]) and index == "1":
+        # Fail once process 0 has started (else the launcher may stop it before it prints).
+        deadline = time.monotonic() + 30
+        while not os.path.exists(f"started-{restart}") and time.monotonic() < deadline:
+            time.sleep(0.01)
         sys.exit(3)
     print("finished", os.environ["JMIRROR_PROCESS_ID"], flush=True)
 """
