@@ -7,7 +7,6 @@ These tests start processes, so they run once, in the 8-device pass of the suite
 import ast
 import os
 import pathlib
-import subprocess
 import sys
 
 import jax
@@ -19,6 +18,7 @@ import jmirror as jm
 
 HERE = pathlib.Path(__file__).parent / "multiprocess"
 sys.path.insert(0, str(HERE))
+import harness  # noqa: E402
 from training import batches, init_state, make_step  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -30,16 +30,8 @@ BIG = (256, 1024)
 
 def launch(*args, timeout=150):
     """Runs checkpoint_worker.py as 2 processes x 4 devices; its npz of each process."""
-    run = subprocess.run(
-        [sys.executable, "-m", "jmirror.launch", "--processes", "2", "--devices-per-process"]
-        + ["4", str(HERE / "checkpoint_worker.py"), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     out = pathlib.Path(args[-1])
-    return [dict(np.load(out / f"process{i}.npz")) for i in range(2)]
+    return harness.two_by_four(HERE / "checkpoint_worker.py", *args, out=out, timeout=timeout)
 
 
 def flat(strategy, tree):

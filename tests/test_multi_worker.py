@@ -6,7 +6,6 @@ one-process oracle has 8 devices too).
 
 import dataclasses
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import jmirror as jm
 
 HERE = Path(__file__).parent / "multiprocess"
 sys.path.insert(0, str(HERE))
+import harness  # noqa: E402
 from training import batches, init_state, make_step, metric_values, nnx_training  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -30,24 +30,7 @@ pytestmark = pytest.mark.skipif(
 def two_processes(tmp_path_factory):
     """What each of 2 processes x 4 devices saw (tests/multiprocess/strategy_worker.py)."""
     out = tmp_path_factory.mktemp("multi_worker")
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jmirror.launch",
-            "--processes",
-            "2",
-            "--devices-per-process",
-            "4",
-            str(HERE / "strategy_worker.py"),
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return [dict(np.load(out / f"process{i}.npz")) for i in range(2)]
+    return harness.two_by_four(HERE / "strategy_worker.py", out, out=out)
 
 
 def _one_process(backend):

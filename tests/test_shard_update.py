@@ -1,7 +1,6 @@
 """jm.shard_update (SPEC section 12) against the mirrored update of the mean gradient."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -495,28 +494,11 @@ def test_emulated_strategy_gives_the_same_result():
 )
 def test_two_processes_of_four_devices_train_like_the_mirrored_update(tmp_path):
     sys.path.insert(0, str(HERE))
+    import harness
     from training import batches, init_state
     from training import loss_fn as mlp_loss
 
-    worker = HERE / "shard_worker.py"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jmirror.launch",
-            "--processes",
-            "2",
-            "--devices-per-process",
-            "4",
-            str(worker),
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    seen = [dict(np.load(tmp_path / f"process{i}.npz")) for i in range(2)]
+    seen = harness.two_by_four(HERE / "shard_worker.py", tmp_path, out=tmp_path)
     strategy = jm.MirroredStrategy()
     inner = optax.lamb(1e-2)
 

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 HERE = Path(__file__).parent
@@ -85,6 +86,20 @@ def kill_leftover_launchers():
     yield
     while _LAUNCHED:
         _LAUNCHED.pop().kill()
+
+
+def two_by_four(worker: Path, *args, out: Path, timeout: float = 300) -> list[dict]:
+    """Runs `worker ARGS` as 2 processes x 4 host devices through the launcher, checks that
+    it exited 0, and returns what each process saved in OUT/process<i>.npz."""
+    command = ["-m", "jmirror.launch", "--processes", "2", "--devices-per-process", "4"]
+    run = subprocess.run(
+        [sys.executable, *command, str(worker), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return [dict(np.load(out / f"process{i}.npz")) for i in range(2)]
 
 
 def is_running(pid: int) -> bool:
