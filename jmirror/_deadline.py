@@ -26,7 +26,7 @@ with `timeout_s=None`): the *waiter* waits for the watched outputs one by one
 is past its bound, and publishes this process's progress to the coordination service's
 key-value store every `PUBLISH_S` seconds (once a call was watched or waited for). A call costs
 one append to a queue; no thread is started per call. At interpreter exit both threads stop
-before JAX shuts its runtime down.
+before JAX shuts its runtime down, the waiter once the call it waits for has completed.
 
 Naming the processes that did not arrive: JAX's coordination service knows who reached a
 barrier (its timeout error lists them) but not who reached an XLA collective. So each process
@@ -125,7 +125,8 @@ class _Watchdog:
         self._idle = False  # whether the waiter waits for work
         self._done = 0  # watched calls completed
         self._wake = threading.Event()
-        self._stop = threading.Event()
+        self._stop_waiting = threading.Event()  # the waiter's: set first at exit
+        self._stop = threading.Event()  # the watchdog's
         self._expired = threading.Event()
         self._threads: tuple[threading.Thread, ...] = ()
 
@@ -149,11 +150,21 @@ class _Watchdog:
             thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
+        """Stops both threads (at exit): the waiter after the call it waits for, if any.
+
+        The waiter must not be inside `block_until_ready` when the interpreter finalizes:
+        a daemon thread that takes the GIL back then is ended with `pthread_exit` in jaxlib's
+        C++ frames, which aborts the process ("FATAL: exception not rethrown", seen at the
+        end of a 2-process run whose last step was still running). So the waiter is joined
+        first, while the watchdog still bounds the call it waits for.
+        """
+        self._stop_waiting.set()
         self._wake.set()
-        watchdog = self._threads[1:]
-        for thread in watchdog:
-            thread.join(timeout=2 * POLL_S + NAMING_S)
+        waiter, watchdog = self._threads
+        while waiter.is_alive() and not self._expired.is_set():
+            waiter.join(POLL_S)
+        self._stop.set()
+        watchdog.join(timeout=2 * POLL_S + NAMING_S)
 
     @property
     def threads(self) -> tuple[threading.Thread, ...]:
@@ -181,7 +192,7 @@ class _Watchdog:
     # --- the threads -------------------------------------------------------------------------
 
     def _wait_loop(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop_waiting.is_set():
             try:
                 item = self._queue.popleft()
             except IndexError:

@@ -218,6 +218,36 @@ def test_calls_queued_behind_others_count_from_when_they_are_waited_on(tmp_path)
     assert "s, threads 2" in run.output()
 
 
+@ONCE
+def test_at_exit_the_waiter_ends_after_the_call_it_waits_for(tmp_path):
+    # A program that ends with its last step still running: the waiter was left inside
+    # block_until_ready when the interpreter finalized, and taking the GIL back there aborted
+    # the process ("FATAL: exception not rethrown", 1 in 13 runs of a 2-process test).
+    run = _python(
+        tmp_path,
+        """
+        import atexit
+        # Registered before the watchdog starts, so it runs after the watchdog's stop.
+        atexit.register(lambda: print("after stop: waiter alive", _deadline.threads()[0]
+                                      .is_alive(), "step done", out.is_ready(), flush=True))
+        n = 50
+        while True:  # n such that one call takes about 1 s
+            start = time.monotonic()
+            slow(x, n).block_until_ready()
+            if time.monotonic() - start > 1.0:
+                break
+            n *= 2
+        out = slow(x, n)
+        _deadline.watch(out, "the last step", 60.0)
+        time.sleep(0.2)  # the waiter is in block_until_ready
+        """,
+        "exit",
+    )
+    code, _ = run.wait(STARTUP_S)
+    assert code == 0, run.output()
+    assert "after stop: waiter alive False step done True" in run.output()
+
+
 # --- several processes ---------------------------------------------------------------------------
 
 
