@@ -120,6 +120,17 @@ from jmirror import _deadline
 slow = jax.jit(lambda x, n: lax.fori_loop(0, n, lambda i, a: jnp.tanh(a @ a), x))
 x = jnp.eye(256)
 slow(x, 1).block_until_ready()  # compiled
+
+
+def calibrated(seconds):  # (n, d): slow(x, n) ran in d > `seconds` seconds
+    n = 50
+    while True:
+        start = time.monotonic()
+        slow(x, n).block_until_ready()
+        d = time.monotonic() - start
+        if d > seconds:
+            return n, d
+        n *= 2
 """
 
 
@@ -195,14 +206,7 @@ def test_calls_queued_behind_others_count_from_when_they_are_waited_on(tmp_path)
     run = _python(
         tmp_path,
         """
-        n = 50
-        while True:  # n such that one call takes about 0.2 s
-            start = time.monotonic()
-            slow(x, n).block_until_ready()
-            d = time.monotonic() - start
-            if d > 0.2:
-                break
-            n *= 2
+        n, d = calibrated(0.2)
         y = x
         for _ in range(10):  # each call needs the one before
             y = slow(y, n)
@@ -230,13 +234,7 @@ def test_at_exit_the_waiter_ends_after_the_call_it_waits_for(tmp_path):
         # Registered before the watchdog starts, so it runs after the watchdog's stop.
         atexit.register(lambda: print("after stop: waiter alive", _deadline.threads()[0]
                                       .is_alive(), "step done", out.is_ready(), flush=True))
-        n = 50
-        while True:  # n such that one call takes about 1 s
-            start = time.monotonic()
-            slow(x, n).block_until_ready()
-            if time.monotonic() - start > 1.0:
-                break
-            n *= 2
+        n, _ = calibrated(1.0)
         out = slow(x, n)
         _deadline.watch(out, "the last step", 60.0)
         time.sleep(0.2)  # the waiter is in block_until_ready
