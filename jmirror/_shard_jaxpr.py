@@ -28,8 +28,10 @@ The rules, each of which gives exactly the unsharded result:
 Anything else that touches a piece (a reduction over some axes only, sort, cumsum, gather,
 scatter, slices, concatenation, a transpose of the data, loops, an unknown primitive)
 mixes elements across positions of a leaf and is a `ValueError` naming the primitive.
-Padding never reaches a result: it is masked in reductions, and only element-wise work sees
-it (whose padded outputs are dropped or zeroed by the caller).
+Padding never reaches a result: element-wise work may turn it into anything (NaN, from
+`0 / 0`), so every piece operand of a reduction and of a `dot_general` has its padding
+replaced, by a `where`, with the reduction's identity (zero for the products); the padded
+outputs of element-wise work are dropped or zeroed by the caller.
 """
 
 from __future__ import annotations
@@ -83,10 +85,14 @@ class Pieces:
         k = self.k(size)
         return self.index * k + lax.iota(np.int32, k) < size
 
-    def zero_padding(self, piece: Piece) -> jax.Array:
-        """The piece's local entries with the padding set to zero."""
+    def fill_padding(self, piece: Piece, value: Any = 0) -> jax.Array:
+        """The piece's local entries with the padding replaced by `value`.
+
+        A `where`, not a product: element-wise work may have made the padding NaN or
+        infinite (`0 / 0` where the real entries are finite), and NaN * 0 is NaN.
+        """
         local = piece.local
-        return jnp.where(self.valid(piece.size), local, jnp.zeros((), local.dtype))
+        return jnp.where(self.valid(piece.size), local, jnp.asarray(value, local.dtype))
 
 
 def run(closed: jex.ClosedJaxpr, args: Sequence[Any], pieces: Pieces) -> list[Any]:
@@ -280,8 +286,7 @@ def _reduction(eqn: Any, invals: list, pieces: Pieces) -> list:
             pieces,
             f"`{name}` over axes {tuple(eqn.params['axes'])} reduces only part of the leaf",
         )
-    local = x.local
-    masked = jnp.where(pieces.valid(x.size), local, _identity(name, local.dtype))
+    masked = pieces.fill_padding(x, _identity(name, x.local.dtype))
     (partial,) = _bind(eqn, [masked], axes=(0,))
     axis = pieces.axis_name
     if name == "reduce_sum":
@@ -313,9 +318,9 @@ def _dot_general(eqn: Any, invals: list, pieces: Pieces) -> list:
     full = _all_axes(shape_a, lhs_c) and _all_axes(shape_b, rhs_c)
     if lhs_b or rhs_b or not (full and in_order and pairs_match):
         raise _refuse(eqn, invals, pieces, "`dot_general` contracts only part of the leaf")
-    size = math.prod(shape_a)
-    la, lb = (v.local if isinstance(v, Piece) else pieces.take(v) for v in (a, b))
-    la = jnp.where(pieces.valid(size), la, jnp.zeros((), la.dtype))
+    # Both operands' padding is zeroed: either may be NaN there (an update `g / sqrt(nu)`
+    # of a zero-padded `nu`), and 0 * NaN would make the sum NaN.
+    la, lb = (pieces.fill_padding(v) if isinstance(v, Piece) else pieces.take(v) for v in (a, b))
     (partial,) = _bind(eqn, [la, lb], dimension_numbers=(((0,), (0,)), ((), ())))
     total = lax.psum(partial, pieces.axis_name)
     return [jnp.reshape(total, eqn.outvars[0].aval.shape)]

@@ -350,7 +350,7 @@ def _new_state(
     for i, (out, old) in enumerate(zip(outs, inputs)):
         if isinstance(old, Sharded):
             piece = out if isinstance(out, Piece) else Piece(pieces.take(out), old.shape)
-            local = pieces.zero_padding(piece).astype(old.dtype)
+            local = pieces.fill_padding(piece).astype(old.dtype)
             new[i] = Sharded(local, old.shape)
         elif isinstance(out, Piece):
             to_gather.append(i)
