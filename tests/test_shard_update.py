@@ -147,7 +147,7 @@ def test_optimizer_bytes_per_device_are_one_nth_plus_padding(strategy, n, name):
 def test_step_has_one_reduce_scatter_and_one_all_gather_and_no_gradient_all_reduce(
     strategy, n, name
 ):
-    tx = jm.shard_update(TRANSFORMS[name]())
+    tx = jm.shard_update(TRANSFORMS[name]())  # the default buckets: this tree fills one
     params = strategy.mirror(init_params())
     state = tx.init(params)
     ops = jmt.collectives(sharded_step(strategy, tx).lower(params, state, batch(strategy)))
@@ -165,8 +165,11 @@ def test_step_has_one_reduce_scatter_and_one_all_gather_and_no_gradient_all_redu
     assert padded < param_bytes + 8 * len(SHAPES) * n
 
 
-def test_one_buffer_per_dtype(strategy, n):
-    tx = jm.shard_update(optax.sgd(0.1, momentum=0.9))
+@pytest.mark.parametrize("bucket_bytes", ["default", None])
+def test_one_buffer_per_dtype(strategy, n, bucket_bytes):
+    # Both 4 MiB buckets (the default: a tree this small fills one per dtype) and None.
+    kwargs = {} if bucket_bytes == "default" else {"bucket_bytes": bucket_bytes}
+    tx = jm.shard_update(optax.sgd(0.1, momentum=0.9), **kwargs)
     params = strategy.mirror({"a": np.ones(9, np.float32), "b": np.ones((3, 3), jnp.bfloat16)})
     state = tx.init(params)
 
@@ -218,6 +221,51 @@ def test_buckets_lower_the_step_s_temporaries(strategy, n):
 
     one_buffer, buckets = temporaries(None), temporaries(256 * 256 * 4)
     assert buckets < 1.6 and buckets < one_buffer - 0.3, (buckets, one_buffer)
+
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize(
+    "kwargs,expected",
+    [({}, 3), ({"bucket_bytes": 4 * MIB}, 3), ({"bucket_bytes": None}, 1)],
+    ids=["default", "4MiB", "None"],
+)
+def test_default_packs_the_gradients_into_buckets_of_4_mib(strategy, n, kwargs, expected):
+    # Five float32 gradients of 1.5 MiB and one of 12 bytes: in tree order [a, b], [c, d],
+    # [e, f] by default (a third 1.5 MiB would pass 4 MiB); None keeps one buffer.
+    rng = np.random.default_rng(0)
+    shapes = {k: (384, 1024) for k in "abcde"} | {"f": (3,)}
+    host = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    inner = optax.sgd(0.1, momentum=0.9)
+    tx = jm.shard_update(optax.sgd(0.1, momentum=0.9), **kwargs)
+    params = strategy.mirror(host)
+    state, oracle_state = tx.init(params), strategy.mirror(inner.init(host))
+
+    def grads_of(params):
+        return jax.tree.map(lambda p: p * (jm.replica_id() + 1).astype(p.dtype), params)
+
+    @jm.replicate(strategy=strategy)
+    def step(params, state):
+        return tx.update(grads_of(params), state, params)
+
+    @jm.replicate(strategy=strategy)
+    def oracle(params, oracle_state):
+        return inner.update(jm.all_reduce("mean", grads_of(params)), oracle_state)
+
+    if n > 1:
+        ops = jmt.collectives(step.lower(params, state))
+        scatters = [c.bytes for c in ops if c.op == "reduce-scatter"]
+        gathers = [c.bytes for c in ops if c.op == "all-gather"]
+        total = sum(-(-x.size // n) * n * 4 for x in host.values())
+        assert len(scatters) == len(gathers) == expected, ops
+        assert sum(scatters) == total // n and sum(gathers) == total
+        assert not [c for c in ops if c.op == "all-reduce"], ops
+    for _ in range(2):
+        updates, state = step(params, state)
+        oracle_updates, oracle_state = oracle(params, oracle_state)
+        assert_trees_close(strategy.read(updates), strategy.read(oracle_updates))
+        assert_trees_close(strategy.read(state), strategy.read(oracle_state))
 
 
 def test_buckets_give_the_same_update_with_one_collective_pair_per_bucket(strategy, n):
