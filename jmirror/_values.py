@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -71,6 +71,14 @@ class Synchronization(_LowercaseEnum):
     NONE = "none"
 
 
+_NO_SINGLE_VALUE = (
+    "{call} got a PerReplica: its replicas may hold different values, so there is no single "
+    "value{what}. Use strategy.reduce(op, x) to combine them (op 'sum', 'mean', 'max' or "
+    "'min'), strategy.gather(x) to concatenate them, or strategy.local_results(x) for each "
+    "replica's component."
+)
+
+
 @jax.tree_util.register_pytree_with_keys_class
 class PerReplica:
     """A value that may differ between replicas: one component per replica.
@@ -80,14 +88,24 @@ class PerReplica:
     `PerReplica` stands for the components of the calling replicas: pytree operations such as
     `jax.tree.map` act on each replica's own component, and reading `.values` all-gathers them.
 
+    A `PerReplica` that wraps a container reads like it: `batch["image"]`, `batch[0]` and
+    `batch.image` (a field of a NamedTuple, dataclass or flax struct) give the `PerReplica` of
+    that item, holding the same arrays (no copy). There is no single number in it: `float()`,
+    `int()`, `bool()` and a format spec (`f"{x:.3f}"`) are a `TypeError`; reduce, gather or
+    take the local results first.
+
     Args:
       values: a pytree whose leaves have leading axis N (the number of replicas).
 
     Example:
         >>> import numpy as np, jmirror as jm
-        >>> batch = jm.PerReplica({"x": np.zeros((2, 4))})
+        >>> batch = jm.PerReplica({"x": np.zeros((2, 4)), "y": np.ones((2,))})
         >>> batch.values["x"].shape
         (2, 4)
+        >>> batch["y"]
+        PerReplica((2,))
+        >>> batch["y"].values is batch.values["y"]
+        True
     """
 
     __slots__ = ("_values", "_gather")
@@ -127,11 +145,108 @@ class PerReplica:
         node._gather = gather
         return node
 
+    # --- reading like the contents -------------------------------------------------------------
+
+    def _item(self, item: PyTree) -> PerReplica:
+        """The `PerReplica` of one item of the wrapped container (same arrays, same gather)."""
+        return PerReplica.tree_unflatten(self._gather, (item,))
+
+    def _wraps_leaf(self) -> bool:
+        return jax.tree_util.treedef_is_leaf(jax.tree.structure(self._values))
+
+    def __getitem__(self, key: Any) -> PerReplica:
+        values = self._values
+        if self._wraps_leaf():
+            raise TypeError(
+                f"PerReplica[{key!r}]: this PerReplica wraps one leaf ({type(values).__name__}), "
+                "not a container, so an index would mix up replicas and positions. Use "
+                "strategy.local_results(x)[i] for replica i's component, or "
+                "jax.tree.map(lambda v: v[:, j], x) to index every component."
+            )
+        try:
+            return self._item(values[key])
+        except (KeyError, IndexError) as error:
+            raise type(error)(
+                f"PerReplica[{key!r}]: the wrapped {type(values).__name__} has no item "
+                f"{key!r}; it has {_describe_items(values)}."
+            ) from None
+
+    def __iter__(self) -> Iterator[PerReplica]:
+        values = self._values
+        if isinstance(values, (list, tuple)):
+            return iter([self._item(v) for v in values])
+        raise TypeError(
+            f"A PerReplica of a {type(values).__name__} is not iterable: only a PerReplica of a "
+            "list or tuple unpacks into the PerReplica of each item. Index it (x[key]), or use "
+            "strategy.local_results(x) to iterate over the replicas' components."
+        )
+
+    def __getattr__(self, name: str) -> PerReplica:
+        # Only reached when normal lookup fails. Private and special names are never fields
+        # (pickle, copy and JAX probe them); a class attribute that raised is re-raised as is.
+        if name.startswith("_"):
+            raise AttributeError(f"'PerReplica' object has no attribute {name!r}")
+        if hasattr(type(self), name):
+            return object.__getattribute__(self, name)
+        fields = _fields(self._values)
+        if name in fields:
+            return self._item(getattr(self._values, name))
+        if fields:
+            found = f"its {type(self._values).__name__} has the fields {tuple(fields)}"
+        else:
+            found = f"it wraps a {type(self._values).__name__}, which has no fields"
+            if self._wraps_leaf():
+                found = f"it wraps one leaf ({type(self._values).__name__}), not a container"
+        raise AttributeError(
+            f"'PerReplica' object has no attribute {name!r}: {found}. Attribute access gives "
+            "the PerReplica of a field of the wrapped NamedTuple, dataclass or flax struct; "
+            "x.values is the wrapped value itself."
+        )
+
+    def _no_single_value(self, call: str, what: str = "") -> TypeError:
+        return TypeError(_NO_SINGLE_VALUE.format(call=call, what=what))
+
+    def __float__(self) -> float:
+        raise self._no_single_value("float()")
+
+    def __int__(self) -> int:
+        raise self._no_single_value("int()")
+
+    def __index__(self) -> int:
+        raise self._no_single_value("operator.index()", " to index with")
+
+    def __complex__(self) -> complex:
+        raise self._no_single_value("complex()")
+
+    def __bool__(self) -> bool:
+        raise self._no_single_value("bool()", " to test")
+
+    def __format__(self, spec: str) -> str:
+        if not spec:
+            return str(self)
+        raise self._no_single_value(f"format(x, {spec!r})", " to format")
+
     def __repr__(self) -> str:
         if self._gather is not None:
             return f"PerReplica(<inside merge_fn: {self._values!r}>)"
         shapes = jax.tree.map(lambda x: getattr(x, "shape", type(x).__name__), self._values)
         return f"PerReplica({shapes})"
+
+
+def _fields(values: Any) -> list[str]:
+    """The attribute names of the pytree children of `values` (NamedTuple, dataclass fields)."""
+    children = jax.tree_util.tree_flatten_with_path(values, is_leaf=lambda x: x is not values)[0]
+    keys = [path[0] for path, _ in children if path]
+    return [k.name for k in keys if isinstance(k, jax.tree_util.GetAttrKey)]
+
+
+def _describe_items(values: Any) -> str:
+    if isinstance(values, Mapping):
+        return f"the keys {list(values)}"
+    try:
+        return f"{len(values)} items"
+    except TypeError:
+        return "no items that can be listed"
 
 
 @jax.tree_util.register_pytree_with_keys_class
