@@ -7,7 +7,10 @@ These tests start processes, so they run once, in the 8-device pass of the suite
 import ast
 import os
 import pathlib
+import re
 import sys
+import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +24,7 @@ sys.path.insert(0, str(HERE))
 import harness  # noqa: E402
 from training import batches, init_state, make_step  # noqa: E402
 
+kill_leftover_launchers = harness.kill_leftover_launchers
 pytestmark = pytest.mark.skipif(
     os.environ.get("JMIRROR_TEST_DEVICES", "8") != "8" or len(jax.devices()) != 8,
     reason="starts processes: runs once, in the 8-device pass",
@@ -168,3 +172,63 @@ def test_a_checkpoint_of_one_process_restores_on_two(tmp_path, trained, strategy
         np.testing.assert_array_equal(process["restored/ids"], np.arange(8)[mine])
         keys = components(strategy, state["keys"], jax.random.key_data)
         np.testing.assert_array_equal(process["restored/keys"], keys[mine])
+
+
+# --- a save that one process skips -------------------------------------------------------------
+
+SKIP_TIMEOUT_S = 10
+_SKIPPED_SAVE = """
+import os, sys
+import jax.numpy as jnp, numpy as np
+import jmirror as jm
+
+mode, directory = sys.argv[1], sys.argv[2]
+jm.distributed.initialize(timeout_s={timeout})
+me = int(os.environ["JMIRROR_PROCESS_ID"])
+strategy = jm.MultiWorkerMirroredStrategy(timeout_s={timeout})
+state = {{
+    "w": strategy.mirror(np.ones((8, 1), np.float32)),
+    "ids": strategy.run(lambda: jnp.float32(jm.replica_id())),  # a PerReplica of all 8
+}}
+for k in range(2):  # both save: gloo's communicators are connected, as in a real run
+    jm.checkpoint.save(f"{{directory}}/both{{k}}", state, strategy=strategy)
+print(f"process {{me}} saved twice", flush=True)
+if me == 0:
+    print("process 0 saves alone", flush=True)
+    if mode == "save":
+        jm.checkpoint.save(f"{{directory}}/alone", state, strategy=strategy)
+    else:
+        manager = jm.checkpoint.CheckpointManager(f"{{directory}}/series", strategy=strategy)
+        manager.save(1, state)
+        manager.wait_until_finished()
+    print("process 0 saved alone", flush=True)
+print(f"process {{me}} exits", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["save", "manager"])
+def test_a_save_that_the_other_process_skips_to_exit_ends_the_run_naming_the_save(tmp_path, mode):
+    # Process 1 exits (into JAX's exit, which waits for process 0) while process 0 saves a
+    # state with per-replica components: before the gather was bounded, process 0 waited in
+    # gloo's all-gather without end (still running 120 s later, with no message).
+    script = tmp_path / "skipped_save.py"
+    script.write_text(textwrap.dedent(_SKIPPED_SAVE.format(timeout=SKIP_TIMEOUT_S)))
+    command = ["--processes", "2", "--devices-per-process", "4", str(script), mode, tmp_path]
+    run = harness.launch([str(c) for c in command], tmp_path, f"skipped-{mode}")
+    run.wait_for(r"process 0 saves alone", 120)
+    start = time.monotonic()
+    code, _ = run.wait(SKIP_TIMEOUT_S + 60)
+    elapsed = time.monotonic() - start
+    out = run.output()
+    assert code != 0 and "process 0 saved alone" not in out, out
+    assert elapsed < SKIP_TIMEOUT_S + 40, (elapsed, out)
+    call = (
+        r"jm\.checkpoint's gathering of the per-replica components"
+        if mode == "save"
+        else r"jm\.checkpoint's gathering of every process's data"
+    )
+    assert re.search(
+        rf"\[0\] jmirror: timed out: {call} has not completed {SKIP_TIMEOUT_S} s", out
+    ), out
+    assert re.search(rf"\[0\] jmirror: processes that did not arrive at {call}: 1\.", out), out
+    assert "jmirror.launch: process 0 exited with code 1" in out

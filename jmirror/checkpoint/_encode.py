@@ -10,7 +10,9 @@ With several processes every process encodes, since reading a `SyncOnRead` and g
 `PerReplica` components (this process addresses only its own) are collectives: one jitted
 identity into the mirrored layout gathers every per-replica leaf at once. Only the writer keeps
 the host arrays; a `PerReplica` built by the user from this process's components (leading axis
-`num_local_replicas`) is first made global.
+`num_local_replicas`) is first made global. The gather is bounded by the strategy's
+`timeout_s` (`jmirror._deadline`), as the strategy's own reads are: a process that skips a save
+ends its peers' wait in bounded time, named.
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmirror import _deadline
 from jmirror._values import Aggregation, PerReplica, PyTree, Sharded, SyncOnRead
 from jmirror.checkpoint import _format, _sharded
 
 _PYTHON_SCALARS = (bool, int, float, complex)
+# The bounded wait of a save that gathers per-replica components (named if it times out).
+GATHER_CALL = "jm.checkpoint's gathering of the per-replica components"
 
 
 @dataclasses.dataclass
@@ -247,10 +252,16 @@ class _Encoder:
         return {str(i): values[str(i)] for i in range(self.count)}
 
     def gather(self, spread: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        """This process's full copies of arrays spread over processes (one collective call)."""
+        """This process's full copies of arrays spread over processes (one collective call).
+
+        Bounded by the strategy's `timeout_s`: a process that skips the save its peers make
+        (or exits) never joins the all-gather, and gloo would wait for it without end.
+        """
         if not spread:
             return {}
-        full = _mirror_all(self.topology.mirrored)(list(spread.values()))
+        with _deadline.bounded(GATHER_CALL, self.topology.timeout_s):
+            full = _mirror_all(self.topology.mirrored)(list(spread.values()))
+            full = jax.block_until_ready(full)
         return {name: x.addressable_shards[0].data for name, x in zip(spread, full)}
 
 

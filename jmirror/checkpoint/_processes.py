@@ -18,11 +18,11 @@ process makes the same calls in the same order, the keys agree.
 
 Timeouts: with `jm.MultiWorkerMirroredStrategy(timeout_s=...)` a process that does not reach a
 barrier (it skipped a `save` the others make, or it is stuck) ends the waiting processes after
-`timeout_s` seconds, naming it (`jmirror._deadline`): the first barrier and the gathering of
-per-process data wait `timeout_s`. The barrier after the write also waits for the writer's
-writing, which a large state on a slow filesystem may make long, so it waits
-`max(timeout_s, BARRIER_TIMEOUT_S)`; a writer that dies ends the others through the runtime's
-heartbeat.
+`timeout_s` seconds, naming it (`jmirror._deadline`): the first barrier, the gathering of
+per-process data and the gathering of per-replica components (`_encode`) wait `timeout_s`.
+The barrier after the write also waits for the writer's writing, which a large state on a
+slow filesystem may make long, so it waits `max(timeout_s, BARRIER_TIMEOUT_S)`; a writer that
+dies ends the others through the runtime's heartbeat.
 """
 
 from __future__ import annotations
