@@ -8,6 +8,7 @@ The tests that start processes run in the suite's 8-device pass only.
 import errno
 import gc
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -178,6 +179,9 @@ elif how == "readonly":
         except OSError as error:
             report(error)
 print("left", sorted(os.listdir(directory)), flush=True)
+from absl import logging as absl_logging
+
+absl_logging.error("the program's own error")  # still shown
 """
 
 
@@ -195,6 +199,36 @@ def test_a_full_disk_is_an_oserror_naming_the_directory_and_leaves_no_partial_st
         assert "steps [1]" in lines
     expected = "left ['1']" if how == "async" else "left []"
     assert expected in lines, lines  # nothing partial, not even a hidden directory
+    # orbax's threads logged the error with a traceback each (4 blocks): the OSError says it.
+    assert "ERROR:absl" not in child.stderr.replace("ERROR:absl:the program's own error", "")
+    assert "Traceback" not in child.stderr and "RESOURCE_EXHAUSTED" not in child.stderr
+    assert "the program's own error" in child.stderr, child.stderr
+
+
+def test_only_orbax_errors_about_jmirror_s_own_writes_are_dropped_while_it_writes(caplog):
+    from absl import logging as absl_logging
+
+    from jmirror.checkpoint import _storage
+
+    def orbax_error(message):  # a record as orbax's code logs it
+        record = logging.LogRecord(
+            "absl", logging.ERROR, "/x/orbax/checkpoint/f.py", 1, message, None, None
+        )
+        logging.getLogger("absl").handle(record)
+
+    ours = "Failed writing: /d/.ckpt.jmirror-new-0123/state: No space left on device"
+    with caplog.at_level(logging.INFO), _storage._quiet_orbax_errors():
+        orbax_error(ours)
+        orbax_error("Failed writing: /d/someone-elses/state: No space left on device")
+        absl_logging.error("the program's own error about %s", ours)
+    orbax_error(ours)  # after the write: shown
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "Failed writing: /d/someone-elses/state: No space left on device",
+        f"the program's own error about {ours}",
+        ours,
+    ]
+    assert not logging.getLogger("absl").filters
 
 
 @pytest.mark.skipif(not ONCE, reason=ONCE_REASON)

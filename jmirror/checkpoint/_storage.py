@@ -26,7 +26,9 @@ multi-process barriers would be device collectives, which must not run from a ba
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import logging
 import math
 import operator
 import os
@@ -34,7 +36,9 @@ import pathlib
 import re
 import shutil
 import sys
+import threading
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -140,7 +144,47 @@ def _orbax_save(path: pathlib.Path, arrays: dict[str, np.ndarray], doc: dict) ->
             checkpointer.save(path, args=ocp.args.Composite(**items))
 
     # orbax's threads then are daemons: a failed save's leftovers never hold up the exit.
-    _background.run_in_daemon_thread(save)
+    with _quiet_orbax_errors():
+        _background.run_in_daemon_thread(save)
+
+
+class _OwnWriteErrors(logging.Filter):
+    """Drops orbax's ERROR records about jmirror's own hidden write directories.
+
+    A failed write (a full disk) makes each of orbax's threads log its exception with a
+    traceback (`ERROR:absl:... _SignalingThread.run() raised an exception`) before the caller
+    gets it; jmirror raises it as an `OSError` with the orbax error as its cause, so the
+    blocks only repeat it. Only records logged from orbax's code whose message names a
+    directory of jmirror's writes (`.<name>.jmirror-new-<uuid>`) are dropped: the program's
+    own absl logging, and orbax's for other directories, pass.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname:
+            return True
+        return _NEW not in record.getMessage()
+
+
+_QUIET = _OwnWriteErrors()
+_QUIET_LOCK = threading.Lock()
+_QUIET_USERS = [0]  # writes in progress (several managers may write at once)
+
+
+@contextlib.contextmanager
+def _quiet_orbax_errors() -> Iterator[None]:
+    """While jmirror's write runs, absl's logger drops orbax's errors about that write."""
+    absl = logging.getLogger("absl")
+    with _QUIET_LOCK:
+        _QUIET_USERS[0] += 1
+        if _QUIET_USERS[0] == 1:
+            absl.addFilter(_QUIET)
+    try:
+        yield
+    finally:
+        with _QUIET_LOCK:
+            _QUIET_USERS[0] -= 1
+            if _QUIET_USERS[0] == 0:
+                absl.removeFilter(_QUIET)
 
 
 def _checkpointer() -> ocp.Checkpointer:
