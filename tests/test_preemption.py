@@ -230,6 +230,37 @@ def test_one_process_a_second_sigterm_ends_it_and_close_restores_the_default(tmp
         assert result.stdout.splitlines() == ["alive after one SIGTERM: True"]
 
 
+@starts_processes
+@pytest.mark.parametrize("closed_first", ["first", "second"])
+def test_two_managers_closed_in_either_order_leave_the_open_one_watching(tmp_path, closed_first):
+    # One manager restores pretrained weights and is closed, the training one stays open:
+    # before one handler served both, closing the first one first left its handler below
+    # the second's, and the first SIGTERM ended the process (SIG_DFL) with nothing saved.
+    code = textwrap.dedent(
+        """
+        import os, signal, sys
+        import jmirror as jm
+        pretrained = jm.checkpoint.CheckpointManager(sys.argv[1] + "/pretrained")
+        training = jm.checkpoint.CheckpointManager(sys.argv[1] + "/training")
+        closed, left = (pretrained, training) if sys.argv[2] == "first" else (training, pretrained)
+        closed.close()
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("alive, reached:", left.reached_preemption(1), flush=True)
+        left.save(1, {"w": 1.0})
+        left.close()
+        print("saved", left.all_steps(), flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)  # every manager closed: the default again
+        print("still alive", flush=True)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, tmp_path, closed_first], capture_output=True, text=True,
+        timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert result.returncode == -signal.SIGTERM, result.stdout + result.stderr
+    assert result.stdout.splitlines() == ["alive, reached: True", "saved [1]"], result.stderr
+
+
 # --- 2 processes x 4 host devices under the launcher -----------------------------------------
 
 

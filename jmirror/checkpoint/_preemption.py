@@ -11,8 +11,11 @@ exit. `CheckpointManager` does the same through `reached_preemption(step)`:
   can neither call nor put back, is left in place, and nothing is watched). The first
   `reached_preemption(step)` after the notice is True, and so is every later one. A second
   SIGTERM ends the process as it would have without the manager, when no handler of the
-  program's was there. Closing the manager puts the previous handler back (when no other
-  handler was installed on top of it since).
+  program's was there. One handler serves every manager open in the process (a registry of
+  open managers), so managers close in any order (one opened to restore pretrained weights,
+  closed before the training manager, leaves the training manager watching); closing the
+  last one puts the previous handler back (when no other handler was installed on top of it
+  since).
 - Several processes (`jax.distributed`, e.g. `jm.distributed.initialize` under
   `python -m jmirror.launch`): JAX's runtime already catches SIGTERM (its preemption notifier,
   installed by `jax.distributed.initialize`), tells every process through its coordination
@@ -80,31 +83,41 @@ def _jax_runs_the_notice() -> bool:
     return jax.distributed.is_initialized()
 
 
+_OPEN: set[Watch] = set()  # the open managers' watches of this process (the main thread's)
+
+
 class _Handler:
-    """A SIGTERM handler that records the notice, then calls the previous (Python) handler."""
+    """The process's SIGTERM handler: records the notice while any manager watches, then
+    calls the previous (Python) handler.
+
+    One handler serves every open manager (a registry, `_OPEN`), so managers may close in
+    any order: a manager closed while another is open changes nothing, and the last one
+    to close puts the previous handler back when ours is still on top.
+    """
 
     def __init__(self, previous: Any) -> None:
         self.previous = previous
-        self.watching = True  # False once its manager is closed: it only passes signals on
         self.seen = 0
 
     def __call__(self, number: int, frame: Any) -> None:
         self.seen += 1
-        if self.watching:
+        if _OPEN:
             _NOTICE.received = True
         if callable(self.previous):
             self.previous(number, frame)
-        elif self.previous == signal.SIG_DFL and (self.seen > 1 or not self.watching):
-            # A second SIGTERM (or one after close): end the process as SIGTERM would have.
+        elif self.previous == signal.SIG_DFL and (self.seen > 1 or not _OPEN):
+            # A second SIGTERM (or one after every manager closed): end the process as
+            # SIGTERM would have.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Watch:
-    """One manager's watch for SIGTERM: its handler (when it installed one) and its release."""
+    """One manager's watch for SIGTERM: registered with the process's handler, released by
+    `close`."""
 
     def __init__(self) -> None:
-        self._handler: _Handler | None = None
+        self._open = False
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can be set in the main thread only
         current = signal.getsignal(signal.SIGTERM)
@@ -121,19 +134,24 @@ class Watch:
             return
         if current is None:  # a handler set outside Python: it cannot be chained or restored
             return
-        self._handler = _Handler(current)
-        signal.signal(signal.SIGTERM, self._handler)
+        if not isinstance(current, _Handler):  # ours is not on top: chain what is there
+            signal.signal(signal.SIGTERM, _Handler(current))
+        _OPEN.add(self)
+        self._open = True
 
     def close(self) -> None:
-        """Stops watching: puts the previous handler back if ours is still on top."""
-        handler, self._handler = self._handler, None
-        if handler is None:
+        """Stops watching; the last open watch puts the previous handler back if ours is on
+        top (otherwise another handler chains to ours: ours stays, passing signals on)."""
+        if not self._open:
             return
-        handler.watching = False
-        if threading.current_thread() is threading.main_thread():
-            if signal.getsignal(signal.SIGTERM) is handler:
-                signal.signal(signal.SIGTERM, handler.previous)
-        # Otherwise another handler chains to ours: ours stays, passing the signal on.
+        self._open = False
+        _OPEN.discard(self)
+        if _OPEN or threading.current_thread() is not threading.main_thread():
+            return
+        current = signal.getsignal(signal.SIGTERM)
+        while isinstance(current, _Handler):
+            signal.signal(signal.SIGTERM, current.previous)
+            current = current.previous
 
 
 def prime(latest: int | None) -> None:
