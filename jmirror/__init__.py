@@ -18,6 +18,7 @@ from jmirror._replicate import replicate as replicate
 from jmirror._shard_update import shard_update as shard_update
 from jmirror._strategy import MirroredStrategy as MirroredStrategy
 from jmirror._strategy import get_strategy as get_strategy
+from jmirror._sync_batch_norm import sync_batch_norm as sync_batch_norm  # SPEC 11, round 4
 from jmirror._values import Aggregation as Aggregation
 from jmirror._values import PerReplica as PerReplica
 from jmirror._values import ReduceOp as ReduceOp
