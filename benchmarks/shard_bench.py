@@ -10,9 +10,10 @@ MEAN of the gradients, then `optax.adam` on mirrored state) measured in the same
   largest model that trains in a fixed per-device budget (target >= 1.6x the mirrored one's);
 - bytes moved by the step's collectives, from its compiled HLO (target: one all-reduce's).
 
-Two sharded variants: the default (one buffer per dtype: one reduce-scatter, one all-gather)
-and `bucket_bytes=4 MiB` (a buffer per 4 MiB of gradients, each reduced as soon as it is
-complete, so XLA does not hold a packed copy of all the gradients beside them).
+Two sharded variants: `jm.shard_update(optax.adam(1e-3))` with no argument ("sharded": since
+round 4 the gradients go in buckets of about 4 MiB, each reduced as soon as it is complete,
+so XLA does not hold a packed copy of all the gradients beside them) and `bucket_bytes=None`
+("one_buffer": round 3's default, one buffer per dtype: one reduce-scatter, one all-gather).
 
     python -m benchmarks.shard_bench [--rounds 5] [--steps 20] [--json out.json]
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -28,7 +30,7 @@ from typing import Any
 import jmirror.testing as jmt
 
 NUM_DEVICES = 8
-BUCKET = 4 << 20  # the bucketed variant: jm.shard_update(..., bucket_bytes=4 MiB)
+SHARDED = ("sharded", "one_buffer")  # the two sharded variants, as in the module docstring
 
 
 def _problem(kind: str, hidden: int = 512, depth: int = 2, batch: int = 256):
@@ -109,8 +111,8 @@ def _steps(strategy, params, loss_fn, x, y):
     import jmirror as jm
 
     inner = optax.adam(1e-3)
-    sharded_tx = jm.shard_update(optax.adam(1e-3), strategy=strategy)
-    bucketed_tx = jm.shard_update(optax.adam(1e-3), strategy=strategy, bucket_bytes=BUCKET)
+    sharded_tx = jm.shard_update(optax.adam(1e-3), strategy=strategy)  # the default buckets
+    one_buffer_tx = jm.shard_update(optax.adam(1e-3), strategy=strategy, bucket_bytes=None)
 
     @jm.replicate(strategy=strategy, donate_argnums=(0, 1))
     def mirrored(params, state, x, y):
@@ -135,7 +137,7 @@ def _steps(strategy, params, loss_fn, x, y):
     # Each variant gets its own mirrored copy of the parameters (the steps donate them).
     states = {"mirrored": [strategy.mirror(params), strategy.mirror(inner.init(params))]}
     fns = {"mirrored": mirrored}
-    for name, tx in (("sharded", sharded_tx), ("bucketed", bucketed_tx)):
+    for name, tx in (("sharded", sharded_tx), ("one_buffer", one_buffer_tx)):
         mine = strategy.mirror(params)
         states[name] = [mine, tx.init(mine)]
         fns[name] = sharded_step(tx)
@@ -225,7 +227,7 @@ def _largest_in_budget(strategy, depth: int, reference: int) -> dict[str, Any]:
 
     budget, ref_params = peak("mirrored", reference)
     out: dict[str, Any] = {"budget_bytes": budget, "reference_width": reference}
-    for name in ("mirrored", "sharded", "bucketed"):
+    for name in ("mirrored", *SHARDED):
         lo, hi = reference // 2, reference * 3
         best = (reference if name == "mirrored" else lo, ref_params)
         while hi - lo > 8:
@@ -236,7 +238,7 @@ def _largest_in_budget(strategy, depth: int, reference: int) -> dict[str, Any]:
             else:
                 hi = mid
         out[name] = {"width": best[0], "params": best[1]}
-    for name in ("sharded", "bucketed"):
+    for name in SHARDED:
         out[name]["ratio"] = out[name]["params"] / out["mirrored"]["params"]
     return out
 
@@ -269,6 +271,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     strategy = jm.MirroredStrategy()
     n = strategy.num_replicas
     results: dict[str, Any] = {"num_replicas": n, "steps": {}, "memory": {}}
+    results["load_average"] = [os.getloadavg()]  # step-time ratios are noisy under load
+    print(f"load average at the start: {os.getloadavg()}", flush=True)
     models = {
         "small MLP (512)": ("mlp", 512),
         "large MLP (2048)": ("mlp", 2048),
@@ -280,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         memory = _memory(strategy, problem)
         results["steps"][label] = times
         results["memory"][label] = memory
-        for name in ("sharded", "bucketed"):
+        for name in SHARDED:
             ratio = times[name] / times["mirrored"]
             state_ratio = memory[name]["state_bytes"] / memory["mirrored"]["state_bytes"]
             peak_ratio = memory[name]["peak_bytes"] / memory["mirrored"]["peak_bytes"]
@@ -300,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
     search = _largest_in_budget(strategy, args.depth, args.reference_width)
     results["budget"] = search
-    for name in ("sharded", "bucketed"):
+    for name in SHARDED:
         print(
             f"largest {args.depth}-layer MLP in {search['budget_bytes'] / 2**20:.1f} MiB per "
             f"device (the mirrored step's need at width {args.reference_width}): mirrored width "
@@ -309,6 +313,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{search[name]['ratio']:.2f}x the parameters",
             flush=True,
         )
+    results["load_average"].append(os.getloadavg())
+    print(f"load average at the end: {os.getloadavg()}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
