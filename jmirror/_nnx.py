@@ -1,11 +1,12 @@
 """flax NNX objects as arguments of replica functions, with `nnx.jit`'s write-back semantics.
 
 An `nnx.Module`, `nnx.Optimizer`, `nnx.Rngs`, `nnx.Variable` or metric passed to a replicated
-function (directly, or inside a tuple, list or dict argument) is a pytree whose leaves are
-its `Variable`s' values. Each call
+function (directly, or inside a tuple, NamedTuple, list or dict argument) is a pytree whose
+leaves are its `Variable`s' values. `ADAPTER` plugs them into `jm.replicate` through the
+adapter interface (`jmirror._adapter`). Each call
 
 1. finds the caller's `Variable` objects (`jax.tree_util` with the `Variable`s as leaves);
-2. runs the step through a *twin* `Replicated` whose replica function (`_Entry`) wraps the
+2. runs the step through a variant of the replica function (`_Entry`) that wraps the
    user's: it folds the replica id into every rng stream but `params`, starts metrics as
    sync-on-read components, calls the function, restores the streams' keys and returns the
    result with every `Variable`'s new value;
@@ -19,7 +20,7 @@ and made one object again inside the trace, so a change through one path is seen
 other; the value is written back once. NNX objects that the function returns and that were
 reached from its arguments come back as the caller's own objects.
 
-Nothing here runs for calls without NNX objects: `has_nodes` looks at the types of the
+Nothing here runs for calls without NNX objects: `ADAPTER.adapt` looks at the types of the
 top-level arguments only (and of the items of tuple, list and dict arguments).
 """
 
@@ -27,23 +28,21 @@ from __future__ import annotations
 
 import sys
 import types
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
 from jmirror import _context, _nnx_metrics
+from jmirror._adapter import Adapted
 from jmirror._nnx_metrics import MetricComponents
 from jmirror._values import Sharded, SyncOnRead
 
-# Items of a container argument looked at by `has_nodes`; NNX objects deeper in the
-# arguments are refused once per input signature by `check_nested`.
+# Items of a container argument looked at by `_has_nodes`; NNX objects deeper in the
+# arguments are refused once per input signature by `_check_nested`.
 _SCAN_ITEMS = 16
 # The rng stream that draws identically on every replica.
 PARAMS_STREAM = "params"
-
-_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _flax() -> Any:
@@ -55,7 +54,7 @@ def _graph_types(nnx: Any) -> tuple[type, ...]:
     return (nnx.Pytree, nnx.Variable)
 
 
-def has_nodes(replicated: Any, args: tuple, kwargs: dict) -> bool:
+def _has_nodes(args: tuple, kwargs: dict, static_argnums: tuple[int, ...]) -> bool:
     """Whether a call passes NNX objects (at the top level or one container deep).
 
     The fast path of every call: a set lookup per top-level argument whose type is known to
@@ -64,17 +63,13 @@ def has_nodes(replicated: Any, args: tuple, kwargs: dict) -> bool:
     if "flax.nnx" not in sys.modules:
         return False
     plain = _PLAIN_TYPES
-    found = False
     for i, a in enumerate(args):
-        if type(a) not in plain and _holds(a) and i not in replicated._static:
-            found = True
-            break
-    if not found and kwargs:
-        found = any(type(a) not in plain and _holds(a) for a in kwargs.values())
-    return found and type(replicated._fn) is not _Entry
+        if type(a) not in plain and _holds(a) and i not in static_argnums:
+            return True
+    return bool(kwargs) and any(type(a) not in plain and _holds(a) for a in kwargs.values())
 
 
-# Types that are neither NNX objects nor containers `has_nodes` looks into.
+# Types that are neither NNX objects nor containers `_has_nodes` looks into.
 _PLAIN_TYPES: set[type] = set()
 _CONTAINERS = (tuple, list, dict)
 
@@ -105,30 +100,28 @@ def _holds(a: Any) -> bool:
     if _is_graph(a):
         return True
     t = type(a)
-    if t not in _CONTAINERS:
+    if not isinstance(a, _CONTAINERS):
         _PLAIN_TYPES.add(t)
         return False
-    if t is tuple or t is list:
+    if isinstance(a, (tuple, list)):  # a NamedTuple too
         return any(_is_graph(x) for x in a[:_SCAN_ITEMS])
-    if t is dict:
-        return any(_is_graph(x) for _, x in zip(range(_SCAN_ITEMS), a.values()))
-    return False
+    return any(_is_graph(x) for _, x in zip(range(_SCAN_ITEMS), a.values()))
 
 
-def check_nested(replicated: Any, treedef: Any) -> None:
-    """Refuses NNX objects that `has_nodes` did not see (traced calls only, once each)."""
+def _check_nested(name: str, treedef: Any) -> None:
+    """Refuses NNX objects that `_has_nodes` did not see (traced calls only, once each)."""
     nnx = _flax()
-    if nnx is None or type(replicated._fn) is _Entry:
+    if nnx is None:
         return
     # Variables alone pass: an `nnx.State` (what `nnx.split` returns) holds Variables, and
     # is threaded through a step functionally.
     found = _find_type(treedef, (nnx.Pytree,))
     if found is not None:
         raise TypeError(
-            f"{replicated!r} got an NNX object ({found.__name__}) nested deeper than one "
+            f"{name} got an NNX object ({found.__name__}) nested deeper than one "
             "container in its arguments, where jm.replicate cannot write its changes back as "
-            "nnx.jit does. Pass NNX objects as arguments, or as items of a tuple, list or dict "
-            "argument (at most the first 16 items are looked at)."
+            "nnx.jit does. Pass NNX objects as arguments, or as items of a tuple, list, "
+            "NamedTuple or dict argument (at most the first 16 items are looked at)."
         )
 
 
@@ -146,20 +139,44 @@ def _find_type(treedef: Any, kinds: tuple[type, ...]) -> type | None:
 # --- one call --------------------------------------------------------------------------------
 
 
-def call(replicated: Any, args: tuple, kwargs: dict, lower: bool = False) -> Any:
-    """Runs `replicated` on arguments holding NNX objects and writes their state back."""
-    variables = _variables(replicated, args, kwargs)
-    seen: dict[int, int] = {}
-    aliases = []
-    for k, v in enumerate(variables):
-        first = seen.setdefault(id(v), k)
-        if first != k:
-            aliases.append((k, first))
-    shared = _shared_nodes(_dynamic(replicated, args, kwargs)) if aliases else ()
-    twin = _twin(replicated, (tuple(aliases), shared))
-    if lower:
-        return twin.lower(*args, **kwargs)
-    result, values = twin(*args, **kwargs)
+class NnxAdapter:
+    """The `jmirror._adapter.Adapter` of flax NNX objects: each call runs through an `_Entry`
+    variant of the replica function (one per sharing pattern of the arguments' `Variable`s
+    and objects), and its changes are written back into the caller's `Variable`s."""
+
+    def adapt(self, args: tuple, kwargs: dict, static_argnums: tuple[int, ...]) -> Adapted | None:
+        if not _has_nodes(args, kwargs, static_argnums):
+            return None
+        dynamic = _dynamic(args, kwargs, static_argnums)
+        variables = _variables(dynamic)
+        seen: dict[int, int] = {}
+        aliases = []
+        for k, v in enumerate(variables):
+            first = seen.setdefault(id(v), k)
+            if first != k:
+                aliases.append((k, first))
+        shared = _shared_nodes(dynamic) if aliases else ()
+        variant = (tuple(aliases), shared)
+
+        def make(fn: Callable[..., Any], name: str) -> _Entry:
+            return _Entry(fn, static_argnums, *variant, name)
+
+        def finish(out: tuple[Any, list[Any]]) -> Any:
+            return _write_back(dynamic, variables, variant[0], out)
+
+        return Adapted(variant, make, finish)
+
+    def check_plain(self, name: str, in_treedef: Any) -> None:
+        _check_nested(name, in_treedef)
+
+
+ADAPTER = NnxAdapter()
+
+
+def _write_back(dynamic: tuple, variables: list[Any], aliases: tuple, out: tuple) -> Any:
+    """Writes a step's new values into the caller's `Variable`s; the step's own result, with
+    the NNX objects it returned from the arguments resolved to the caller's."""
+    result, values = out
     duplicate = {k for k, _ in aliases}
     unique = [v for k, v in enumerate(variables) if k not in duplicate]
     for variable, value in zip(unique, values):
@@ -168,7 +185,7 @@ def call(replicated: Any, args: tuple, kwargs: dict, lower: bool = False) -> Any
         _set_raw_value(variable, value)
     refs = jax.tree_util.tree_leaves(result, is_leaf=_is_ref)
     if any(isinstance(r, _Ref) for r in refs):
-        tops = _tops(replicated, args, kwargs)
+        tops = _tops(dynamic)
         result = jax.tree.map(
             lambda r: r.resolve(tops) if isinstance(r, _Ref) else r, result, is_leaf=_is_ref
         )
@@ -210,38 +227,19 @@ def _set_raw_value(variable: Any, value: Any) -> None:
         variable.set_raw_value(value)
 
 
-def _dynamic(replicated: Any, args: tuple, kwargs: dict) -> tuple[list, dict]:
-    static = replicated._static
-    return [a for i, a in enumerate(args) if i not in static], kwargs
+def _dynamic(args: tuple, kwargs: dict, static_argnums: tuple[int, ...]) -> tuple[list, dict]:
+    return [a for i, a in enumerate(args) if i not in static_argnums], kwargs
 
 
-def _variables(replicated: Any, args: tuple, kwargs: dict) -> list[Any]:
-    leaves = jax.tree_util.tree_leaves(_dynamic(replicated, args, kwargs), is_leaf=_is_variable)
+def _variables(dynamic: tuple) -> list[Any]:
+    leaves = jax.tree_util.tree_leaves(dynamic, is_leaf=_is_variable)
     return [x for x in leaves if _is_variable(x)]
 
 
-def _tops(replicated: Any, args: tuple, kwargs: dict) -> list[Any]:
+def _tops(dynamic: tuple) -> list[Any]:
     """The outermost NNX objects of the arguments, in flattening order."""
-    leaves = jax.tree_util.tree_leaves(_dynamic(replicated, args, kwargs), is_leaf=_is_graph)
+    leaves = jax.tree_util.tree_leaves(dynamic, is_leaf=_is_graph)
     return [x for x in leaves if _is_graph(x)]
-
-
-def _twin(replicated: Any, aliases: tuple[tuple, tuple]) -> Any:
-    """The `Replicated` that runs `replicated`'s function through `_Entry`, per sharing
-    pattern (`Variable` aliases, shared objects)."""
-    twins = _TWINS.setdefault(replicated, {})
-    twin = twins.get(aliases)
-    if twin is None:
-        entry = _Entry(replicated._fn, replicated._static, *aliases, repr(replicated))
-        twin = type(replicated)(entry, replicated._strategy, replicated._donate, replicated._static)
-        twins[aliases] = twin
-    return twin
-
-
-def twin_compilations(replicated: Any) -> int:
-    """The input signatures compiled by `replicated`'s NNX twins."""
-    twins = _TWINS.get(replicated)
-    return sum(t.num_compilations for t in twins.values()) if twins else 0
 
 
 @jax.tree_util.register_pytree_node_class
@@ -273,7 +271,7 @@ def _is_ref(x: Any) -> bool:
 
 
 class _Entry:
-    """The replica function of a twin: the user's, with NNX state in and out."""
+    """The replica function of the NNX variant: the user's, with NNX state in and out."""
 
     # Slots: `functools.update_wrapper` in `Replicated` would copy a `__dict__` over its own.
     __slots__ = ("user_fn", "static", "aliases", "shared", "name", "__name__", "__qualname__")

@@ -18,9 +18,11 @@ retracing) look at the arguments only when a call compiled.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -29,8 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmirror import _context, _dispatch, _nnx
+from jmirror._adapter import Adapted, Adapter
 from jmirror._backends import executable
 from jmirror._context import Runner
+from jmirror._interrupts import HELD
 from jmirror._process_ops import globalize
 from jmirror._shim import compiled_count
 from jmirror._tracing import (
@@ -46,6 +50,19 @@ from jmirror._values import PerReplica, Sharded, SyncOnRead, is_distributed
 
 # More input signatures than this compiled by one replicated function earn a warning.
 _RETRACE_WARNING_AT = 8
+# The kinds of argument that run through a variant of the replica function.
+ADAPTERS: tuple[Adapter, ...] = (_nnx.ADAPTER,)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """One replica function compiled: the user's own, or an adapter's variant of it. Two
+    `jax.jit`s of each (with the requested donation, and without it where the donation
+    policy skips it): `jitted` returns the result and an in-flight token, `lowerable` (for
+    `.lower()`) the result only."""
+
+    jitted: dict[bool, Any]
+    lowerable: dict[bool, Any]
 
 
 class Replicated:
@@ -74,16 +91,27 @@ class Replicated:
         self._plain_signatures: set[tuple] = set()
         # The last strategy called on and its `Donation` of `donate_argnums`.
         self._donation: tuple[Any, _dispatch.Donation] | None = None
-        # Every (shape, dtype) seen at each argument path, for the retracing warning.
-        self._seen: dict[str, set[tuple]] = {}
         self._warned: set[str] = set()
         # One jax.jit around the whole step: its C++ dispatch flattens the arguments
         # (PerReplica and SyncOnRead are pytree nodes), checks the signature and runs the
-        # cached program. The strategy is a static argument. Two variants: with the
-        # requested donation, and without it where the donation policy skips it. `.lower()`
-        # has its own pair, whose step returns only the result (no in-flight token).
-        static = (0,) + tuple(i + 1 for i in static_argnums)
-        donate = tuple(i + 1 for i in donate_argnums)
+        # cached program. The strategy is a static argument.
+        self._own = self._compile(fn, None)
+        # The variants of `fn` that adapters ask for (`jmirror._adapter`), by key.
+        self._variants: dict[Hashable, _Step] = {}
+        functools.update_wrapper(self, fn)
+
+    def _compile(self, fn: Callable[..., Any], variant: Hashable) -> _Step:
+        """The step of replica function `fn` (the user's own when `variant` is None)."""
+        static = (0,) + tuple(i + 1 for i in self._static)
+        donate = tuple(i + 1 for i in self._donate)
+        own = variant is None
+
+        def entry(strategy: Runner, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+            self._signatures.add((variant, *self._signature(args, kwargs)))
+            return self._step(fn, own, True, strategy, *args, **kwargs)
+
+        def entry_result(strategy: Runner, *args: Any, **kwargs: Any) -> Any:
+            return self._step(fn, own, False, strategy, *args, **kwargs)[0]
 
         def jitted(entry: Callable[..., Any]) -> dict[bool, Any]:
             return {
@@ -91,9 +119,19 @@ class Replicated:
                 False: jax.jit(entry, static_argnums=static),
             }
 
-        self._jitted_by_donation = jitted(self._entry)
-        self._lowerable_by_donation = jitted(self._entry_result)
-        functools.update_wrapper(self, fn)
+        return _Step(jitted(entry), jitted(entry_result))
+
+    def _adapt(self, args: tuple, kwargs: dict) -> tuple[_Step, Adapted | None]:
+        """The step that runs this call, and the adapter's `Adapted` when one took it."""
+        for adapter in ADAPTERS:
+            adapted = adapter.adapt(args, kwargs, self._static)
+            if adapted is not None:
+                step = self._variants.get(adapted.variant)
+                if step is None:
+                    fn = adapted.make(self._fn, repr(self))
+                    step = self._variants[adapted.variant] = self._compile(fn, adapted.variant)
+                return step, adapted
+        return self._own, None
 
     def _donation_on(self, strategy: Runner) -> _dispatch.Donation:
         """The donation of `donate_argnums` under `strategy`'s policy (kept for the next call)."""
@@ -116,25 +154,28 @@ class Replicated:
     # --- calling -------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _nnx.has_nodes(self, args, kwargs):
-            return _nnx.call(self, args, kwargs)
+        # A keyboard interrupt waits for the call: a step that returned has donated nothing
+        # in vain, and an NNX object is never left half written back.
+        with HELD:
+            step, adapted = self._adapt(args, kwargs)
+            result = self._run(step, args, kwargs)
+            return result if adapted is None else adapted.finish(result)
+
+    def _run(self, step: _Step, args: tuple, kwargs: dict) -> Any:
         strategy = self._check_call(args)
         if strategy.topology.process_count > 1:
             args, kwargs = self._globalize(strategy, args, kwargs)
         donate = self._donation_on(strategy).check(self, args, kwargs)
         strategy.dispatch.wait_for_room()
-        jitted = self._jitted_by_donation[donate]
+        jitted = step.jitted[donate]
         compiled = self._compiled(jitted)
         with strategy.dispatch.bounded(self):  # a cheap step may run (and wait) inline
             try:
-                result, token = jitted(strategy, *args, **kwargs)
-            except ValueError:
-                # jax.jit refuses arrays committed to other devices; move them (rare), retry.
-                placed = self._place(strategy, args, kwargs)
-                if placed is None:
-                    raise
-                args, kwargs = placed
-                result, token = jitted(strategy, *args, **kwargs)
+                result, token = self._dispatch(strategy, jitted, args, kwargs)
+            except Exception:
+                # Name pmap leftovers and host batches before JAX's own error about them.
+                self._warn_of_arguments(strategy, args, kwargs)
+                raise
         if isinstance(token, jax.core.Tracer):
             # Traced by the caller's own transformation (jit, grad, vmap, scan, ...): JAX
             # dispatches it, so there is nothing to bound and no compilation of ours to count.
@@ -143,6 +184,17 @@ class Replicated:
         if self._compiled(jitted) != compiled:
             self._check_new_signature(strategy, args, kwargs)
         return result
+
+    def _dispatch(self, strategy: Runner, jitted: Any, args: tuple, kwargs: dict) -> Any:
+        try:
+            return jitted(strategy, *args, **kwargs)
+        except ValueError:
+            # jax.jit refuses arrays committed to other devices; move them (rare), retry.
+            placed = self._place(strategy, args, kwargs)
+            if placed is None:
+                raise
+            args, kwargs = placed
+            return jitted(strategy, *args, **kwargs)
 
     def _compiled(self, jitted: Any) -> tuple[int | None, int]:
         """What changes when a call compiles: the jit's cache entries, the signatures traced."""
@@ -155,8 +207,30 @@ class Replicated:
         return args, globalize(topology, kwargs)
 
     def _check_new_signature(self, strategy: Runner, args: tuple, kwargs: dict) -> None:
-        """Warns of host batches broadcast every call, of pmap-layout arrays passed as plain
-        arguments, and of a step that keeps retracing (after a call that compiled)."""
+        """After a call that compiled: the warnings about its arguments, and of a step that
+        keeps retracing."""
+        self._warn_of_arguments(strategy, args, kwargs)
+        self._plain_signatures.add(self._signature(args, kwargs))
+        if len(self._plain_signatures) > _RETRACE_WARNING_AT:
+            seen: dict[str, set[tuple]] = {}
+            for signature in self._plain_signatures:
+                for where, shape, dtype in signature[2]:
+                    seen.setdefault(where, set()).add((shape, dtype))
+            changing = [(p, sorted(s)) for p, s in seen.items() if len(s) > 1]
+            shown = "; ".join(
+                f"{p}: " + ", ".join(f"{shape} {dtype}" for shape, dtype in s[:4])
+                for p, s in changing[:5]
+            )
+            message = _RETRACING.format(
+                fn=self,
+                k=len(self._plain_signatures),
+                changing=shown or _STRUCTURE_CHANGES,
+            )
+            self._warn_once("retrace", message)
+
+    def _warn_of_arguments(self, strategy: Runner, args: tuple, kwargs: dict) -> None:
+        """Warns of host batches broadcast every call and of pmap-layout arrays passed as
+        plain arguments (once each per function)."""
         dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
         nodes = jax.tree_util.tree_flatten_with_path((dynamic, kwargs), is_leaf=is_distributed)[0]
         n = strategy.num_replicas
@@ -170,28 +244,11 @@ class Replicated:
                 where = _argument_path(path, self._static)
                 message = _PMAP_LAYOUT.format(fn=self, shape=node.shape, path=where, n=n)
                 self._warn_once("pmap layout", message)
-        self._plain_signatures.add(self._signature(args, kwargs))
-        if len(self._plain_signatures) > _RETRACE_WARNING_AT:
-            seen: dict[str, set[tuple]] = {}
-            for signature in self._plain_signatures:
-                for where, shape, dtype in signature[1]:
-                    seen.setdefault(where, set()).add((shape, dtype))
-            changing = [(p, sorted(s)) for p, s in seen.items() if len(s) > 1]
-            shown = "; ".join(
-                f"{p}: " + ", ".join(f"{shape} {dtype}" for shape, dtype in s[:4])
-                for p, s in changing[:5]
-            )
-            message = _RETRACING.format(
-                fn=self,
-                k=len(self._plain_signatures),
-                changing=shown or "(the tree structure changes)",
-            )
-            self._warn_once("retrace", message)
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
             self._warned.add(kind)
-            warnings.warn(message, UserWarning, stacklevel=4)
+            warnings.warn(message, UserWarning, stacklevel=_caller_level())
 
     def _place(self, strategy: Runner, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Arguments with arrays on other devices moved onto the strategy's; None if none are."""
@@ -237,17 +294,16 @@ class Replicated:
             >>> isinstance(step.lower(jnp.ones(3)), jax.stages.Lowered)
             True
         """
-        if _nnx.has_nodes(self, args, kwargs):
-            return _nnx.call(self, args, kwargs, lower=True)
+        step, _ = self._adapt(args, kwargs)
         strategy = self._check_call(args)
-        lowerable = self._lowerable_by_donation[self._donation_on(strategy).donates(args)]
+        lowerable = step.lowerable[self._donation_on(strategy).donates(args)]
         return lowerable.lower(strategy, *args, **kwargs)
 
     @property
     def num_compilations(self) -> int:
         """How many input signatures calls have compiled so far (`.lower()` and calls traced
         by an outer transformation do not count)."""
-        return len(self._signatures) + _nnx.twin_compilations(self)
+        return len(self._signatures)
 
     def _check_call(self, args: tuple) -> Any:
         if _context.in_replica_context() or _context.merge_context() is not None:
@@ -266,27 +322,29 @@ class Replicated:
 
     # --- tracing: once per input signature, inside jax.jit -------------------------------------
 
-    def _entry_result(self, strategy: Runner, *args: Any, **kwargs: Any) -> Any:
-        """The step as `.lower()` exposes it: the result only."""
-        return self._step(False, strategy, *args, **kwargs)[0]
-
-    def _entry(self, strategy: Runner, *args: Any, **kwargs: Any) -> tuple[Any, jax.Array | None]:
-        """The step as calls trace it, recording the input signature: the result and a token."""
-        self._signatures.add(self._signature(args, kwargs))
-        return self._step(True, strategy, *args, **kwargs)
-
     def _signature(self, args: tuple, kwargs: dict) -> tuple:
-        """The static arguments, and each argument leaf's path, shape and dtype."""
+        """The static arguments, the tree structure (static pytree fields included), and each
+        argument leaf's path, shape and dtype."""
         statics = tuple(args[i] for i in self._static)
         dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
-        leaves = jax.tree_util.tree_flatten_with_path((dynamic, kwargs))[0]
-        return statics, tuple(
-            (_argument_path(p, self._static), jnp.shape(x), str(jnp.result_type(x)))
-            for p, x in leaves
+        leaves, treedef = jax.tree_util.tree_flatten_with_path((dynamic, kwargs))
+        return (
+            statics,
+            treedef,
+            tuple(
+                (_argument_path(p, self._static), jnp.shape(x), str(jnp.result_type(x)))
+                for p, x in leaves
+            ),
         )
 
     def _step(
-        self, with_token: bool, strategy: Runner, *args: Any, **kwargs: Any
+        self,
+        fn: Callable[..., Any],
+        own: bool,
+        with_token: bool,
+        strategy: Runner,
+        *args: Any,
+        **kwargs: Any,
     ) -> tuple[Any, jax.Array | None]:
         """The traced step: the result, and (`with_token`) a scalar for the in-flight bound.
 
@@ -297,7 +355,9 @@ class Replicated:
         statics = tuple(args[i] for i in self._static)
         dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
         top, treedef = jax.tree_util.tree_flatten((dynamic, kwargs), is_leaf=is_distributed)
-        _nnx.check_nested(self, treedef)
+        if own:  # what no adapter took: refuse what one would have had to
+            for adapter in ADAPTERS:
+                adapter.check_plain(repr(self), treedef)
         flat, slots = flatten_slots(top, inputs=True)
         split = [slot.kind in (SPLIT, SHARDED) for slot in slots for _ in range(slot.size)]
         avals = []
@@ -310,7 +370,7 @@ class Replicated:
                 shape = shape[1:]
             avals.append(jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type))
         call = ReplicaCall(
-            self._fn,
+            fn,
             repr(self),
             strategy,
             treedef,
@@ -403,6 +463,20 @@ _RETRACING = (
     "to fixed shapes (strategy.distribute_dataset(..., remainder='pad') keeps every batch's "
     "shape), and pass Python values that change as static_argnums only when few."
 )
+
+
+_STRUCTURE_CHANGES = (
+    "(the tree structure changes: a static pytree field, such as a flax struct.field("
+    "pytree_node=False) or an NNX model's train()/eval() mode, that differs between calls)"
+)
+
+
+def _caller_level() -> int:
+    """The `stacklevel` of the first frame outside this module: the caller's."""
+    frame, level = inspect.currentframe(), 0
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _argument_path(path: tuple, static: Sequence[int]) -> str:

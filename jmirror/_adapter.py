@@ -1,0 +1,57 @@
+"""How a kind of argument plugs into `jm.replicate`: the adapter interface.
+
+Most arguments of a replicated function are pytrees of arrays: the compiled step takes their
+leaves and gives results back. Some kinds need more: flax NNX objects hold state that the
+step changes in place (`jmirror._nnx`), and their changes must be written back into the
+caller's objects after the step. An *adapter* owns one such kind. For each call it is asked
+
+- `Adapter.adapt(args, kwargs, static_argnums)`: `None` when the call holds nothing of its
+  kind (the fast path of every call: it looks at types only); else an `Adapted`, which says
+
+  - `variant`: a hashable key. Calls with the same key run the same replica function, the
+    variant of the user's that `make(fn, name)` builds once (it takes the user's arguments
+    and returns what `finish` takes);
+  - `finish(result)`: what the caller gets from the variant's result (state written back
+    into the caller's objects first).
+
+- `Adapter.check_plain(name, in_treedef)`, once per input signature of a call it did not
+  adapt: refuses what it would have had to adapt but could not see (an NNX object nested
+  deeper than `adapt` looks).
+
+`jm.replicate` (`jmirror._replicate.Replicated`) knows its adapters only through this
+interface: it compiles one step per variant and counts their compilations as its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable
+from typing import Any, Protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapted:
+    """How one call runs through an adapter (see the module docstring).
+
+    Attributes:
+      variant: names the replica function that runs the call: the same key, the same one.
+      make: `make(fn, name)` builds that replica function from the user's `fn` (called once
+        per variant; `name` is how errors name the replicated function).
+      finish: turns the variant's result into what the caller gets.
+    """
+
+    variant: Hashable
+    make: Callable[[Callable[..., Any], str], Callable[..., Any]]
+    finish: Callable[[Any], Any]
+
+
+class Adapter(Protocol):
+    """One kind of argument that a replicated call runs through a variant of its function."""
+
+    def adapt(self, args: tuple, kwargs: dict, static_argnums: tuple[int, ...]) -> Adapted | None:
+        """The call's `Adapted`, or None when it holds nothing of this kind."""
+        ...
+
+    def check_plain(self, name: str, in_treedef: Any) -> None:
+        """Refuses, at trace time, a call that holds this kind where `adapt` did not look."""
+        ...
