@@ -286,10 +286,13 @@ class ReplicaContext:
         marked, varying, _ = self._trace.mark(
             "jm.merge_call", [leaves[i] for i in plain], [paths[i] for i in plain]
         )
+        frame = _MergeFrame(self)
         for i, x, v in zip(plain, marked, varying):
-            leaves[i] = merge_per_replica(x, self.axis_name) if v else x
+            # A leaf proven identical reaches merge_fn as a mirrored value, and merge_fn's
+            # cross-replica operations treat it as one (not as a value from the closure).
+            leaves[i] = merge_per_replica(x, self.axis_name) if v else frame.note_mirrored(x)
         args, kwargs = cast(tuple[tuple, dict[str, Any]], jax.tree.unflatten(treedef, leaves))
-        _STACK.frames.append(_MergeFrame(self))
+        _STACK.frames.append(frame)
         try:
             result = merge_fn(self._strategy, *args, **kwargs)
         finally:
@@ -349,7 +352,17 @@ def merge_per_replica(component: PyTree, axis_name: str) -> PerReplica:
 
 @dataclasses.dataclass(frozen=True)
 class _MergeFrame:
+    """A running `merge_fn`: its replica context, and the traced values known to be mirrored
+    there (the arguments proven identical, the results of its cross-replica operations),
+    by id; the values are kept alive so that their ids stay unique."""
+
     context: ReplicaContext
+    mirrored: dict[int, Any] = dataclasses.field(default_factory=dict)
+
+    def note_mirrored(self, x: Any) -> Any:
+        if isinstance(x, jax.core.Tracer):
+            self.mirrored[id(x)] = x
+        return x
 
 
 class _Stack(threading.local):
@@ -410,6 +423,23 @@ def merge_context() -> ReplicaContext | None:
     if _STACK.frames and isinstance(_STACK.frames[-1], _MergeFrame):
         return _STACK.frames[-1].context
     return None
+
+
+def note_mirrored_in_merge(tree: PyTree) -> PyTree:
+    """Notes that the traced leaves of `tree` are mirrored inside the running `merge_fn`
+    (results of its cross-replica operations); returns `tree`."""
+    if _STACK.frames and isinstance(_STACK.frames[-1], _MergeFrame):
+        for leaf in jax.tree.leaves(tree):
+            _STACK.frames[-1].note_mirrored(leaf)
+    return tree
+
+
+def is_mirrored_in_merge(x: Any) -> bool:
+    """Whether the traced value `x` is known to be mirrored inside the running `merge_fn`:
+    an argument proven identical on every replica, or a cross-replica operation's result."""
+    if not (_STACK.frames and isinstance(_STACK.frames[-1], _MergeFrame)):
+        return False
+    return _STACK.frames[-1].mirrored.get(id(x)) is x
 
 
 def in_replica_context() -> bool:

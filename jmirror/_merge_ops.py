@@ -15,7 +15,13 @@ import jax
 import jax.core
 import jax.numpy as jnp
 
-from jmirror._context import ReplicaContext, all_reduce_leaf, merge_per_replica
+from jmirror._context import (
+    ReplicaContext,
+    all_reduce_leaf,
+    is_mirrored_in_merge,
+    merge_per_replica,
+    note_mirrored_in_merge,
+)
 from jmirror._cross_replica import REDUCERS, CrossReplica
 from jmirror._values import (
     Aggregation,
@@ -25,6 +31,15 @@ from jmirror._values import (
     SyncOnRead,
     ValueContext,
     is_distributed,
+)
+
+_CAPTURED = (
+    "strategy.reduce({op}, value) inside merge_fn got a traced value{where} that is not a "
+    "PerReplica and was not passed through merge_call: it was captured from the replica "
+    "function's closure (or computed inside merge_fn from such a value) instead of passed "
+    "through merge_call, so jmirror cannot tell whether it differs between replicas. Pass it "
+    "in jm.merge_call(merge_fn, args=(value,)): merge_fn then receives a PerReplica when it "
+    "may differ, and a mirrored value when it is proven identical on every replica."
 )
 
 
@@ -70,7 +85,7 @@ class MergeOps(CrossReplica):
             if not isinstance(x, SyncOnRead):
                 return x
             if x.aggregation is Aggregation.ONLY_FIRST_REPLICA:
-                return self.context.sync(x.value, x.aggregation)
+                return note_mirrored_in_merge(self.context.sync(x.value, x.aggregation))
             op = ReduceOp.SUM if x.aggregation is Aggregation.SUM else ReduceOp.MEAN
             return self._all_reduce(op, x.value, None)
 
@@ -82,52 +97,62 @@ class MergeOps(CrossReplica):
                 x = REDUCERS[op](jnp.asarray(x), axis=axis)
             return all_reduce_leaf(op, x, self.context.axis_name)
 
-        return jax.tree.map(one, tree)
+        return note_mirrored_in_merge(jax.tree.map(one, tree))
 
     def local_results(self, value: PyTree) -> tuple[PyTree, ...]:
         nodes, treedef = jax.tree_util.tree_flatten(value, is_leaf=is_distributed)
-        per_node = []
-        for x in nodes:
-            if isinstance(x, PerReplica):
-                per_node.append(x.values)
-            elif isinstance(x, SyncOnRead):
-                per_node.append(self.context.all_gather(x.value))
-            else:
-                per_node.append(None)
+        per_node = [self._components(x) for x in nodes]
         if all(p is None for p in per_node):
             return (value,)
         return tuple(
-            treedef.unflatten(
-                [
-                    x if p is None else jax.tree.map(lambda v, i=i: v[i], p)
-                    for x, p in zip(nodes, per_node)
-                ]
-            )
+            treedef.unflatten([x if p is None else p[i] for x, p in zip(nodes, per_node)])
             for i in range(self.num_replicas)
         )
+
+    def _components(self, x: Any) -> list[Any] | None:
+        """The N components of one node: all-gathered, or a mirrored value's N copies."""
+        if isinstance(x, PerReplica):
+            stacked = x.values
+        elif isinstance(x, SyncOnRead):
+            stacked = self.context.all_gather(x.value)
+        elif is_mirrored_in_merge(x):
+            return [x] * self.num_replicas
+        else:
+            return None
+        return [
+            note_mirrored_in_merge(jax.tree.map(lambda v, i=i: v[i], stacked))
+            for i in range(self.num_replicas)
+        ]
+
+    def reduce(self, op: ReduceOp, value: PyTree, axis: int | None) -> PyTree:
+        self._check_passed(op, value)
+        return super().reduce(op, value, axis)
+
+    def _check_passed(self, op: ReduceOp, value: PyTree) -> None:
+        """Raises for a traced leaf that merge_fn cannot tell mirrored from per-replica."""
+        leaves = jax.tree_util.tree_flatten_with_path(value, is_leaf=is_distributed)[0]
+        for path, leaf in leaves:
+            if isinstance(leaf, jax.core.Tracer) and not is_mirrored_in_merge(leaf):
+                where = f" at path {jax.tree_util.keystr(path)!r}" if path else ""
+                raise ValueError(_CAPTURED.format(op=op.name, where=where))
 
     def reduce_per_replica(self, op: ReduceOp, x: PerReplica, axis: int | None) -> PyTree:
         return self._all_reduce(op, x._values, axis)
 
-    def reduce_plain(self, op: ReduceOp, value: Any) -> Any:
-        if isinstance(value, jax.core.Tracer):
-            raise ValueError(
-                f"strategy.reduce({op.name}, value) inside merge_fn got a traced value that is "
-                "not a PerReplica: it was captured from the replica function's closure instead "
-                "of passed through merge_call, so jmirror cannot tell whether it differs "
-                "between replicas. Pass it in jm.merge_call(merge_fn, args=(value,)): merge_fn "
-                "then receives a PerReplica when it may differ."
-            )
-        return super().reduce_plain(op, value)
-
     def gather(self, value: PyTree, axis: int) -> PyTree:
         gather = self.context.all_gather
+        n = self.num_replicas
 
         def one(x: Any) -> Any:
             if isinstance(x, PerReplica):
-                return jax.tree.map(
-                    lambda v: gather(v, axis=axis, tiled=jnp.ndim(v) > 0), x._values
+                return note_mirrored_in_merge(
+                    jax.tree.map(lambda v: gather(v, axis=axis, tiled=jnp.ndim(v) > 0), x._values)
                 )
+            if is_mirrored_in_merge(x):  # its N copies, as the host gathers a mirrored array
+                copies = [x] * n
+                if jnp.ndim(x) == 0:
+                    return note_mirrored_in_merge(jnp.stack(copies, axis=axis))
+                return note_mirrored_in_merge(jnp.concatenate(copies, axis=axis))
             if isinstance(x, SyncOnRead):
                 raise TypeError(
                     "strategy.gather got a SyncOnRead; read it with strategy.read, or see its "
