@@ -261,9 +261,11 @@ class ReplicaContext:
 
         Inside `merge_fn`, every argument leaf that may differ across replicas is a
         `jm.PerReplica`; `strategy.reduce`, `gather`, `local_results`, `read` and `update`
-        work on it (they lower to collectives). Each replica receives the result with every
-        `PerReplica` replaced by its own component. Works inside `lax.scan`, `fori_loop` and
-        `cond` bodies.
+        work on it (they lower to collectives). A leaf proven identical on every replica (an
+        all-reduced gradient, a mirrored input) is a mirrored value there: `reduce(MEAN, v)`
+        returns it, `local_results(v)` gives its N copies. Each replica receives the result
+        with every `PerReplica` replaced by its own component. Works inside `lax.scan`,
+        `fori_loop` and `cond` bodies.
 
         Args:
           merge_fn: called as `merge_fn(strategy, *args, **kwargs)`.
