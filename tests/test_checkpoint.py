@@ -432,6 +432,58 @@ def test_manager_refuses_an_existing_step_unless_force(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1"]
 
 
+def test_a_second_manager_on_an_open_directory_is_a_value_error_naming_it(tmp_path):
+    # Before: the second manager removed the first one's write in progress (a step whose
+    # save had returned was lost) and the first failed later with "check the directory".
+    first = jm.checkpoint.CheckpointManager(tmp_path / "run")
+    first.save(1, {"w": np.ones((256, 1024), np.float32)})  # async: still being written
+    (tmp_path / "link").symlink_to(tmp_path / "run")
+    for same in (tmp_path / "run", tmp_path / "link", os.path.relpath(tmp_path / "run")):
+        with pytest.raises(ValueError) as info:
+            jm.checkpoint.CheckpointManager(same)
+        message = str(info.value)
+        assert str(tmp_path / "run") in message, message
+        assert "one CheckpointManager at a time per directory" in message
+        assert "close()" in message
+    first.close()
+    with jm.checkpoint.CheckpointManager(tmp_path / "link") as second:
+        assert second.all_steps() == [1]  # nothing lost
+    dropped = jm.checkpoint.CheckpointManager(tmp_path / "run")
+    del dropped  # never closed: collected, it holds the directory no more
+    jm.checkpoint.CheckpointManager(tmp_path / "run").close()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["1"]  # no lock file left
+
+
+@pytest.mark.skipif(not ONCE, reason=ONCE_REASON)
+def test_a_manager_open_in_another_process_is_a_value_error_naming_its_pid(tmp_path):
+    code = """
+        import sys, jmirror as jm
+        manager = jm.checkpoint.CheckpointManager(sys.argv[1])
+        print("open", flush=True)
+        sys.stdin.readline()
+        manager.close()
+    """
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    try:
+        assert child.stdout.readline() == "open\n"
+        with pytest.raises(ValueError, match=rf"another process \(pid {child.pid}\)") as info:
+            jm.checkpoint.CheckpointManager(tmp_path)
+        assert str(tmp_path) in str(info.value)
+        assert "one CheckpointManager at a time per directory" in str(info.value)
+        child.communicate("\n", timeout=60)
+    finally:
+        child.kill()
+        child.wait()
+    with jm.checkpoint.CheckpointManager(tmp_path) as manager:  # released by close()
+        assert manager.all_steps() == []
+
+
 def test_manager_rejects_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="max_to_keep=0"):
         jm.checkpoint.CheckpointManager(tmp_path, max_to_keep=0)

@@ -17,6 +17,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,7 @@ def no_notice(monkeypatch):
         ("before_any_step", False),
     ):
         monkeypatch.setattr(_preemption._NOTICE, name, value, raising=False)
+    monkeypatch.setattr(_preemption, "_OPEN", weakref.WeakSet())  # managers other tests left
     before = signal.getsignal(signal.SIGTERM)
     yield
     signal.signal(signal.SIGTERM, before)

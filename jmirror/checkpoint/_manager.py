@@ -25,7 +25,14 @@ from typing import Any
 
 from jmirror._strategy import MirroredStrategy, get_strategy
 from jmirror._values import PyTree
-from jmirror.checkpoint import _background, _checkpoint, _integrity, _processes, _storage
+from jmirror.checkpoint import (
+    _background,
+    _checkpoint,
+    _directory_lock,
+    _integrity,
+    _processes,
+    _storage,
+)
 from jmirror.checkpoint._preemption import PreemptionMixin
 
 
@@ -74,7 +81,8 @@ class CheckpointManager(PreemptionMixin):
 
     Args:
       directory: the directory of the series (created if missing). One manager at a time
-        per directory: opening one removes what killed saves left behind.
+        per directory: opening one removes what killed saves left behind, so a second one
+        open on it (in this process, or in another process's run) is a `ValueError`.
       strategy: the strategy the state lives on; `None` for `jm.get_strategy()` at each call.
       max_to_keep: keep only the newest `max_to_keep` steps; `None` keeps all.
       save_interval_steps: `save` writes only steps that are multiples of it (others return
@@ -83,6 +91,7 @@ class CheckpointManager(PreemptionMixin):
 
     Raises:
       TypeError, ValueError: for arguments of the wrong type or out of range.
+      ValueError: another manager is open on `directory` (named, with the rule).
 
     Example:
         >>> import tempfile, numpy as np, jmirror as jm
@@ -113,12 +122,18 @@ class CheckpointManager(PreemptionMixin):
         self._root = _storage.as_path(directory)
         self._root.mkdir(parents=True, exist_ok=True)
         self._strategy = strategy
-        if self._group().is_writer:  # others may already be waiting for its first write
-            _storage.clean(self._root)
-        self._async = async_save
-        self._background = _background.Background(f"CheckpointManager({str(self._root)!r})")
-        self._closed = False
-        self._watch_preemption()  # SIGTERM: see reached_preemption
+        writer = self._group().is_writer
+        self._lock = _directory_lock.DirectoryLock(self._root, writer=writer)
+        try:
+            if writer:  # others may already be waiting for its first write
+                _storage.clean(self._root)
+            self._async = async_save
+            self._background = _background.Background(f"CheckpointManager({str(self._root)!r})")
+            self._closed = False
+            self._watch_preemption()  # SIGTERM: see reached_preemption
+        except BaseException:  # e.g. the warning about a SIGTERM handler, as an error
+            self._lock.release()
+            raise
 
     @property
     def directory(self) -> str:
@@ -202,6 +217,7 @@ class CheckpointManager(PreemptionMixin):
         finally:
             self._closed = True
             self._stop_watching_preemption()
+            self._lock.release()
 
     def __enter__(self) -> CheckpointManager:
         return self

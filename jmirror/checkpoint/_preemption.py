@@ -51,6 +51,7 @@ import signal
 import sys
 import threading
 import warnings
+import weakref
 from typing import Any, NoReturn
 
 import jax
@@ -83,7 +84,9 @@ def _jax_runs_the_notice() -> bool:
     return jax.distributed.is_initialized()
 
 
-_OPEN: set[Watch] = set()  # the open managers' watches of this process (the main thread's)
+# The open managers' watches of this process (the main thread's); a manager dropped without
+# close() leaves it when it is collected.
+_OPEN: weakref.WeakSet[Watch] = weakref.WeakSet()
 
 
 class _Handler:
