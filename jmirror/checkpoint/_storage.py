@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import math
 import operator
@@ -52,6 +53,7 @@ _DELETING = ".jmirror-deleting-"
 _ORBAX_TMP = ".orbax-checkpoint-tmp"
 _STEP = re.compile(r"0|[1-9][0-9]*")
 _RENAME_EXCHANGE = 2
+_METADATA_FILE = "metadata"  # the file of orbax's JsonSave in its item's directory
 _AT_FDCWD = -100
 
 
@@ -264,15 +266,22 @@ def read_document(path: pathlib.Path, call: str) -> Any:
         )
     if _integrity.has_file_list(path):
         _integrity.check_files(path)
+    # orbax's JsonSave writes the document as one JSON file: read it as such (orbax's own
+    # restore of it costs 1.5 ms of a restore); through orbax where the file is not there.
+    document = path / _format.METADATA_ITEM / _METADATA_FILE
     try:
-        with _checkpointer() as checkpointer:
-            restored = checkpointer.restore(
-                path, args=ocp.args.Composite(**{_format.METADATA_ITEM: ocp.args.JsonRestore()})
-            )
+        if document.is_file():
+            doc = json.loads(document.read_bytes().decode())
+        else:
+            with _checkpointer() as checkpointer:
+                restored = checkpointer.restore(
+                    path,
+                    args=ocp.args.Composite(**{_format.METADATA_ITEM: ocp.args.JsonRestore()}),
+                )
+            doc = restored[_format.METADATA_ITEM]
     except Exception as error:  # JSON, Unicode and orbax errors of damaged metadata
-        what = f"its metadata {_format.METADATA_ITEM}/metadata"
+        what = f"its metadata {_format.METADATA_ITEM}/{_METADATA_FILE}"
         raise _integrity.read_failed(str(path), what, error) from error
-    doc = restored[_format.METADATA_ITEM]
     if isinstance(doc, dict) and doc.get("version", 1) != 1 and not _integrity.has_file_list(path):
         raise _format.corrupt(str(path), f"its file list {_integrity.FILES} is missing")
     return doc
