@@ -312,3 +312,106 @@ def bind_address(coordinator_address: str | None) -> str | None:
     except ValueError:
         return None
     return coordinator_address if loopback else None
+
+
+# --- the address gloo gives this process (SPEC 10, round 4 notes: several hosts) -------------
+# JAX 0.10 creates gloo's TCP transport without a host name or interface, so gloo binds the
+# first address this host's name resolves to (`gethostname()`, then `getaddrinfo`) and
+# publishes it to the other processes, which connect to it. A name that resolves to a loopback
+# address (Debian's `127.0.1.1 <hostname>` line in /etc/hosts) works while every process is on
+# one host, and makes every collective between hosts fail ("Connection refused") and abort.
+
+
+@dataclasses.dataclass(frozen=True)
+class HostAddress:
+    """How one process is reached by gloo, as its host sees it."""
+
+    hostname: str
+    resolved: str | None  # the first address the name resolves to (gloo binds it); None: none
+    route: str | None  # this host's address towards the coordinator; None: no route
+
+    def is_loopback(self) -> bool:
+        """Whether gloo would publish an address no other host can reach (or none at all)."""
+        return self.resolved is None or ipaddress.ip_address(self.resolved).is_loopback
+
+
+def reaches_other_hosts(coordinator_address: str | None) -> bool:
+    """Whether the coordinator may be on another host: its address is not a loopback one."""
+    if coordinator_address is None:
+        return True  # a detected cluster: JAX finds the coordinator, on any host
+    host = coordinator_address.rpartition(":")[0].strip("[]")
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return True
+    return not all(ipaddress.ip_address(info[4][0]).is_loopback for info in found)
+
+
+def this_host(coordinator_address: str | None) -> HostAddress:
+    """This process's host name, the address gloo will bind for it, its route to the coordinator."""
+    hostname = socket.gethostname()
+    try:
+        found = socket.getaddrinfo(hostname, None, type=socket.SOCK_STREAM)
+        resolved = str(found[0][4][0]) if found else None
+    except (socket.gaierror, UnicodeError):
+        resolved = None
+    return HostAddress(hostname, resolved, _route_to(coordinator_address))
+
+
+def _route_to(coordinator_address: str | None) -> str | None:
+    """The local address the kernel picks to reach the coordinator (a UDP `connect` sends
+    nothing); two processes on one host get the same, processes on two hosts do not."""
+    if coordinator_address is None:
+        return None
+    host, _, port = coordinator_address.rpartition(":")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), int(port), type=socket.SOCK_DGRAM
+        )[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.connect(address)
+            return str(sock.getsockname()[0])
+    except (OSError, UnicodeError, IndexError):
+        return None
+
+
+def loopback_hostname_error(hosts: list[HostAddress]) -> str | None:
+    """The error when the processes (`hosts[i]` is process i's) span several hosts and some
+    host's name resolves to a loopback address, so that gloo could not connect them; else None.
+
+    Hosts are told apart by their route to the coordinator; processes of one host reach each
+    other on loopback, so a loopback name is harmless there.
+    """
+    count = len({h.route or h.hostname for h in hosts})
+    bad = [(index, host) for index, host in enumerate(hosts) if host.is_loopback()]
+    if count < 2 or not bad:
+        return None
+    lines = []
+    for index, host in bad[:4]:
+        found = (
+            f"resolves to {host.resolved}, a loopback address"
+            if host.resolved is not None
+            else "does not resolve to any address"
+        )
+        entry = f"{host.route or '<its network address>'} {host.hostname}"
+        instead = (
+            f", in place of its '{host.resolved} {host.hostname}' line" if host.resolved else ""
+        )
+        lines.append(
+            f"process {index}: host name {host.hostname!r} {found}; fix: put the line "
+            f"'{entry}' in /etc/hosts on that host{instead}"
+        )
+    if len(bad) > 4:
+        lines.append(f"... and {len(bad) - 4} more processes")
+    return (
+        f"jm.distributed.initialize(): the {len(hosts)} processes of this run are on {count} "
+        "hosts, and gloo (JAX's CPU collectives) has the other hosts connect to each process "
+        "at the first address its host name resolves to. A loopback address cannot be reached "
+        "from another host: the first collective would fail with gloo's 'Connection refused' "
+        "and abort.\n  "
+        + "\n  ".join(lines)
+        + "\nThe address given is the one that host uses to reach the coordinator (the address "
+        "of the interface gloo must use). JAX offers no option to choose gloo's interface "
+        "(GLOO_SOCKET_IFNAME is PyTorch's; JAX does not read it), so the host name's entry is "
+        "the fix."
+    )

@@ -42,6 +42,7 @@ network only.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -52,7 +53,7 @@ import time
 
 import jax
 
-from jmirror import _cluster_config, _deadline
+from jmirror import _cluster_config, _deadline, _shim
 from jmirror._cluster_config import (
     ENV_COORDINATOR,
     ENV_DEVICES_PER_PROCESS,
@@ -179,6 +180,7 @@ def initialize(
         jax.config.update("jax_num_cpu_devices", request.devices_per_process)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     _join(request, timeout)
+    _check_hosts_reachable(request, timeout)
     global _sigterm_after_initialize
     _sigterm_after_initialize = signal.getsignal(signal.SIGTERM)
     if jax.process_count() > 1:
@@ -208,6 +210,38 @@ def _join(request: _cluster_config.Request, timeout_s: float | None) -> None:
             coordinator_bind_address=_cluster_config.bind_address(request.coordinator_address),
             initialization_timeout=jax_timeout,
         )
+
+
+def _check_hosts_reachable(request: _cluster_config.Request, timeout_s: float | None) -> None:
+    """Every process's host name and address, exchanged through the coordination service's
+    key-value store before gloo starts: several hosts with a host name on loopback is an
+    `OSError` on every process (they all decide on the same list), not gloo's abort later.
+
+    A loopback coordinator means one host: nothing to exchange.
+    """
+    if jax.process_count() < 2 or not _cluster_config.reaches_other_hosts(
+        request.coordinator_address
+    ):
+        return
+    client = _shim.distributed_client()
+    if client is None:
+        return  # no client to ask: gloo will report what it finds
+    me = _cluster_config.this_host(request.coordinator_address)
+    client.key_value_set(f"{_HOSTS_KEY}/{jax.process_index()}", json.dumps(me.__dict__))
+    wait_ms = int(1000 * (300 if timeout_s is None else timeout_s))
+    hosts = [
+        _cluster_config.HostAddress(
+            **json.loads(client.blocking_key_value_get(f"{_HOSTS_KEY}/{i}", wait_ms))
+        )
+        for i in range(jax.process_count())
+    ]
+    message = _cluster_config.loopback_hostname_error(hosts)
+    if message is not None:
+        jax.distributed.shutdown()  # every process does: its barrier does not wait long
+        raise OSError(message)
+
+
+_HOSTS_KEY = "jmirror/hosts"
 
 
 def _not_joined(request: _cluster_config.Request) -> str:

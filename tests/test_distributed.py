@@ -375,3 +375,109 @@ def test_numpy_integers_are_accepted(fresh):
     # Accepted: what is left is only that this process's devices are already in use.
     with pytest.raises(RuntimeError, match="must run before anything touches a device"):
         jm.distributed.initialize("127.0.0.1:1234", np.int64(2), np.int32(1))
+
+
+# --- several hosts: a host name on loopback (SPEC "10, round 4 notes") ------------------------
+# The decision, in this process; tests/test_two_hosts.py runs it on two hosts for real.
+
+
+def _host(name, resolved, route):
+    return _cluster_config.HostAddress(name, resolved, route)
+
+
+@pytest.mark.parametrize(
+    "hosts, named",
+    [
+        ([_host("a", "10.0.0.1", "10.0.0.1"), _host("b", "10.0.0.2", "10.0.0.2")], []),
+        # one host (one route to the coordinator): processes reach each other on loopback
+        ([_host("a", "127.0.1.1", "10.0.0.1"), _host("a", "127.0.1.1", "10.0.0.1")], []),
+        ([_host("a", "10.0.0.1", "10.0.0.1"), _host("b", "127.0.1.1", "10.0.0.2")], [1]),
+        ([_host("a", "127.0.1.1", "10.0.0.1"), _host("b", "127.0.1.1", "10.0.0.2")], [0, 1]),
+        ([_host("a", "::1", "fd00::1"), _host("b", "fd00::2", "fd00::2")], [0]),
+        ([_host("a", None, "10.0.0.1"), _host("b", "10.0.0.2", "10.0.0.2")], [0]),
+    ],
+)
+def test_a_host_name_on_loopback_is_an_error_only_across_hosts(hosts, named):
+    message = _cluster_config.loopback_hostname_error(hosts)
+    if not named:
+        assert message is None
+        return
+    assert message is not None and "Connection refused" in message
+    for index, host in enumerate(hosts):
+        line = f"process {index}: host name {host.hostname!r}"
+        assert (line in message) == (index in named), message
+        if index in named:  # the fix: the host name's line with the network address
+            assert f"put the line '{host.route} {host.hostname}' in /etc/hosts" in message
+            found = "does not resolve" if host.resolved is None else f"resolves to {host.resolved}"
+            assert f"{line} {found}" in message
+
+
+@pytest.mark.parametrize(
+    "address, other_hosts",
+    [("127.0.0.1:1234", False), ("localhost:1234", False), ("[::1]:1234", False),
+     ("10.0.0.1:1234", True), (None, True)],
+)  # fmt: skip
+def test_only_a_coordinator_off_loopback_may_need_other_hosts(address, other_hosts):
+    assert _cluster_config.reaches_other_hosts(address) == other_hosts
+
+
+@pytest.fixture
+def debian_hostname(monkeypatch):
+    """This host is 'node-7', and /etc/hosts says '127.0.1.1 node-7' (Debian's default)."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host == "node-7":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", 0))]
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(_cluster_config.socket, "gethostname", lambda: "node-7")
+    monkeypatch.setattr(_cluster_config.socket, "getaddrinfo", getaddrinfo)
+
+
+def test_this_host_is_its_name_its_first_address_and_its_route(debian_hostname):
+    assert _cluster_config.this_host("127.0.0.1:1234") == _host("node-7", "127.0.1.1", "127.0.0.1")
+
+
+class _FakeClient:
+    """The coordination service's key-value store, with the other process's entry in it."""
+
+    def __init__(self, entries):
+        self.store = dict(entries)
+
+    def key_value_set(self, key, value):
+        self.store[key] = value
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        return self.store[key]
+
+
+@pytest.mark.parametrize(
+    "other, raises",
+    [(_host("node-8", "10.1.2.4", "10.1.2.4"), True),  # another host: gloo would abort
+     (_host("node-7", "127.0.1.1", "10.1.2.3"), False)],  # this host: loopback is fine
+)  # fmt: skip
+def test_initialize_raises_on_every_process_before_gloo_starts(
+    fresh, debian_hostname, other, raises
+):
+    import json
+
+    client = _FakeClient({"jmirror/hosts/1": json.dumps(other.__dict__)})
+    shutdowns = []
+    fresh.setattr(distributed._shim, "distributed_client", lambda: client)
+    fresh.setattr(distributed.jax, "process_count", lambda: 2)
+    fresh.setattr(distributed.jax, "process_index", lambda: 0)
+    fresh.setattr(distributed.jax.distributed, "shutdown", lambda: shutdowns.append(1))
+    fresh.setattr(_cluster_config, "_route_to", lambda address: "10.1.2.3")  # process 0's host
+    request = _cluster_config.Request("arguments", "10.1.2.3:1234", 2, 0, 10, None, None)
+    if not raises:
+        distributed._check_hosts_reachable(request, 300)
+        assert not shutdowns
+        return
+    with pytest.raises(OSError) as error:
+        distributed._check_hosts_reachable(request, 300)
+    message = str(error.value)
+    assert "process 0: host name 'node-7' resolves to 127.0.1.1, a loopback address" in message
+    assert "put the line '10.1.2.3 node-7' in /etc/hosts" in message
+    assert "process 1:" not in message
+    assert shutdowns == [1]  # the runtime is left before the error, on every process

@@ -18,7 +18,7 @@ import jmirror as jm
 HERE = Path(__file__).parent / "multiprocess"
 sys.path.insert(0, str(HERE))
 import harness  # noqa: E402
-from training import batches, init_state, make_step, metric_values, nnx_training  # noqa: E402
+from training import metric_values, nnx_training, train  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("JMIRROR_TEST_DEVICES", "8") != "8" or len(jax.devices()) != 8,
@@ -35,14 +35,7 @@ def two_processes(tmp_path_factory):
 
 def _one_process(backend):
     """The same program on one process of 8 devices: the oracle."""
-    strategy = jm.MirroredStrategy(backend=backend)
-    step = jm.replicate(make_step(), strategy=strategy)
-    params, opt_state = strategy.mirror(init_state())
-    count = strategy.sync_on_read(np.int32(0), "sum")
-    for batch in strategy.distribute_dataset(list(batches(8)), remainder="drop"):
-        params, opt_state, loss, count = step(params, opt_state, batch, count)
-    flat = jax.tree.leaves(strategy.read(params))
-    return np.concatenate([np.ravel(np.asarray(p)) for p in flat]), strategy.read(loss), count
+    return train(jm.MirroredStrategy(backend=backend))
 
 
 @pytest.mark.parametrize("backend", ["pmap", "shard_map"])
@@ -120,11 +113,6 @@ def test_with_one_process_it_is_a_mirrored_strategy(backend):
     assert strategy.devices == tuple(jax.local_devices()) == strategy.local_devices
     assert strategy.num_local_replicas == strategy.num_replicas == 8
     params, loss, count = _one_process(backend)
-    step = jm.replicate(make_step(), strategy=strategy)
-    p, o = strategy.mirror(init_state())
-    c = strategy.sync_on_read(np.int32(0), "sum")
-    for batch in strategy.distribute_dataset(list(batches(8)), remainder="drop"):
-        p, o, _, c = step(p, o, batch, c)
-    flat = np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(strategy.read(p))])
+    flat, _, c = train(strategy)
     np.testing.assert_array_equal(flat, params)
     assert int(strategy.read(c)) == int(jm.MirroredStrategy().read(count))

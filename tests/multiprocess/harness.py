@@ -18,12 +18,13 @@ WORKER = HERE / "worker.py"
 class Background:
     """A process whose stdout and stderr go to files, read while it runs."""
 
-    def __init__(self, args, out_dir: Path, name: str, env=None, cwd=HERE):
+    def __init__(self, args, out_dir: Path, name: str, env=None, cwd=HERE, prefix=()):
+        """`python ARGS`, after the words of `prefix` (e.g. `ip netns exec NAME`)."""
         self.out = out_dir / f"{name}.out"
         self.err = out_dir / f"{name}.err"
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
             self.popen = subprocess.Popen(
-                [sys.executable, *args],
+                [*prefix, sys.executable, *args],
                 stdout=out,
                 stderr=err,
                 env=env,

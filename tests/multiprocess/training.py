@@ -49,6 +49,20 @@ def make_step():
     return step
 
 
+def train(strategy):
+    """`make_step` over `batches` of all replicas from `init_state`: the flat parameters, the
+    last loss and the example count, read (the one-process oracle of the several-process
+    tests)."""
+    step = jm.replicate(make_step(), strategy=strategy)
+    params, opt_state = strategy.mirror(init_state())
+    count = strategy.sync_on_read(np.int32(0), "sum")
+    for batch in strategy.distribute_dataset(list(batches(8)), remainder="drop"):
+        params, opt_state, loss, count = step(params, opt_state, batch, count)
+    flat = jax.tree.leaves(strategy.read(params))
+    flat = np.concatenate([np.ravel(np.asarray(p)) for p in flat])
+    return flat, strategy.read(loss), count
+
+
 def metric_values(n, steps=3, seed=2):
     """Values for NNX metrics, one row per replica: a different count of real values in each
     replica's row would need masking, so every row has 5, spread differently per replica."""
