@@ -25,6 +25,9 @@ PROCESS_TESTS=(
   tests/test_checkpoint_processes.py tests/test_input_processes.py tests/test_resume.py
   tests/test_two_hosts.py
 )
+# A session still running after this long is stopped (its log says where it was: pytest's
+# faulthandler_timeout prints every thread's stack of a test that runs past 7 minutes).
+SESSION_LIMIT_S="${SESSION_LIMIT_S:-1800}"
 work="$(mktemp -d)"
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true; rm -rf "$work"' EXIT
@@ -40,7 +43,8 @@ session() {  # session NAME DEVICES [nice] -- PYTEST ARGS...: runs in the backgr
   shift  # --
   local dir="$work/${#pids[@]}"
   mkdir -p "$dir"
-  JMIRROR_TEST_DEVICES="$devices" "${prefix[@]}" .venv/bin/python -m pytest -q \
+  JMIRROR_TEST_DEVICES="$devices" "${prefix[@]}" timeout -k 30 "$SESSION_LIMIT_S" \
+    .venv/bin/python -m pytest -q \
     -p no:cacheprovider --basetemp "$dir/tmp" "$@" >"$dir/log" 2>&1 &
   pids+=("$!")
   names+=("$name")
@@ -60,7 +64,12 @@ fi
 
 status=0
 for i in "${!pids[@]}"; do
-  wait "${pids[$i]}" || status=$?
+  wait "${pids[$i]}" || {
+    status=$?
+    if ((status == 124 || status == 137)); then
+      echo "--- ${names[$i]}: stopped after ${SESSION_LIMIT_S} s ---" >>"$work/$i/log"
+    fi
+  }
 done
 pids=()  # all waited for: nothing for the exit trap to kill
 for i in "${!names[@]}"; do

@@ -8,6 +8,7 @@ not a mix of two steps.
 
 import _thread
 import random
+import signal
 import threading
 import time
 
@@ -21,6 +22,16 @@ import jmirror as jm
 
 INTERRUPTS = 12
 LEAVES = 256
+
+
+@pytest.fixture(autouse=True)
+def python_handles_sigint():
+    """Python's own SIGINT handler, as in a terminal or Jupyter. A process that a
+    non-interactive shell starts in the background (`cmd &`, as CI's scripts do) begins with
+    SIGINT ignored, and there `interrupt_main()` would do nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def _interrupt_loop(step_once, check, interrupts: int = INTERRUPTS) -> int:
@@ -45,7 +56,7 @@ def _interrupt_loop(step_once, check, interrupts: int = INTERRUPTS) -> int:
     while caught < interrupts and time.monotonic() < deadline:
         try:
             ready.set()
-            while True:
+            while time.monotonic() < deadline:  # bounded even if no interrupt arrives
                 step_once()
         except KeyboardInterrupt:
             caught += 1
