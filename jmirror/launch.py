@@ -1,7 +1,7 @@
 """`python -m jmirror.launch`: run one program as several local processes, as on several machines.
 
-    python -m jmirror.launch --processes P [--devices-per-process D] [--max-restarts K]
-        [--grace-period S] (script.py | -m module) [args]
+    python -m jmirror.launch --processes P [--min-processes M] [--devices-per-process D]
+        [--max-restarts K] [--grace-period S] (script.py | -m module) [args]
 
 starts P processes of `script.py args` (or `python -m module args`) on this machine, each told
 by environment variables (`jm.distributed.ENV_*`) to join one run: a coordinator on
@@ -26,6 +26,14 @@ above and all of them are started again, with a new coordinator port, at most K 
 K+1-th failure ends the launcher with that failure's code. Each start tells the program how
 many restarts came before it in `JMIRROR_RESTART` (`"0"` the first time, `jm.distributed.
 ENV_RESTART`); a program that resumes from `manager.latest_step()` needs nothing else.
+
+Fewer processes (`--min-processes M`, default P; torchrun's elastic `--nnodes MIN:MAX`): a
+restart starts one process fewer for each lost process (one that failed by itself, before the
+launcher stopped the others; not those it stopped), never fewer than M, and tells them the
+new count in `JMIRROR_NUM_PROCESSES` (process indices 0 to the count - 1). Each restart's
+line on stderr gives its process count. The program then resumes on fewer replicas:
+`jmirror.checkpoint` restores onto any layout, and a global batch of the same size (a
+multiple of every count it may run on) keeps the results of an uninterrupted run.
 
 SIGTERM to the launcher (what SLURM and Kubernetes send before SIGKILL) is forwarded to every
 process (its process group), which then have `--grace-period` seconds (default 30) to save and
@@ -63,8 +71,8 @@ from typing import Any
 __all__ = ["main"]
 
 USAGE = (
-    "python -m jmirror.launch --processes P [--devices-per-process D] [--max-restarts K] "
-    "[--grace-period S] (script.py | -m module) [args]"
+    "python -m jmirror.launch --processes P [--min-processes M] [--devices-per-process D] "
+    "[--max-restarts K] [--grace-period S] (script.py | -m module) [args]"
 )
 STOP_GRACE_S = 3.0  # after a failure or Ctrl-C: SIGTERM, then SIGKILL this much later
 GRACE_PERIOD_S = 30.0  # after SIGTERM to the launcher (--grace-period)
@@ -73,7 +81,13 @@ _STATUS_FD = "JMIRROR_LAUNCH_STATUS_FD"
 _ALIVE_FD = "JMIRROR_LAUNCH_ALIVE_FD"
 _PARENT = "JMIRROR_LAUNCH_PID"
 _RESTART = "JMIRROR_RESTART"  # jm.distributed.ENV_RESTART
-_OPTIONS_WITH_VALUE = ("--processes", "--devices-per-process", "--max-restarts", "--grace-period")
+_OPTIONS_WITH_VALUE = (
+    "--processes",
+    "--min-processes",
+    "--devices-per-process",
+    "--max-restarts",
+    "--grace-period",
+)
 
 # Runs in each process: the program as `python script.py` / `python -m module` would run it,
 # then a failing exit code written to the launcher's pipe before the interpreter exits (and
@@ -155,6 +169,7 @@ class _Options:
     max_restarts: int
     grace_period: float
     program: list[str]  # ["-m", module, *args] or ["script", path, *args]
+    min_processes: int  # --min-processes, P when not given
 
 
 @dataclass
@@ -174,8 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Args:
       argv: the command line after `python -m jmirror.launch` (default `sys.argv[1:]`):
-        `--processes P [--devices-per-process D] [--max-restarts K] [--grace-period S]
-        (script.py | -m module) [args]`.
+        `--processes P [--min-processes M] [--devices-per-process D] [--max-restarts K]
+        [--grace-period S] (script.py | -m module) [args]`.
 
     Returns:
       0 when every process exited with 0; else the first failing process's exit code (128 +
@@ -207,6 +222,7 @@ def _parse(argv: list[str]) -> _Options | int:
         prog="python -m jmirror.launch", usage=USAGE, add_help=True, allow_abbrev=False
     )
     parser.add_argument("--processes", type=int, metavar="P")
+    parser.add_argument("--min-processes", type=int, metavar="M")
     parser.add_argument("--devices-per-process", type=int, default=1, metavar="D")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K")
     parser.add_argument("--grace-period", type=float, default=GRACE_PERIOD_S, metavar="S")
@@ -233,6 +249,12 @@ def _parse(argv: list[str]) -> _Options | int:
         if value < minimum:
             letter = {"--processes": "P", "--devices-per-process": "D"}.get(name, "K")
             return _usage_error(f"{name} expects {letter} >= {minimum}; got {value}.")
+    least = options.processes if options.min_processes is None else options.min_processes
+    if not 1 <= least <= options.processes:
+        return _usage_error(
+            f"--min-processes expects M with 1 <= M <= P (--processes {options.processes}); "
+            f"got {least}. M is the fewest processes a restart may continue on."
+        )
     grace = options.grace_period
     if not grace >= 0 or grace == float("inf"):
         return _usage_error(
@@ -257,6 +279,7 @@ def _parse(argv: list[str]) -> _Options | int:
         options.max_restarts,
         grace,
         [kind, target, *args],
+        least,
     )
 
 
@@ -311,6 +334,7 @@ class _Launch:
         self.selector = selectors.DefaultSelector()
         self.processes: list[_Process] = []
         self.first_failure: tuple[_Process, int] | None = None
+        self.lost: list[int] = []  # processes that failed before the others were stopped
         self.stop_signal: int | None = None
         self.signals = 0  # how many SIGINT / SIGTERM arrived
         self.kill_at: float | None = None  # when stopping: the time of SIGKILL
@@ -346,13 +370,25 @@ class _Launch:
         if self.restarts >= self.options.max_restarts:
             return False
         self.restarts += 1
-        sys.stderr.write(
-            f"jmirror.launch: restarting every process (restart {self.restarts} of "
-            f"{self.options.max_restarts}, {_RESTART}={self.restarts})\n"
+        before, least = self.count, self.options.min_processes
+        self.count = max(least, before - len(self.lost))
+        counts = (
+            f"restart {self.restarts} of {self.options.max_restarts}, {_RESTART}="
+            f"{self.restarts}, JMIRROR_NUM_PROCESSES={self.count}"
         )
+        if least == self.options.processes:
+            what = "every process"
+        else:
+            lost = ", ".join(map(str, self.lost))
+            what = (
+                f"on {self.count} of {before} processes (lost: process"
+                f"{'es' if len(self.lost) > 1 else ''} {lost}; --min-processes {least})"
+            )
+        sys.stderr.write(f"jmirror.launch: restarting {what} ({counts})\n")
         sys.stderr.flush()
         self.processes = []
         self.first_failure = None
+        self.lost = []
         self.kill_at = None
         self.killed = False
         return True
@@ -482,7 +518,11 @@ class _Launch:
                     self._failed(process, process.reported or process.code)
 
     def _failed(self, process: _Process, code: int) -> None:
-        if self.first_failure is None and self.stop_signal is None:
+        if self.stop_signal is not None:
+            return
+        if self.kill_at is None and process.index not in self.lost:  # not one we stopped
+            self.lost.append(process.index)
+        if self.first_failure is None:
             self.first_failure = (process, code)
 
     def _announce(self) -> None:
