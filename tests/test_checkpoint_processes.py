@@ -232,3 +232,61 @@ def test_a_save_that_the_other_process_skips_to_exit_ends_the_run_naming_the_sav
     ), out
     assert re.search(rf"\[0\] jmirror: processes that did not arrive at {call}: 1\.", out), out
     assert "jmirror.launch: process 0 exited with code 1" in out
+
+
+# --- a pending async save at exit, on every process ---------------------------------------------
+
+_EXIT_PENDING = """
+import os, sys, time
+import jax.numpy as jnp, numpy as np
+import jmirror as jm
+from jmirror.checkpoint import _storage
+
+jm.distributed.initialize()
+directory = sys.argv[1]
+write = _storage.write
+
+
+def slow_write(*args, **kwargs):  # the writer's (process 0's) write: surely pending at exit
+    time.sleep(1)
+    return write(*args, **kwargs)
+
+
+_storage.write = slow_write
+strategy = jm.MultiWorkerMirroredStrategy()
+me = strategy.process_index
+state = {
+    "big": strategy.mirror(np.arange(BIG[0] * BIG[1], dtype=np.float32).reshape(BIG)),
+    "ids": strategy.run(lambda: jnp.float32(jm.replica_id())),  # a PerReplica of all 8
+    "mine": jm.PerReplica(np.full((strategy.num_local_replicas, 2), me, np.float32)),
+}
+manager = jm.checkpoint.CheckpointManager(directory, async_save=True)
+manager.save(1, {"n": np.int32(1)})
+manager.save(2, state, data={"process": me})  # waits for step 1, then goes to the background
+pending = manager._background._thread
+print(f"process {me} exits; step 2 pending: {pending is not None and pending.is_alive()}")
+if me == 1:
+    sys.exit(0)  # process 0 ends by falling off the end
+"""
+
+
+def test_a_pending_async_save_is_completed_at_exit_on_every_process(tmp_path, strategy):
+    # Neither process calls close(): process 0 falls off the end, process 1 calls sys.exit(0).
+    script = tmp_path / "exit_pending.py"
+    script.write_text(f"BIG = {(2 * BIG[0], BIG[1])}\n" + textwrap.dedent(_EXIT_PENDING))
+    command = ["--processes", "2", "--devices-per-process", "4", str(script), tmp_path / "ckpt"]
+    run = harness.launch([str(c) for c in command], tmp_path, "exit-pending")
+    code, _ = run.wait(150)
+    out = run.output()
+    assert code == 0, out
+    for i in (0, 1):  # process 1 waits for process 0's write: pending on both
+        assert f"[{i}] process {i} exits; step 2 pending: True" in out, out
+    with jm.checkpoint.CheckpointManager(tmp_path / "ckpt", strategy=strategy) as manager:
+        assert manager.all_steps() == [1, 2]
+        with pytest.raises(ValueError, match="saved by 2 processes, each with its own data"):
+            manager.data(2)  # each process's data was written
+        state = manager.restore(2)
+    big = np.arange(2 * BIG[0] * BIG[1], dtype=np.float32).reshape(2 * BIG[0], BIG[1])
+    np.testing.assert_array_equal(strategy.read(state["big"]), big)
+    np.testing.assert_array_equal(components(strategy, state["ids"]), np.arange(8))
+    np.testing.assert_array_equal(components(strategy, state["mine"])[:, 0], [0] * 4 + [1] * 4)
