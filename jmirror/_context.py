@@ -49,6 +49,16 @@ class Runner(Protocol):
     def num_replicas(self) -> int: ...
 
 
+class Strategy(Runner, Protocol):
+    """What the modules below `jmirror._strategy` use of the current strategy
+    (`current_strategy`): running replica functions, and placing and reading values on the
+    host (`MirroredStrategy` provides it)."""
+
+    def mirror(self, tree: PyTree) -> PyTree: ...
+
+    def read(self, tree: PyTree) -> PyTree: ...
+
+
 _NOT_IN_REPLICA = (
     "{call} needs a replica context, but it was called in cross-replica context{where}. Call it "
     "inside a function run by jm.replicate(fn) or strategy.run(fn); there "
@@ -370,13 +380,13 @@ class _MergeFrame:
 class _Stack(threading.local):
     def __init__(self):
         self.frames: list[ReplicaContext | _MergeFrame] = []
-        self.strategies: list[Any] = []
+        self.strategies: list[Strategy] = []
 
 
 _STACK = _Stack()
-_DEFAULT: list[Any] = []
+_DEFAULT: list[Strategy] = []
 # Makes the default strategy: set by `jmirror._strategy`, which sits above this module.
-_DEFAULT_FACTORY: list[Callable[[], Any]] = []
+_DEFAULT_FACTORY: list[Callable[[], Strategy]] = []
 
 
 def _is_array_like(x: Any) -> bool:
@@ -475,12 +485,12 @@ def replica_context(call: str = "jm.replica_context()") -> ReplicaContext:
     raise RuntimeError(_NOT_IN_REPLICA.format(call=call, where=where))
 
 
-def set_default_factory(factory: Callable[[], Any]) -> None:
+def set_default_factory(factory: Callable[[], Strategy]) -> None:
     """Registers how `current_strategy` makes the default strategy (once, on first use)."""
     _DEFAULT_FACTORY[:] = [factory]
 
 
-def push_strategy(strategy: Any) -> None:
+def push_strategy(strategy: Strategy) -> None:
     _STACK.strategies.append(strategy)
 
 
@@ -488,7 +498,7 @@ def pop_strategy() -> None:
     _STACK.strategies.pop()
 
 
-def current_strategy() -> Any:
+def current_strategy() -> Strategy:
     """The innermost strategy in scope, else the default one (created once)."""
     if _STACK.strategies:
         return _STACK.strategies[-1]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 from jax.sharding import Mesh
@@ -508,7 +508,8 @@ def get_strategy() -> MirroredStrategy:
         >>> jm.get_strategy() is jm.get_strategy()
         True
     """
-    return _context.current_strategy()
+    # The stack holds what `scope` and the default factory put there: strategies of this class.
+    return cast(MirroredStrategy, _context.current_strategy())
 
 
 _context.set_default_factory(MirroredStrategy)

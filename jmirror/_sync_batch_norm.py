@@ -13,11 +13,19 @@ exist before the caller imported flax, so jmirror itself imports without it.
 from __future__ import annotations
 
 import sys
-from typing import Any, TypeVar
+from typing import Protocol, TypeVar
 
 from jmirror._context import current_strategy
 
 Module = TypeVar("Module")
+
+
+class HasAxisName(Protocol):
+    """What `sync_batch_norm` uses of a strategy: its replicas' axis name."""
+
+    @property
+    def axis_name(self) -> str: ...
+
 
 _LINEN = (
     "jm.sync_batch_norm got a flax linen module ({type}); linen modules are immutable "
@@ -38,7 +46,7 @@ _OTHER_AXIS = (
 )
 
 
-def sync_batch_norm(module: Module, strategy: Any = None) -> Module:
+def sync_batch_norm(module: Module, strategy: HasAxisName | None = None) -> Module:
     """Makes every `nnx.BatchNorm` in `module` compute its statistics over all replicas.
 
     Sets the `axis_name` of each `flax.nnx.BatchNorm` reachable from `module` (shared

@@ -9,7 +9,7 @@ count), `PerReplica` leaves split over the replicas (same replica count only).
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -18,6 +18,9 @@ from jmirror._nnx_metrics import MetricComponents
 from jmirror._values import Aggregation, PerReplica, PyTree, Sharded, SyncOnRead, is_distributed
 from jmirror.checkpoint import _format, _sharded
 from jmirror.checkpoint._encode import children, container_kind
+
+if TYPE_CHECKING:
+    from jmirror._strategy import MirroredStrategy
 
 _GET_VALUE = jax.tree_util.GetAttrKey("value")
 _GET_VALUES = jax.tree_util.GetAttrKey("values")
@@ -308,7 +311,9 @@ def check_replicas(tree: Tree, saved_n: int, n: int) -> None:
 # --- placing -----------------------------------------------------------------------------------
 
 
-def place(tree: Tree, arrays: dict[str, np.ndarray], strategy: Any, target: Any) -> PyTree:
+def place(
+    tree: Tree, arrays: dict[str, np.ndarray], strategy: MirroredStrategy, target: Any
+) -> PyTree:
     """The restored state: `target`'s structure when given, else the saved plain containers."""
     leaves = tree.leaves()
     values = _place_leaves(leaves, arrays, strategy)
@@ -317,7 +322,9 @@ def place(tree: Tree, arrays: dict[str, np.ndarray], strategy: Any, target: Any)
     return _rebuild(tree, iter(values))
 
 
-def _place_leaves(leaves: list[Leaf], arrays: dict[str, np.ndarray], strategy: Any) -> list:
+def _place_leaves(
+    leaves: list[Leaf], arrays: dict[str, np.ndarray], strategy: MirroredStrategy
+) -> list:
     n = strategy.num_replicas
     out: list[Any] = [None] * len(leaves)
     placed: dict[str, list[int]] = {"mirrored": [], "stacked": []}

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,9 @@ import numpy as np
 from jmirror import _deadline
 from jmirror._values import Aggregation, PerReplica, PyTree, Sharded, SyncOnRead
 from jmirror.checkpoint import _format, _sharded
+
+if TYPE_CHECKING:
+    from jmirror._strategy import MirroredStrategy
 
 _PYTHON_SCALARS = (bool, int, float, complex)
 # The bounded wait of a save that gathers per-replica components (named if it times out).
@@ -83,7 +86,7 @@ def container_kind(node: Any) -> str:
 
 
 class _Encoder:
-    def __init__(self, strategy: Any):
+    def __init__(self, strategy: MirroredStrategy):
         self.strategy = strategy
         self.topology = strategy.topology
         self.n = strategy.num_replicas
@@ -322,7 +325,7 @@ def _leaf(kind: str, name: str, shape: tuple, x: Any) -> dict:
     return out
 
 
-def encode(state: PyTree, strategy: Any, keep: bool = True) -> Encoded:
+def encode(state: PyTree, strategy: MirroredStrategy, keep: bool = True) -> Encoded:
     """The JSON tree of `state` and host copies of its arrays (see `_format`).
 
     Every process of the strategy calls it; only where `keep` are the arrays copied (the

@@ -32,7 +32,7 @@ import itertools
 import json
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -40,6 +40,9 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jmirror import _deadline
+
+if TYPE_CHECKING:
+    from jmirror._strategy import MirroredStrategy
 
 # A slow write (a large state, a slow filesystem) keeps the other processes waiting this long;
 # a lost process ends the run sooner, through the runtime's heartbeat.
@@ -67,10 +70,10 @@ class Group:
     timeout_s: float | None = None
 
     @classmethod
-    def of(cls, strategy: Any) -> Group:
+    def of(cls, strategy: MirroredStrategy) -> Group:
         topology = strategy.topology
         processes = tuple(sorted({d.process_index for d in topology.devices}))
-        return cls(processes, topology.process_index, getattr(topology, "timeout_s", None))
+        return cls(processes, topology.process_index, topology.timeout_s)
 
     @property
     def size(self) -> int:
