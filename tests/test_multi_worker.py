@@ -18,7 +18,7 @@ import jmirror as jm
 HERE = Path(__file__).parent / "multiprocess"
 sys.path.insert(0, str(HERE))
 import harness  # noqa: E402
-from training import metric_values, nnx_training, train  # noqa: E402
+from training import metric_batches, metric_reads, metric_values, nnx_training, train  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("JMIRROR_TEST_DEVICES", "8") != "8" or len(jax.devices()) != 8,
@@ -90,6 +90,25 @@ def test_nnx_metrics_read_across_processes_equal_one_device(two_processes, backe
             got = seen[f"{backend}/metric_welford_{field.name}"]
             want_field = getattr(want["stats"], field.name)
             np.testing.assert_allclose(got, want_field, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
+def test_every_metric_read_across_processes_equals_one_process(two_processes, backend):
+    # jm.metrics (Sum, Mean, Accuracy, with masks over NaN; compute, read, merge, reset,
+    # stack_history) and NNX's Average, Welford and Accuracy as sync-on-read state, updated
+    # in replicated steps: 2 x 4 against 1 x 8 on the same global batches.
+    want = metric_reads(jm.MirroredStrategy(backend=backend))
+    values, logits, labels, mask = (np.stack(x) for x in zip(*metric_batches(8)))
+    np.testing.assert_allclose(want["Sum/compute"], np.sum(values[mask]), rtol=1e-5)  # sane
+    np.testing.assert_allclose(want["nnx/welford_mean"], np.mean(np.where(mask, values, 0)))
+    hits = (np.argmax(logits, -1) == labels)[mask]
+    np.testing.assert_allclose(want["Accuracy/compute"], np.mean(hits), rtol=1e-6)
+    prefix = f"{backend}/metrics/"
+    for seen in two_processes:
+        got = {k[len(prefix) :]: v for k, v in seen.items() if k.startswith(prefix)}
+        assert sorted(got) == sorted(want)
+        for name, value in want.items():
+            np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("backend", ["pmap", "shard_map"])

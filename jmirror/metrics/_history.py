@@ -4,8 +4,8 @@ The pmap-era loop appends each step's metrics to a list and calls flax's
 `common_utils.get_metrics(history)` every few hundred steps: it takes replica 0's copy of
 every leaf of every step (`x[0]`) and fetches each one separately. `stack_history` takes the
 same list of a replicated step's mirrored outputs (or sync-on-read values, which it reads),
-stacks every leaf over the steps with one compiled function on the strategy's first device,
-and brings the result to the host with one `jax.device_get`.
+stacks every leaf over the steps with one compiled function on this process's first device
+of the strategy, and brings the result to the host with one `jax.device_get`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def stack_history(history: Sequence[PyTree], *, strategy: MirroredStrategy | Non
     `jm.all_reduce("mean", loss)`; `SyncOnRead` nodes, which are read as `strategy.read`
     reads them; plain arrays and numbers). The result has the structure of one step's tree,
     with every leaf a numpy array whose leading axis is the step. Mirrored leaves are read
-    from the strategy's first device without a gather; all leaves are stacked there by one
+    from this process's first device of the strategy without a gather (with several
+    processes every process gets the whole history); all leaves are stacked there by one
     compiled function (compiled once per history length and structure) and copied to the
     host by one `jax.device_get`, so nothing waits on the steps before this call.
 
@@ -82,7 +83,8 @@ def stack_history(history: Sequence[PyTree], *, strategy: MirroredStrategy | Non
         _check_no_per_replica(index, tree)
     steps = strategy.read(list(history))  # SyncOnRead → aggregated, mirrored → devices[0]
     columns, treedef = _columns(steps)
-    on_device = jax.device_put(columns, strategy.devices[0])
+    # Where this process's reads live (`strategy.devices[0]` may be another process's).
+    on_device = jax.device_put(columns, strategy.topology.first_local_device)
     return treedef.unflatten(jax.device_get(list(_stack_columns(on_device))))
 
 

@@ -20,7 +20,14 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from flax import nnx  # noqa: E402
-from training import batches, init_state, make_step, metric_values, nnx_training  # noqa: E402
+from training import (  # noqa: E402
+    batches,
+    init_state,
+    make_step,
+    metric_reads,
+    metric_values,
+    nnx_training,
+)
 
 out_dir = sys.argv[1]
 results: dict[str, np.ndarray] = {}
@@ -59,6 +66,8 @@ for backend in ("pmap", "shard_map"):
     for values in metric_values(n):
         update(metrics, jm.PerReplica(values[local]))
     computed = strategy.read(metrics).compute()
+    for name, value in metric_reads(strategy).items():
+        results[f"{backend}/metrics/{name}"] = value
     losses, state, steps, again = nnx_training(strategy, checkpoint_dir=f"{out_dir}/nnx_{backend}")
     results[f"{backend}/nnx_again"] = again
     results[f"{backend}/nnx_losses"], results[f"{backend}/nnx_state"] = losses, state

@@ -1,6 +1,8 @@
 """The training of the data-parallel equivalence test, shared by the multi-process worker and
 the test that checks it against one process."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -134,3 +136,72 @@ def nnx_training(strategy, steps=4, per_replica=4, checkpoint_dir=None):
         float(strategy.read(train_step(*pair, x, y))) for pair in (restored, (model, optimizer))
     ]
     return (*out, np.asarray(again))
+
+
+def _local_rows(strategy):
+    """This process's replicas' rows of an array of all N replicas' rows."""
+    local = getattr(strategy, "num_local_replicas", strategy.num_replicas)
+    index = getattr(strategy, "process_index", 0)
+    return slice(local * index, local * (index + 1))
+
+
+def metric_batches(n, steps=3, seed=7):
+    """Per step, one row per replica: values (NaN where masked out), logits, labels, mask."""
+    rs = np.random.RandomState(seed)
+    for values in metric_values(n, steps=steps, seed=seed):
+        mask = rs.rand(n, 5) < 0.7
+        values = np.where(mask, values, np.nan).astype(np.float32)
+        logits = rs.randn(n, 5, 3).astype(np.float32)
+        labels = rs.randint(0, 3, size=(n, 5)).astype(np.int32)
+        yield values, logits, labels, mask
+
+
+def metric_reads(strategy):
+    """Every jmirror metric (`Sum`, `Mean`, `Accuracy`: distributed, updated with masks in a
+    replicated step, computed, read, merged, reset, and a `stack_history` of the steps) and
+    NNX's `Average`, `Welford` and `Accuracy` (sync-on-read state updated in place) over the
+    same global batches; each process passes its own replicas' rows. Returns name -> value,
+    read on this process: the several-process run is compared with one process's."""
+    from flax import nnx
+
+    from jmirror import metrics
+
+    def update(ours, nnx_metrics, values, logits, labels, mask):
+        total, mean, accuracy = ours
+        ours = (
+            total.update(values, mask),
+            mean.update(values, mask),
+            accuracy.update(logits, labels, mask),
+        )
+        finite = jnp.where(mask, values, 0.0)
+        nnx_metrics.update(values=finite, logits=logits, labels=labels)
+        step_sum = total.reset().update(values, mask)  # this step's alone, sync-on-read
+        record = {"mean": jm.all_reduce("mean", jnp.sum(finite)), "sum": step_sum}
+        return ours, record
+
+    step = jm.replicate(update, strategy=strategy)
+    ours = tuple(m.create(strategy) for m in (metrics.Sum, metrics.Mean, metrics.Accuracy))
+    nnx_metrics = nnx.MultiMetric(
+        average=nnx.metrics.Average(),
+        welford=nnx.metrics.Welford(),
+        accuracy=nnx.metrics.Accuracy(),
+    )
+    rows = _local_rows(strategy)
+    history = []
+    for batch in metric_batches(strategy.num_replicas):
+        ours, record = step(ours, nnx_metrics, *(jm.PerReplica(x[rows]) for x in batch))
+        history.append(record)
+    out = {}
+    for metric in ours:
+        name = type(metric).__name__
+        out[f"{name}/compute"] = metric.compute(strategy)
+        out[f"{name}/read"] = strategy.read(metric).compute()
+        out[f"{name}/merged"] = metric.merge(metric).compute(strategy)
+        out[f"{name}/reset"] = metric.reset().compute(strategy)
+    stacked = metrics.stack_history(history, strategy=strategy)
+    out["history/mean"], out["history/sum"] = stacked["mean"], stacked["sum"].total
+    computed = strategy.read(nnx_metrics).compute()
+    out["nnx/average"], out["nnx/accuracy"] = computed["average"], computed["accuracy"]
+    for field in dataclasses.fields(computed["welford"]):
+        out[f"nnx/welford_{field.name}"] = getattr(computed["welford"], field.name)
+    return {name: np.asarray(value) for name, value in out.items()}
