@@ -22,7 +22,15 @@ import numpy as np
 from jax import lax
 
 from jmirror._proof import mark
-from jmirror._values import Aggregation, PerReplica, PyTree, ReduceOp, SyncOnRead
+from jmirror._values import (
+    Aggregation,
+    PerReplica,
+    PyTree,
+    ReduceOp,
+    SyncOnRead,
+    held_values,
+    per_replica_component,
+)
 
 if TYPE_CHECKING:
     from jmirror._dispatch import Dispatch
@@ -318,7 +326,7 @@ class ReplicaContext:
         if not isinstance(x, PerReplica):
             return x
         if x.is_component:
-            return x._values
+            return held_values(x)
         n = self.num_replicas
 
         def own(inner: tuple, v: Any) -> Any:
@@ -335,7 +343,7 @@ class ReplicaContext:
                 )
             return v[self.replica_id]
 
-        return jax.tree_util.tree_map_with_path(own, x._values)
+        return jax.tree_util.tree_map_with_path(own, held_values(x))
 
     def __repr__(self) -> str:
         return f"ReplicaContext(num_replicas={self.num_replicas}, axis_name={self.axis_name!r})"
@@ -359,7 +367,7 @@ class AllGather:
 
 def merge_per_replica(component: PyTree, axis_name: str) -> PerReplica:
     """A `PerReplica` seen inside `merge_fn`, holding this replica's own component."""
-    return PerReplica._of_component(component, AllGather(axis_name))
+    return per_replica_component(component, AllGather(axis_name))
 
 
 @dataclasses.dataclass(frozen=True)

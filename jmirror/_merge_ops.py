@@ -30,6 +30,7 @@ from jmirror._values import (
     ReduceOp,
     SyncOnRead,
     ValueContext,
+    held_values,
     is_distributed,
 )
 
@@ -137,7 +138,7 @@ class MergeOps(CrossReplica):
                 raise ValueError(_CAPTURED.format(op=op.name, where=where))
 
     def reduce_per_replica(self, op: ReduceOp, x: PerReplica, axis: int | None) -> PyTree:
-        return self._all_reduce(op, x._values, axis)
+        return self._all_reduce(op, held_values(x), axis)
 
     def gather(self, value: PyTree, axis: int) -> PyTree:
         gather = self.context.all_gather
@@ -146,7 +147,9 @@ class MergeOps(CrossReplica):
         def one(x: Any) -> Any:
             if isinstance(x, PerReplica):
                 return note_mirrored_in_merge(
-                    jax.tree.map(lambda v: gather(v, axis=axis, tiled=jnp.ndim(v) > 0), x._values)
+                    jax.tree.map(
+                        lambda v: gather(v, axis=axis, tiled=jnp.ndim(v) > 0), held_values(x)
+                    )
                 )
             if is_mirrored_in_merge(x):  # its N copies, as the host gathers a mirrored array
                 copies = [x] * n
@@ -165,7 +168,7 @@ class MergeOps(CrossReplica):
     def update(self, tree: PyTree, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         # Every replica runs fn on its own components.
         tree, args, kwargs = jax.tree.map(
-            lambda x: x._values if isinstance(x, PerReplica) else x,
+            lambda x: held_values(x) if isinstance(x, PerReplica) else x,
             (tree, args, kwargs),
             is_leaf=lambda x: isinstance(x, PerReplica),
         )

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jmirror import _context, _deadline
 from jmirror._context import Runner
 from jmirror._proof import prove
-from jmirror._values import PerReplica, Sharded, SyncOnRead, is_distributed
+from jmirror._values import PerReplica, Sharded, SyncOnRead, held_values, is_distributed
 
 MAX_ROUNDS = 4
 _UNBOUND_AXIS = re.compile(r"unbound axis name: (\S+?)\.?(\s|$)")
@@ -66,7 +66,7 @@ def flatten_slots(top: Sequence[Any], inputs: bool) -> tuple[list[Any], list[Slo
             kind = SPLIT if inputs else STORAGE
             slots.append(Slot(kind, inner, node.aggregation, len(leaves)))
         elif isinstance(node, PerReplica):
-            leaves, inner = jax.tree_util.tree_flatten(node._values)
+            leaves, inner = jax.tree_util.tree_flatten(held_values(node))
             slots.append(Slot(SPLIT if inputs else FORCED, inner, None, len(leaves)))
         else:
             leaves = [node]

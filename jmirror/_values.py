@@ -114,15 +114,6 @@ class PerReplica:
         self._values = values
         self._gather = None
 
-    @classmethod
-    def _of_component(cls, component: PyTree, gather: Callable[[PyTree], PyTree]) -> PerReplica:
-        """A `PerReplica` seen inside `merge_fn`: the calling replica's own component, and
-        how to all-gather every replica's (`gather`, supplied by the replica context)."""
-        node = cls.__new__(cls)
-        node._values = component
-        node._gather = gather
-        return node
-
     @property
     def values(self) -> PyTree:
         """The stacked components (leading axis N); all-gathered when read inside `merge_fn`."""
@@ -231,6 +222,22 @@ class PerReplica:
             return f"PerReplica(<inside merge_fn: {self._values!r}>)"
         shapes = jax.tree.map(lambda x: getattr(x, "shape", type(x).__name__), self._values)
         return f"PerReplica({shapes})"
+
+
+# The package's access to what a `PerReplica` holds. Module functions, not attributes: every
+# public attribute name of `PerReplica` hides a field of the wrapped container (`__getattr__`).
+
+
+def per_replica_component(component: PyTree, gather: Callable[[PyTree], PyTree]) -> PerReplica:
+    """A `PerReplica` seen inside `merge_fn`: the calling replica's own component, and how to
+    all-gather every replica's (`gather`, supplied by the replica context)."""
+    return PerReplica.tree_unflatten(gather, (component,))
+
+
+def held_values(x: PerReplica) -> PyTree:
+    """What `x` holds, never all-gathered: its stacked components (leading axis N), or inside
+    `merge_fn` the calling replica's own component (`x.values` would all-gather it)."""
+    return x._values
 
 
 def _fields(values: Any) -> list[str]:

@@ -99,10 +99,16 @@ class _Encoder:
         self.count += 1
         return str(self.count - 1)
 
+    def read_later(self, node: Sharded) -> str:
+        """The array name of `node`'s whole value, read with the state's other reads."""
+        names = [self._name()]
+        self.reads.append((node, names))
+        return names[0]
+
     def node(self, x: Any, path: tuple) -> dict:
         where = jax.tree_util.keystr(path)
         if isinstance(x, Sharded):  # saved whole, as read
-            return _leaf(_sharded.KIND, _sharded.read_later(self, x), x.shape, x.shards)
+            return _leaf(_sharded.KIND, self.read_later(x), x.shape, x.shards)
         if isinstance(x, SyncOnRead):
             if x.aggregation is Aggregation.NONE:
                 child = self.stacked(x.value, path + (jax.tree_util.GetAttrKey("value"),))

@@ -18,13 +18,6 @@ from jmirror._values import Sharded
 KIND = "sharded"
 
 
-def read_later(encoder: Any, node: Sharded) -> str:
-    """The array name of `node`'s whole value, read with the state's other reads."""
-    names = [encoder._name()]
-    encoder.reads.append((node, names))
-    return names[0]
-
-
 def pieces(host: np.ndarray, n: int) -> np.ndarray:
     """The `[N, k]` pieces of a whole host array (flattened, zero-padded, cut in N)."""
     flat = np.ravel(host)
