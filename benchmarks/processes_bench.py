@@ -28,7 +28,6 @@ the several processes talk through gloo over loopback and share its cores, so 2 
 expected to be slower there: this measures that cost, not a gain.
 """
 
-import argparse
 import itertools
 import os
 import statistics
@@ -37,46 +36,26 @@ import tempfile
 import time
 from pathlib import Path
 
-import jmirror as jm
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import _setup  # noqa: E402
 
-jm.distributed.initialize()  # first: nothing alone, joins the others under the launcher
+_setup.start()  # first: nothing alone, joins the others under the launcher
 
 import jax  # noqa: E402
 
-if not jax.distributed.is_initialized():
-    jax.config.update("jax_num_cpu_devices", 8)
-
-import optax  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.models import FEATURES, GLOBAL_BATCH, make_problem  # noqa: E402
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=40, help="steps per timed round")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per loop")
-    parser.add_argument("--calls", type=int, default=2000, help="reached_preemption calls")
-    return parser.parse_args()
+import jmirror as jm  # noqa: E402
+from benchmarks.models import FEATURES, GLOBAL_BATCH  # noqa: E402
 
 
 def main() -> None:
-    args = parse_args()
+    parser = _setup.options(__doc__, rounds=5)
+    parser.add_argument("--calls", type=int, default=2000, help="reached_preemption calls")
+    args = parser.parse_args()
     strategy = jm.MultiWorkerMirroredStrategy()
-    params, tx, loss_fn, x, y = make_problem(args.hidden)
+    training = _setup.train_mlp(strategy, args.hidden, mean_loss=True)
+    x, y = training.batch
     assert x.shape == (GLOBAL_BATCH, FEATURES)
-
-    @jm.replicate(strategy=strategy, donate_argnums=(0, 1))
-    def train_step(params, opt_state, batch):
-        bx, by = batch
-        loss, grads = jax.value_and_grad(loss_fn)(params, bx, by)
-        grads = jm.all_reduce("mean", grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, jm.all_reduce("mean", loss)
-
-    state = list(strategy.mirror((params, tx.init(params))))
-    (placed,) = strategy.distribute_dataset([(x, y)], remainder="error", prefetch=0)
+    placed = training.placed
 
     def run(batches) -> float:
         """Steps/s over `batches`, waiting for the last step."""
@@ -84,7 +63,7 @@ def main() -> None:
         loss = None
         steps = 0
         for batch in batches:
-            state[0], state[1], loss = train_step(state[0], state[1], batch)
+            loss = training.train(batch)
             steps += 1
         jax.block_until_ready(loss)
         return steps / (time.perf_counter() - start)
@@ -123,7 +102,7 @@ def main() -> None:
         per_call.append(calls())
     manager.close()
     if strategy.process_index == 0:
-        layout = f"{strategy.num_processes} x {strategy.num_local_replicas}"
+        layout = training.layout
         for name, values in rates.items():
             print(
                 f"{layout} {name:>7}: {statistics.median(values):6.1f} steps/s "

@@ -21,67 +21,42 @@ dispatch, one `watch` of its output) is timed directly; it starts the watchdog's
 that process. Only process 0 prints.
 """
 
-import argparse
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import jmirror as jm
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import _setup  # noqa: E402
 
-jm.distributed.initialize()  # first: nothing alone, joins the others under the launcher
+_setup.start()  # first: nothing alone, joins the others under the launcher
 
 import jax  # noqa: E402
 
-if not jax.distributed.is_initialized():
-    jax.config.update("jax_num_cpu_devices", 8)
-
-import optax  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.models import make_problem  # noqa: E402
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=40, help="steps per timed round")
-    parser.add_argument("--rounds", type=int, default=7, help="timed rounds per variant")
-    return parser.parse_args()
+import jmirror as jm  # noqa: E402
 
 
 def make_loop(timeout_s, hidden):
     strategy = jm.MultiWorkerMirroredStrategy(timeout_s=timeout_s)
-    params, tx, loss_fn, x, y = make_problem(hidden)
-
-    @jm.replicate(strategy=strategy, donate_argnums=(0, 1))
-    def train_step(params, opt_state, batch):
-        bx, by = batch
-        loss, grads = jax.value_and_grad(loss_fn)(params, bx, by)
-        grads = jm.all_reduce("mean", grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        # The loss stays per replica: the step+read loop reduces it on the host.
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    state = list(strategy.mirror((params, tx.init(params))))
-    (placed,) = strategy.distribute_dataset([(x, y)], remainder="error", prefetch=0)
+    # The loss stays per replica: the step+read loop reduces it on the host.
+    training = _setup.train_mlp(strategy, hidden, mean_loss=False)
 
     def run(steps: int, read: bool) -> float:
         """Steps/s over `steps` steps, waiting for the last one."""
         start = time.perf_counter()
         loss = None
         for _ in range(steps):
-            state[0], state[1], loss = train_step(state[0], state[1], placed)
+            loss = training.train(training.placed)
             if read:
                 float(strategy.reduce("mean", loss))
-        jax.block_until_ready((state, loss))
+        jax.block_until_ready((training.params, training.opt_state, loss))
         return steps / (time.perf_counter() - start)
 
-    return strategy, run
+    return training, run
 
 
 def main() -> None:
-    args = parse_args()
+    args = _setup.options(__doc__, rounds=7).parse_args()
     loops = {timeout: make_loop(timeout, args.hidden) for timeout in (None, 300)}
     for _, run in loops.values():  # compile, warm up
         run(3, False)
@@ -91,11 +66,11 @@ def main() -> None:
         for read in (False, True):
             for timeout, (_, run) in loops.items():
                 rates[timeout, read].append(run(args.steps, read))
-    strategy = loops[300][0]
+    training = loops[300][0]
     watch_us, bounded_us = watch_cost()
-    if strategy.process_index != 0:
+    if training.strategy.process_index != 0:
         return
-    layout = f"{strategy.num_processes} x {strategy.num_local_replicas}"
+    layout = training.layout
     for read in (False, True):
         name = "step+read" if read else "step"
         off, on = rates[None, read], rates[300, read]
