@@ -7,10 +7,17 @@ array output (see `jmirror._dispatch`):
 
 - `"pmap"`: `jax.pmap` over the topology's devices (the default);
 - `"shard_map"`: `jax.shard_map` over the topology's mesh, with `check_vma=False` so that
-  differentiation keeps `jax.pmap` semantics;
+  differentiation keeps `jax.pmap` semantics; manual over the replica axis only, so that on a
+  2-D mesh (replicas spanning k devices) XLA partitions each replica over the model axis;
 - `"vmap"`: every replica on one device through `jax.vmap` with the replica axis name (an
   emulated topology: `jmirror.testing.EmulatedStrategy`).
 
+`out_paths` (optional): each flat output's path; with replicas spanning several devices the
+mirrored outputs are then laid out by the topology's rules (`Topology.leaf_sharding`), so that
+state keeps its layout from step to step.
+
+The topology owns the layout: the specs a backend maps its inputs and outputs with
+(`Topology.specs`) and the mesh axes it maps by hand (`Topology.manual_axes`).
 `jm.replicate` calls them inside its own `jax.jit`; this is the only module that calls
 `jax.pmap` or `jax.shard_map`.
 """
@@ -23,7 +30,7 @@ from typing import Any
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+import numpy as np
 
 from jmirror._topology import Topology
 
@@ -41,6 +48,7 @@ def _pmap_executable(
     split: Sequence[bool],
     out_split: Sequence[bool],
     needs_token: bool,
+    out_paths: Sequence[Any] | None = None,
 ) -> Executable:
     body = jex.jaxpr_as_fun(closed)
     # jax.pmap needs one mapped argument: a function of mirrored inputs only gets a dummy one.
@@ -71,21 +79,97 @@ def _shard_map_executable(
     split: Sequence[bool],
     out_split: Sequence[bool],
     needs_token: bool,
+    out_paths: Sequence[Any] | None = None,
 ) -> Executable:
-    body = jex.jaxpr_as_fun(closed)
-    axis = topology.axis_name
+    spanning = topology.devices_per_replica > 1
+    body = _with_replica_ids(closed, topology.axis_name) if spanning else None
+    plain = jex.jaxpr_as_fun(closed)
+    split = tuple(split) + ((True,) if spanning else ())
 
     def replica(*flat):
         flat = [x[0] if s else x for x, s in zip(flat, split)]
-        outs = [o[None] if s else o for o, s in zip(body(*flat), out_split)]
+        outs = body(*flat) if body is not None else plain(*flat)
+        outs = [o[None] if s else o for o, s in zip(outs, out_split)]
         return (*outs, *_done_token(needs_token))
 
-    in_specs = tuple(P(axis) if s else P() for s in split)
-    out_specs = tuple(P(axis) if s else P() for s in out_split)
-    out_specs += (P(),) * len(_done_token(needs_token))
-    return jax.shard_map(
-        replica, mesh=topology.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    in_specs = topology.specs(split)
+    out_specs = topology.specs(out_split) + topology.specs((False,) * len(_done_token(needs_token)))
+    mapped = jax.shard_map(
+        replica,
+        mesh=topology.mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names=set(topology.manual_axes),
+        check_vma=False,
     )
+    if not spanning:
+        return mapped
+    ids = np.arange(topology.num_replicas, dtype=np.int32)
+    layouts = _out_layouts(topology, closed, out_split, out_paths)
+
+    def run(*flat):
+        outs = list(mapped(*flat, ids))
+        for i, layout in layouts:
+            outs[i] = jax.lax.with_sharding_constraint(outs[i], layout)
+        return outs
+
+    return run
+
+
+def _out_layouts(
+    topology: Topology, closed: Any, out_split: Sequence[bool], out_paths: Sequence[Any] | None
+) -> list[tuple[int, Any]]:
+    """The layout of each mirrored output by the topology's rules (`Topology.leaf_sharding`),
+    given the outputs' paths; without them XLA's propagation decides."""
+    if out_paths is None:
+        return []
+    avals = closed.out_avals
+    return [
+        (i, topology.leaf_sharding(path, jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype)))
+        for i, (path, s) in enumerate(zip(out_paths, out_split))
+        if not s
+    ]
+
+
+def _with_replica_ids(closed: Any, axis: str) -> Callable[..., list[Any]]:
+    """`closed` as a function of its inputs and, last, this replica's id, which stands for
+    `axis_index(axis)`.
+
+    Inside a shard_map manual over the replica axis only (replicas spanning several
+    devices), JAX lowers `axis_index` through a nested shard_map that needs a mesh in
+    context when the step is lowered, which `jax.jit` has no way to give; the replica id
+    is an input instead (an iota split over the replicas). Calls of `jax.jit` inside the
+    replica function are evaluated inline.
+    """
+
+    def run(*flat: Any) -> list[Any]:
+        return _evaluate(closed.jaxpr, closed.consts, flat[:-1], flat[-1], axis)
+
+    return run
+
+
+def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], rid: Any, axis: str):
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jex.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        if name == "axis_index" and eqn.params["axis_name"] in (axis, (axis,)):
+            outs = [rid]
+        elif name in ("pjit", "jit", "closed_call") and "jaxpr" in eqn.params:
+            inner = eqn.params.get("jaxpr") or eqn.params["call_jaxpr"]
+            outs = _evaluate(inner.jaxpr, inner.consts, invals, rid, axis)
+        else:
+            with eqn.ctx.manager:
+                out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+            outs = out if eqn.primitive.multiple_results else [out]
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
 
 
 def _vmap_executable(
@@ -94,6 +178,7 @@ def _vmap_executable(
     split: Sequence[bool],
     out_split: Sequence[bool],
     needs_token: bool,
+    out_paths: Sequence[Any] | None = None,
 ) -> Executable:
     """Every replica on one device, as `jax.vmap` with the replica axis name."""
     body = jex.jaxpr_as_fun(closed)
@@ -118,13 +203,32 @@ BACKENDS: dict[str, Callable[..., Executable]] = {
 }
 
 
+def choose(backend: str | None, topology: Topology, call: str = "MirroredStrategy") -> str:
+    """The backend a strategy runs on: `backend`, or with None `"pmap"` (one device per
+    replica) or `"shard_map"` (replicas spanning several devices, which `jax.pmap` cannot
+    run: `"pmap"` given then is a `ValueError`)."""
+    k = topology.devices_per_replica
+    if backend is None:
+        return "shard_map" if k > 1 else "pmap"
+    if backend == "pmap" and k > 1:
+        raise ValueError(
+            f'{call}(backend="pmap", devices_per_replica={k}): jax.pmap runs one replica per '
+            'device; replicas spanning several devices run on backend="shard_map" (the '
+            "default when devices_per_replica > 1): omit backend or pass "
+            'backend="shard_map".'
+        )
+    return backend
+
+
 def executable(backend: str, topology: Topology) -> Callable[..., Executable]:
     """The backend that runs replica jaxprs for `backend` on `topology`.
 
     Across processes `"pmap"` runs as `"shard_map"`: JAX cannot run a `jax.pmap` nested in
     `jax.jit` there, and `jax.pmap` is `jax.jit(jax.shard_map(..., check_vma=False))` anyway,
-    so the semantics are the same.
+    so the semantics are the same. Replicas spanning several devices (k > 1) run as
+    `"shard_map"` too: manual over the replica axis only (`Topology.manual_axes`), so that XLA
+    partitions each replica over its k devices.
     """
-    if backend == "pmap" and topology.process_count > 1:
+    if backend == "pmap" and (topology.process_count > 1 or topology.devices_per_replica > 1):
         return BACKENDS["shard_map"]
     return BACKENDS[backend]

@@ -84,14 +84,24 @@ class HostOps(CrossReplica):
             # SyncOnRead state is already placed; exactly-mirrored arrays are kept (one
             # sharding for mirrored state, so a step's outputs match its inputs' signature).
             if isinstance(leaf, (SyncOnRead, Sharded)) or (
-                isinstance(leaf, jax.Array) and leaf.sharding == self.topology.mirrored
+                isinstance(leaf, jax.Array)
+                and leaf.sharding == self.topology.leaf_sharding(path, leaf)
             ):
                 out[i] = leaf
             else:
                 todo.append(i)
         self._warn_pmap_layout([leaves[i] for i in todo])
         if todo:
-            for i, x in zip(todo, self._place_mirrored([leaves[i][1] for i in todo])):
+            sources = [leaves[i][1] for i in todo]
+            layouts = [self.topology.leaf_sharding(*leaves[i]) for i in todo]
+            # Laid out inside the replicas (k > 1, `Topology.layout_spec`) or all mirrored.
+            laid_out = any(x != self.topology.mirrored for x in layouts)
+            placed = (
+                self._place_mirrored(sources, layouts)
+                if laid_out
+                else self._place_mirrored(sources)
+            )
+            for i, x in zip(todo, placed):
                 out[i] = x
         return treedef.unflatten(out)
 
@@ -114,7 +124,9 @@ class HostOps(CrossReplica):
             )
             warnings.warn(message, UserWarning, stacklevel=4)
 
-    def _place_mirrored(self, sources: list[Any]) -> list[jax.Array]:
+    def _place_mirrored(
+        self, sources: list[Any], layouts: list[Any] | None = None
+    ) -> list[jax.Array]:
         """Mirrored copies of `sources` that own their buffers.
 
         `device_put` may reuse a source's buffer for the copy on its device (a `jax.Array`
@@ -125,11 +137,11 @@ class HostOps(CrossReplica):
         copied on the devices if shared.
         """
         sources = [np.array(x) if isinstance(x, np.ndarray) else x for x in sources]
-        mirrored = self.topology.mirrored
-        placed = jax.device_put(sources, [mirrored] * len(sources))
+        layouts = layouts or [self.topology.mirrored] * len(sources)
+        placed = jax.device_put(sources, layouts)
         shared = [j for j, (a, b) in enumerate(zip(sources, placed)) if _shares_memory(a, b)]
         if shared:
-            copies = _copy_fn(mirrored)([placed[j] for j in shared])
+            copies = _copy_fn(tuple(layouts[j] for j in shared))([placed[j] for j in shared])
             for j, copy in zip(shared, copies):
                 placed[j] = copy
         return placed
@@ -212,11 +224,11 @@ class HostOps(CrossReplica):
         return treedef.unflatten(out)
 
     def _on_first_device(self, x: jax.Array) -> jax.Array:
-        first = self.topology.devices[0]
+        target = self.topology.read_sharding(x)  # devices[0], or replica 0's devices
         for shard in x.addressable_shards:
-            if shard.device == first:
+            if {shard.device} == target.device_set and shard.data.shape == x.shape:
                 return shard.data
-        return jax.device_put(x, first)
+        return jax.device_put(x, target)
 
     def _gathered(self, stacked: Any) -> jax.Array:
         """The stacked components of a leaf, all on devices[0]."""
@@ -227,7 +239,7 @@ class HostOps(CrossReplica):
 
     def _component(self, stacked: Any, i: int) -> Any:
         if isinstance(stacked, jax.Array):
-            device = self.topology.devices[i]
+            device = self.topology.replica_devices(i)[0]
             for shard in stacked.addressable_shards:
                 if shard.device == device and shard.data.shape[:1] == (1,):
                     return _squeeze(shard.data)
@@ -268,6 +280,8 @@ class HostOps(CrossReplica):
                 )
             if isinstance(x, jax.Array) and self.topology.is_mirrored(x):
                 copy = self._on_first_device(x)
+                if copy.ndim == 0:  # scalar copies: the vector of them, as for a PerReplica
+                    return jnp.stack([copy] * self.num_replicas)
                 return jnp.concatenate([copy] * self.num_replicas, axis=axis)
             return x
 
@@ -321,9 +335,9 @@ def _is_key(dtype: Any) -> bool:
 
 
 @functools.cache
-def _copy_fn(sharding: Any) -> Callable[[list[jax.Array]], list[jax.Array]]:
-    """Fresh copies of arrays, placed with `sharding`."""
-    return jax.jit(lambda xs: [jnp.copy(x) for x in xs], out_shardings=sharding)
+def _copy_fn(layouts: tuple[Any, ...]) -> Callable[[list[jax.Array]], tuple[jax.Array, ...]]:
+    """Fresh copies of arrays, placed with `layouts` (one each)."""
+    return jax.jit(lambda xs: tuple(jnp.copy(x) for x in xs), out_shardings=layouts)
 
 
 @functools.cache

@@ -25,11 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from jmirror import _context
 from jmirror._shard_jaxpr import Piece, Pieces, run
+from jmirror._topology import Topology
 from jmirror._values import PyTree, Sharded
 
 # The default `bucket_bytes`: measured best on 8 XLA:CPU host devices in round 3 (the largest
@@ -54,7 +54,7 @@ _OTHER_N = (
 def shard_update(
     inner: optax.GradientTransformation,
     *,
-    strategy: Any = None,
+    strategy: _context.Strategy | None = None,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
 ) -> optax.GradientTransformation:
     """Shards a gradient transformation's state and update over the replicas (ZeRO-1).
@@ -137,12 +137,11 @@ def shard_update(
         if _context.in_replica_context():
             return _init_in_replica(inner, params, _pieces(name))
         if strategy is None and (found := _mirrored_on(params)) is not None:
-            return _init_placed(inner, params, *found)  # the devices the params are on
+            return _init_placed(inner, params, found)  # the devices the params are on
         chosen = strategy or _context.current_strategy()
-        topology = chosen.topology
         if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
             params = chosen.mirror(params)  # traced (`nnx.eval_shape`): the layouts say it
-        return _init_placed(inner, params, topology.mirrored, topology.stacked, chosen.num_replicas)
+        return _init_placed(inner, params, chosen.topology)
 
     def update(updates: PyTree, state: PyTree, params: PyTree = None) -> tuple[PyTree, PyTree]:
         # `updates`: this replica's own gradients (optax's name for the argument).
@@ -180,24 +179,24 @@ def stack(x: jax.Array, n: int) -> jax.Array:
     return jnp.pad(flat, (0, n * k - flat.size)).reshape(n, k)
 
 
-def _mirrored_on(params: PyTree) -> tuple[Any, Any, int] | None:
-    """The (mirrored, stacked) layouts and N of the 1-D mesh that every parameter is mirrored over
-    (as `strategy.mirror` places them), or None."""
-    leaves = jax.tree.leaves(params)
-    shardings = {getattr(x, "sharding", None) for x in leaves}
-    if len(shardings) != 1:
+def _mirrored_on(params: PyTree) -> Topology | None:
+    """The topology of the mesh every parameter is mirrored over (as `strategy.mirror` places
+    them: one strategy's mesh, no leaf split over its replica axis), or None."""
+    shardings = {getattr(x, "sharding", None) for x in jax.tree.leaves(params)}
+    meshes = {
+        s.mesh for s in shardings if isinstance(s, NamedSharding) and isinstance(s.mesh, Mesh)
+    }
+    if len(meshes) != 1 or not all(isinstance(s, NamedSharding) for s in shardings):
         return None
-    (sharding,) = shardings
-    if not isinstance(sharding, NamedSharding) or len(sharding.mesh.axis_names) != 1:
+    topology = Topology.of_mesh(meshes.pop())
+    if not all(topology.is_mirrored(x) for x in jax.tree.leaves(params)):
         return None
-    if tuple(sharding.spec) != ():
-        return None
-    mesh = sharding.mesh
-    return sharding, NamedSharding(mesh, P(mesh.axis_names[0])), mesh.size
+    return topology
 
 
-def _init_placed(inner: Any, params: PyTree, mirrored: Any, stacked: Any, n: int) -> PyTree:
+def _init_placed(inner: Any, params: PyTree, topology: Topology) -> PyTree:
     """The sharded state of N replicas, placed: pieces stacked, the rest mirrored."""
+    n = topology.num_replicas
     shapes = _sharded_shapes(params)
     leaves, treedef = jax.tree.flatten(jax.eval_shape(inner.init, params))
     sharded = [_is_sharded(leaf, shapes) for leaf in leaves]
@@ -206,7 +205,7 @@ def _init_placed(inner: Any, params: PyTree, mirrored: Any, stacked: Any, n: int
         state = jax.tree.leaves(inner.init(params))
         return [stack(x, n) if s else x for x, s in zip(state, sharded)]
 
-    layouts = [stacked if s else mirrored for s in sharded]
+    layouts = [topology.stacked if s else topology.mirrored for s in sharded]
     placed = jax.jit(build, out_shardings=layouts)(params)
     return treedef.unflatten(
         [Sharded(x, leaf.shape) if s else x for x, leaf, s in zip(placed, leaves, sharded)]

@@ -2,9 +2,17 @@
 
 A strategy holds one `Topology`, made once from its devices, and every part of jmirror that
 places, reads or runs values asks it rather than the strategy: the replicas' devices in replica
-order, the 1-D mesh over them, the two layouts of distributed values (mirrored: one full copy
-per device; stacked: slice i of a leading replica axis on device i), and which of those devices
-this process can address.
+order, the mesh over them, the layouts of distributed values (mirrored: the whole value on
+every replica; stacked: slice i of a leading replica axis on replica i), where a read lands,
+the specs a backend runs with, and which of those devices this process can address.
+
+A replica spans `devices_per_replica` = k devices (section 13 of the spec). With k = 1 the mesh
+is 1-D, named `axis_name`, and a mirrored leaf is one full copy per device. With k > 1 the mesh
+is 2-D, `(axis_name, model_axis_name)` of shape (N, k): a mirrored leaf is replicated over the
+replica axis and laid out inside each replica by a `PartitionSpec` over the model axis (its own
+sharding metadata, else the strategy's `layout` rules, else replicated), and a stacked leaf is
+split over the replica axis and replicated over the model axis. Everything that depends on k
+lives here and in `jmirror._backends`.
 
 An emulated topology (`Topology.emulated`, for `jmirror.testing.EmulatedStrategy`) puts every
 replica on one device: both layouts are then that device, and per-replica values are stacked
@@ -13,8 +21,11 @@ arrays on it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -23,25 +34,44 @@ from jax.sharding import PartitionSpec as P
 
 from jmirror._devices import Device
 
+# How a strategy lays out mirrored leaves inside a replica: a callable
+# `(path, leaf) -> PartitionSpec | None`, or `(regex, PartitionSpec)` pairs.
+LayoutRules = Callable[[Any, Any], "P | None"] | Sequence[tuple[str, P]] | None
+
+_BAD_SPEC = (
+    "{call}: the layout of the mirrored leaf at {path} of shape {shape} is {spec}, which {why}. "
+    "A mirrored leaf is replicated over the replica axis {axis!r} and laid out inside a replica "
+    "over the model axis {model!r} only ({k} devices per replica): give a PartitionSpec that "
+    "names only {model!r}, on a dimension that {k} divides (or None for replicated)."
+)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Topology:
     """The devices of a strategy's replicas and the layouts of values on them.
 
-    Make one with `Topology.create(devices, axis_name)` (one replica per device, in the given
-    order) or `Topology.emulated(device, num_replicas, axis_name)`.
+    Make one with `Topology.create(devices, axis_name)` (one replica per device, or
+    `devices_per_replica` consecutive devices per replica, in the given order) or
+    `Topology.emulated(device, num_replicas, axis_name)`.
 
     Attributes:
-      devices: one device per replica, in replica order (every process's devices).
+      devices: every device, in replica order (replica i holds `replica_devices(i)`; every
+        process's devices).
       axis_name: the collective axis name of the replicas.
-      mesh: a 1-D mesh over `devices` named `axis_name`.
-      mirrored: the layout of mirrored values (fully replicated over `devices`).
-      stacked: the layout of per-replica values (leading axis split over `devices`).
+      mesh: the mesh over `devices`: 1-D named `axis_name` (k = 1), or 2-D
+        `(axis_name, model_axis_name)` of shape (N, k).
+      mirrored: the layout of a mirrored value replicated inside each replica (fully
+        replicated over `devices`); `mirrored_sharding` gives a leaf's own.
+      stacked: the layout of per-replica values (leading axis split over the replicas,
+        replicated inside each); `stacked_sharding` gives it for other inner specs.
       local_devices: the devices of `devices` this process can address, in replica order.
       process_index: this process's index; `process_count`: how many processes there are.
       is_emulated: whether every replica runs on one device.
       device_set: the devices as a set.
       timeout_s: the bound on a wait for other processes (`jmirror._deadline`), or None.
+      devices_per_replica: k, how many devices one replica spans.
+      model_axis_name: the mesh axis inside a replica (k > 1).
+      layout: the rules that lay out mirrored leaves inside a replica (k > 1), or None.
     """
 
     devices: tuple[Device, ...]
@@ -55,14 +85,30 @@ class Topology:
     is_emulated: bool
     device_set: frozenset[Device]  # the devices as a set, for layout checks on every read
     timeout_s: float | None = None
+    devices_per_replica: int = 1
+    model_axis_name: str = "model"
+    layout: Any = None
 
     @classmethod
     def create(
-        cls, devices: Sequence[Device], axis_name: str, timeout_s: float | None = None
+        cls,
+        devices: Sequence[Device],
+        axis_name: str,
+        timeout_s: float | None = None,
+        *,
+        devices_per_replica: int = 1,
+        model_axis_name: str = "model",
+        layout: LayoutRules = None,
     ) -> Topology:
-        """One replica per device of `devices` (distinct, one platform), in that order."""
+        """Replicas over `devices` (distinct, one platform), in that order: replica i runs on
+        `devices[i*k:(i+1)*k]` for k = `devices_per_replica` (checked to divide them)."""
         devices = tuple(devices)
-        mesh = Mesh(np.array(devices), (axis_name,))
+        k = check_devices_per_replica(devices_per_replica, len(devices))
+        if k == 1:
+            mesh = Mesh(np.array(devices), (axis_name,))
+        else:
+            grid = np.array(devices).reshape(len(devices) // k, k)
+            mesh = Mesh(grid, (axis_name, model_axis_name))
         me = jax.process_index()
         return cls(
             devices=devices,
@@ -76,6 +122,9 @@ class Topology:
             is_emulated=False,
             device_set=frozenset(devices),
             timeout_s=timeout_s,
+            devices_per_replica=k,
+            model_axis_name=model_axis_name,
+            layout=_check_rules(layout),
         )
 
     @classmethod
@@ -95,15 +144,28 @@ class Topology:
             device_set=frozenset((device,)),
         )
 
+    @classmethod
+    def of_mesh(cls, mesh: Mesh) -> Topology:
+        """The topology whose mesh is `mesh` (as a strategy made it): its first axis names
+        the replicas, a second one the devices inside a replica."""
+        names = mesh.axis_names
+        k = mesh.devices.shape[1] if len(names) == 2 else 1
+        model = str(names[1]) if len(names) == 2 else "model"
+        return cls.create(
+            tuple(mesh.devices.flat), str(names[0]), devices_per_replica=k, model_axis_name=model
+        )
+
+    # --- the replicas --------------------------------------------------------------------------
+
     @property
     def num_replicas(self) -> int:
-        """How many replicas (one per entry of `devices`)."""
-        return len(self.devices)
+        """How many replicas (one per `devices_per_replica` entries of `devices`)."""
+        return len(self.devices) // self.devices_per_replica
 
     @property
     def num_local_replicas(self) -> int:
         """How many replicas run on this process's devices."""
-        return len(self.local_devices)
+        return len(self.local_devices) // self.devices_per_replica
 
     @property
     def first_local_device(self) -> Device:
@@ -112,11 +174,19 @@ class Topology:
 
     @property
     def local_replica_ids(self) -> tuple[int, ...]:
-        """The replica index of each of `local_devices`."""
+        """The replica index of each replica on this process's devices."""
         if self.is_emulated:
             return tuple(range(self.num_replicas))
-        index = {d: i for i, d in enumerate(self.devices)}
-        return tuple(index[d] for d in self.local_devices)
+        k = self.devices_per_replica
+        index = {d: i // k for i, d in enumerate(self.devices)}
+        return tuple(index[d] for d in self.local_devices[::k])
+
+    def replica_devices(self, i: int) -> tuple[Device, ...]:
+        """The devices replica `i` runs on, in the caller's order."""
+        if self.is_emulated:
+            return (self.devices[i],)
+        k = self.devices_per_replica
+        return self.devices[i * k : (i + 1) * k]
 
     @property
     def platform(self) -> str:
@@ -128,12 +198,154 @@ class Topology:
         """How many distinct devices the replicas run on (1 when emulated)."""
         return 1 if self.is_emulated else len(self.devices)
 
+    # --- layouts -------------------------------------------------------------------------------
+
+    def layout_spec(self, path: Any, leaf: Any, call: str = "strategy.mirror") -> P:
+        """The `PartitionSpec` inside a replica of the mirrored leaf `leaf` at `path`: its own
+        sharding metadata when that names only the model axis, else the `layout` rules, else
+        replicated (always replicated when k = 1). A bad spec is a `ValueError` naming the
+        path, shape and spec."""
+        if self.devices_per_replica == 1 or self.is_emulated:
+            return P()
+        spec = self._own_spec(leaf)
+        if spec is None:
+            spec = self._rule_spec(path, leaf)
+        if spec is None:
+            return P()
+        self.check_spec(path, np.shape(leaf), spec, call)
+        return spec
+
+    def _own_spec(self, leaf: Any) -> P | None:
+        """The spec of `leaf`'s own metadata when it names only the model axis: a laid-out
+        `jax.Array` of this mesh, an NNX `Variable`'s `sharding`, a linen `Partitioned` box."""
+        names = getattr(leaf, "sharding_names", None) or getattr(leaf, "names", None)
+        sharding = getattr(leaf, "sharding", None)
+        if names is None and isinstance(sharding, NamedSharding):
+            if sharding.mesh.shape_tuple == self.mesh.shape_tuple:
+                names = tuple(sharding.spec)
+        elif names is None and isinstance(sharding, (tuple, P)):
+            names = tuple(sharding)
+        if not names:
+            return None
+        flat = {n for entry in names for n in (entry if isinstance(entry, tuple) else (entry,))}
+        if flat - {None} != {self.model_axis_name}:
+            return None
+        return P(*names)
+
+    def _rule_spec(self, path: Any, leaf: Any) -> P | None:
+        rules = self.layout
+        if rules is None:
+            return None
+        if callable(rules):
+            spec: Any = rules(path, leaf)
+            return spec
+        where = jax.tree_util.keystr(tuple(path))
+        for pattern, spec in rules:
+            if re.search(pattern, where):
+                return spec
+        return None
+
+    def check_spec(self, path: Any, shape: tuple[int, ...], spec: Any, call: str) -> None:
+        """A `ValueError` naming the path, shape and spec unless `spec` lays out a leaf of
+        `shape` inside one replica."""
+        why = None
+        if not isinstance(spec, P):
+            why = f"is not a jax.sharding.PartitionSpec (a {type(spec).__name__})"
+        elif len(spec) > len(shape):
+            why = f"has more entries than the leaf has dimensions ({len(shape)})"
+        else:
+            for dim, entry in zip(shape, spec):
+                names = entry if isinstance(entry, tuple) else (entry,)
+                if self.axis_name in names:
+                    why = f"names the replica axis {self.axis_name!r}"
+                elif set(names) - {None, self.model_axis_name}:
+                    why = f"names an axis other than {self.model_axis_name!r}"
+                elif self.model_axis_name in names and dim % self.devices_per_replica:
+                    k = self.devices_per_replica
+                    why = f"splits a dimension of {dim} that {k} does not divide"
+                if why:
+                    break
+        if why:
+            where = jax.tree_util.keystr(tuple(path)) or "<root>"
+            raise ValueError(
+                _BAD_SPEC.format(
+                    call=call,
+                    path=where,
+                    shape=tuple(shape),
+                    spec=spec,
+                    why=why,
+                    axis=self.axis_name,
+                    model=self.model_axis_name,
+                    k=self.devices_per_replica,
+                )
+            )
+
+    def mirrored_sharding(self, spec: P | None = None) -> Sharding:
+        """The layout of a mirrored leaf laid out by `spec` inside each replica (`mirrored`
+        for None or `P()`)."""
+        if spec is None or not tuple(spec) or self.is_emulated:
+            return self.mirrored
+        return NamedSharding(self.mesh, spec)
+
+    def leaf_sharding(self, path: Any, leaf: Any, call: str = "strategy.mirror") -> Sharding:
+        """The layout of the mirrored leaf `leaf` at `path` (`layout_spec`)."""
+        return self.mirrored_sharding(self.layout_spec(path, leaf, call))
+
+    def stacked_sharding(self, spec: P | None = None) -> Sharding:
+        """The layout of a per-replica stack whose components are laid out by `spec` inside
+        each replica (`stacked` for None or `P()`)."""
+        if spec is None or not tuple(spec) or self.is_emulated:
+            return self.stacked
+        return NamedSharding(self.mesh, P(self.axis_name, *spec))
+
+    def read_sharding(self, x: jax.Array) -> Sharding:
+        """Where a read of the mirrored leaf `x` lands: `devices[0]` (k = 1), or replica 0's
+        devices laid out as `x` is inside a replica (k > 1)."""
+        first = self.replica_devices(0)
+        if len(first) == 1:
+            return SingleDeviceSharding(first[0])
+        spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else P()
+        return NamedSharding(Mesh(np.array(first), (self.model_axis_name,)), spec)
+
+    def spec(self, split: bool) -> P:
+        """The spec a backend maps a flat input or output with: split over the replica axis
+        (a per-replica stack) or not (mirrored; its layout inside a replica stays automatic)."""
+        return P(self.axis_name) if split else P()
+
+    def specs(self, split: Sequence[bool]) -> tuple[P, ...]:
+        """`spec` of each flat input or output."""
+        return tuple(self.spec(s) for s in split)
+
+    @property
+    def manual_axes(self) -> frozenset[str]:
+        """The mesh axes a backend maps by hand: the replica axis (inside a replica, XLA
+        partitions the model axis)."""
+        return frozenset((self.axis_name,))
+
     def is_mirrored(self, x: jax.Array) -> bool:
         """Whether `x` is laid out as a mirrored value of this topology."""
         sharding = x.sharding
         if sharding == self.mirrored:
             return True
-        return sharding.is_fully_replicated and sharding.device_set == self.device_set
+        if sharding.is_fully_replicated:
+            return sharding.device_set == self.device_set
+        return (
+            self.devices_per_replica > 1
+            and isinstance(sharding, NamedSharding)
+            and sharding.mesh.shape_tuple == self.mesh.shape_tuple
+            and sharding.device_set == self.device_set
+            and not _names_axis(sharding.spec, self.axis_name)
+        )
+
+    def is_stacked_elsewhere(self, x: Any) -> bool:
+        """Whether `x` is stacked per replica over a mesh of this replica axis name but other
+        devices (placed by another strategy)."""
+        sharding = getattr(x, "sharding", None)
+        return (
+            isinstance(sharding, NamedSharding)
+            and sharding.mesh.axis_names[:1] == (self.axis_name,)
+            and sharding.device_set != self.device_set
+        )
 
     def is_pmap_layout(self, x: jax.Array) -> bool:
         """Whether `x` is laid out the `jax.pmap` way over these devices: a leading axis of
@@ -153,6 +365,69 @@ class Topology:
         """Whether `x` lives on exactly this topology's devices."""
         return x.sharding.device_set == self.device_set
 
+    def mesh_scope(self) -> contextlib.AbstractContextManager[Any]:
+        """The context of a strategy's `scope`: with k > 1 `mesh` is the current mesh there
+        (`jax.set_mesh`), so that modules with partitioning metadata can be built inside."""
+        if self.devices_per_replica == 1:
+            return contextlib.nullcontext()
+        return jax.set_mesh(self.mesh)
+
+    def describe_spanning(self) -> str:
+        """The strategy repr's part about replicas spanning devices (empty when k = 1)."""
+        k = self.devices_per_replica
+        return (
+            f", devices_per_replica={k}, model_axis_name={self.model_axis_name!r}" if k > 1 else ""
+        )
+
     def __repr__(self) -> str:
         devices = ", ".join(f"{d.platform}:{d.id}" for d in self.devices)
-        return f"Topology(devices=[{devices}], axis_name={self.axis_name!r})"
+        k = self.devices_per_replica
+        per = f", devices_per_replica={k}" if k > 1 else ""
+        return f"Topology(devices=[{devices}], axis_name={self.axis_name!r}{per})"
+
+
+def check_devices_per_replica(k: Any, num_devices: int, call: str = "MirroredStrategy") -> int:
+    """`k` when it is an int >= 1 that divides `num_devices`, else a `ValueError` naming both
+    (a `TypeError` for a non-int)."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise TypeError(
+            f"{call}(devices_per_replica={k!r}): expected an int >= 1 (how many devices one "
+            "replica spans)."
+        )
+    if k < 1 or num_devices % k:
+        raise ValueError(
+            f"{call}(devices_per_replica={k}) needs an int >= 1 that divides the {num_devices} "
+            f"device(s) (each replica spans devices_per_replica of them): {k} does not. Pick a "
+            f"divisor of {num_devices}, or pass devices / num_devices so that their count is a "
+            f"multiple of it."
+        )
+    return int(k)
+
+
+def _names_axis(spec: Any, axis: str) -> bool:
+    return any(axis in (e if isinstance(e, tuple) else (e,)) for e in spec)
+
+
+def _check_rules(layout: Any) -> Any:
+    """`layout` as given (a callable), or its `(regex, PartitionSpec)` pairs as a tuple."""
+    if layout is None or callable(layout):
+        return layout
+    if isinstance(layout, (str, bytes)) or not isinstance(layout, Sequence):
+        raise TypeError(
+            "MirroredStrategy(layout=...) expects a callable (path, leaf) -> PartitionSpec | "
+            f"None or a sequence of (regex, PartitionSpec) pairs, got {layout!r}."
+        )
+    rules = tuple(layout)
+    for rule in rules:
+        if not (
+            isinstance(rule, tuple)
+            and len(rule) == 2
+            and isinstance(rule[0], str)
+            and isinstance(rule[1], P)
+        ):
+            raise TypeError(
+                f"MirroredStrategy(layout=...): the rule {rule!r} is not a (regex, "
+                "PartitionSpec) pair, e.g. (r'dense.*kernel', P(None, 'model'))."
+            )
+        re.compile(rule[0])
+    return rules
