@@ -183,7 +183,11 @@ class HostOps(CrossReplica):
         topology = self.topology
         if topology.is_emulated:
             return jax.device_put(jnp.stack([jnp.asarray(p) for p in parts]), topology.stacked)
-        arrays = [jax.device_put(jnp.asarray(p)[None], d) for p, d in zip(parts, topology.devices)]
+        arrays = [
+            jax.device_put(jnp.asarray(p)[None], d)
+            for i, p in enumerate(parts)
+            for d in topology.replica_devices(i)
+        ]
         shape = (self.num_replicas,) + tuple(arrays[0].shape[1:])
         return jax.make_array_from_single_device_arrays(shape, topology.stacked, arrays)
 
@@ -224,7 +228,11 @@ class HostOps(CrossReplica):
         return treedef.unflatten(out)
 
     def _on_first_device(self, x: jax.Array) -> jax.Array:
-        target = self.topology.read_sharding(x)  # devices[0], or replica 0's devices
+        return self._on_replica(x, 0)
+
+    def _on_replica(self, x: jax.Array, i: int) -> jax.Array:
+        """Replica `i`'s copy of the mirrored `x` (on its device, or laid out on its devices)."""
+        target = self.topology.read_sharding(x, i)
         for shard in x.addressable_shards:
             if {shard.device} == target.device_set and shard.data.shape == x.shape:
                 return shard.data
@@ -262,8 +270,7 @@ class HostOps(CrossReplica):
             stacked = x.values if isinstance(x, PerReplica) else x.value
             return [jax.tree.map(lambda v, i=i: self._component(v, i), stacked) for i in range(n)]
         if isinstance(x, jax.Array) and n > 1 and self.topology.is_mirrored(x):
-            by_device = {s.device: s.data for s in x.addressable_shards}
-            return [by_device[d] for d in self.topology.devices]
+            return [self._on_replica(x, i) for i in range(n)]
         return None
 
     def reduce_per_replica(self, op: ReduceOp, x: PerReplica, axis: int | None) -> PyTree:

@@ -19,7 +19,7 @@ import jax
 from jax.sharding import Mesh
 
 from jmirror import _context, _nnx, _nnx_metrics
-from jmirror._backends import BACKENDS
+from jmirror._backends import BACKENDS, choose
 from jmirror._cross_replica import CrossReplica
 from jmirror._devices import Device, DeviceSpec, resolve_devices
 from jmirror._dispatch import Dispatch
@@ -28,7 +28,7 @@ from jmirror._input import DistributedDataset, distribute_dataset, distribute_da
 from jmirror._merge_ops import MergeOps
 from jmirror._process_ops import ProcessHostOps
 from jmirror._replicate import replicate
-from jmirror._topology import Topology
+from jmirror._topology import LayoutRules, Topology
 from jmirror._values import (
     Aggregation,
     PerReplica,
@@ -62,7 +62,8 @@ class MirroredStrategy:
       num_devices: use the first `num_devices` local devices instead of listing them.
       axis_name: the collective axis name of the replicas.
       backend: `"pmap"` (compile with `jax.pmap`) or `"shard_map"` (with
-        `jax.jit(jax.shard_map(...))`); both give the same results.
+        `jax.jit(jax.shard_map(...))`); both give the same results. `None`: `"pmap"`, or
+        `"shard_map"` when `devices_per_replica > 1` (`"pmap"` is then a `ValueError`).
       max_in_flight: how many replicated steps may be queued before the next call waits for
         the oldest; `None` picks a safe default for the platform (2 on CPU host devices, at
         most 16 there: XLA:CPU aborts when too many collective steps are queued). Strategies
@@ -71,10 +72,19 @@ class MirroredStrategy:
         measured to be slower (arguments holding leaves of 8 MiB or more, on several CPU
         host devices, where the step then holds its inputs and outputs at once);
         `"always"` donates exactly what `donate_argnums` names.
+      devices_per_replica: k, how many devices each replica spans (an int >= 1 dividing the
+        device count): replica i runs on `devices[i*k:(i+1)*k]`, partitioned by XLA.
+      model_axis_name: the mesh axis inside a replica (k > 1).
+      layout: how mirrored leaves are laid out inside a replica (k > 1): a callable
+        `(path, leaf) -> PartitionSpec | None` or a sequence of `(regex, PartitionSpec)`
+        pairs (`re.search` on `jax.tree_util.keystr(path)`, first match wins); a leaf's own
+        sharding metadata naming only `model_axis_name` comes first; else replicated.
 
     Raises:
       ValueError: for bad devices, both `devices` and `num_devices`, an unknown backend or
-        donation policy, `max_in_flight < 1`, or above 16 on several CPU host devices.
+        donation policy, a `devices_per_replica` that does not divide the devices (or
+        `backend="pmap"` with it above 1), `max_in_flight < 1`, or above 16 on several CPU
+        host devices.
       TypeError: when `max_in_flight` is not an int.
 
     Example:
@@ -90,18 +100,29 @@ class MirroredStrategy:
         *,
         num_devices: int | None = None,
         axis_name: str = "replica",
-        backend: str = "pmap",
+        backend: str | None = None,
         max_in_flight: int | None = None,
         donation: str = "auto",
+        devices_per_replica: int = 1,
+        model_axis_name: str = "model",
+        layout: LayoutRules = None,
     ):
         resolved = resolve_devices(devices, num_devices)
-        if backend not in _PUBLIC_BACKENDS:
+        if backend is not None and backend not in _PUBLIC_BACKENDS:
             raise ValueError(
                 f"MirroredStrategy(backend={backend!r}) is not a backend; expected one of "
                 f"{_PUBLIC_BACKENDS}."
             )
         _check_axis_name(axis_name)
-        self._init(Topology.create(resolved, axis_name), backend, max_in_flight, donation)
+        _check_axis_name(model_axis_name, "model_axis_name", axis_name)
+        topology = Topology.create(
+            resolved,
+            axis_name,
+            devices_per_replica=devices_per_replica,
+            model_axis_name=model_axis_name,
+            layout=layout,
+        )
+        self._init(topology, choose(backend, topology), max_in_flight, donation)
 
     def _init(
         self, topology: Topology, backend: str, max_in_flight: int | None, donation: str
@@ -126,8 +147,29 @@ class MirroredStrategy:
 
     @property
     def num_replicas(self) -> int:
-        """The number of replicas (one per device)."""
+        """The number of replicas (one per `devices_per_replica` devices)."""
         return self._topology.num_replicas
+
+    @property
+    def devices_per_replica(self) -> int:
+        """How many devices each replica spans."""
+        return self._topology.devices_per_replica
+
+    @property
+    def model_axis_name(self) -> str:
+        """The mesh axis inside a replica (used when `devices_per_replica > 1`)."""
+        return self._topology.model_axis_name
+
+    def replica_devices(self, i: int) -> tuple[Device, ...]:
+        """The devices replica `i` runs on.
+
+        Example:
+            >>> import jmirror as jm
+            >>> strategy = jm.MirroredStrategy()
+            >>> strategy.replica_devices(0) == strategy.devices[:1]
+            True
+        """
+        return self._topology.replica_devices(i)
 
     @property
     def axis_name(self) -> str:
@@ -136,7 +178,8 @@ class MirroredStrategy:
 
     @property
     def mesh(self) -> Mesh:
-        """A 1-D `jax.sharding.Mesh` over `devices` named `axis_name`."""
+        """The `jax.sharding.Mesh` over `devices`: 1-D named `axis_name`, or with
+        `devices_per_replica > 1` 2-D `(axis_name, model_axis_name)` of shape (N, k)."""
         return self._topology.mesh
 
     @property
@@ -169,7 +212,7 @@ class MirroredStrategy:
         return (
             f"{type(self).__name__}(num_replicas={self.num_replicas}, devices=[{devices}], "
             f"axis_name={self.axis_name!r}, backend={self._backend!r}, "
-            f"max_in_flight={self.max_in_flight})"
+            f"max_in_flight={self.max_in_flight}{self._topology.describe_spanning()})"
         )
 
     # --- scope -----------------------------------------------------------------------------------
@@ -187,7 +230,8 @@ class MirroredStrategy:
         """
         _context.push_strategy(self)
         try:
-            yield self
+            with self._topology.mesh_scope():  # k > 1: the current mesh too
+                yield self
         finally:
             _context.pop_strategy()
 
@@ -491,10 +535,15 @@ class MirroredStrategy:
         return distribute_datasets_from_function(self._topology, dataset_fn, prefetch=prefetch)
 
 
-def _check_axis_name(axis_name: Any) -> None:
+def _check_axis_name(axis_name: Any, argument: str = "axis_name", other: Any = None) -> None:
     if not isinstance(axis_name, str) or not axis_name:
         raise TypeError(
-            f"MirroredStrategy(axis_name=...) expects a non-empty str, got {axis_name!r}."
+            f"MirroredStrategy({argument}=...) expects a non-empty str, got {axis_name!r}."
+        )
+    if axis_name == other:
+        raise ValueError(
+            f"MirroredStrategy({argument}={axis_name!r}) names the replica axis too; the "
+            "mesh axis inside a replica needs a name of its own."
         )
 
 

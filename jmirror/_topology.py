@@ -298,14 +298,14 @@ class Topology:
             return self.stacked
         return NamedSharding(self.mesh, P(self.axis_name, *spec))
 
-    def read_sharding(self, x: jax.Array) -> Sharding:
-        """Where a read of the mirrored leaf `x` lands: `devices[0]` (k = 1), or replica 0's
-        devices laid out as `x` is inside a replica (k > 1)."""
-        first = self.replica_devices(0)
-        if len(first) == 1:
-            return SingleDeviceSharding(first[0])
+    def read_sharding(self, x: jax.Array, replica: int = 0) -> Sharding:
+        """Where a read of the mirrored leaf `x` lands: replica `replica`'s device (k = 1), or
+        its devices, laid out as `x` is inside a replica (k > 1)."""
+        devices = self.replica_devices(replica)
+        if len(devices) == 1:
+            return SingleDeviceSharding(devices[0])
         spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else P()
-        return NamedSharding(Mesh(np.array(first), (self.model_axis_name,)), spec)
+        return NamedSharding(Mesh(np.array(devices), (self.model_axis_name,)), spec)
 
     def spec(self, split: bool) -> P:
         """The spec a backend maps a flat input or output with: split over the replica axis

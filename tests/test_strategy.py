@@ -336,3 +336,43 @@ def test_donating_mirrored_state_keeps_the_callers_arrays(strategy, n, make):
         state = step(state)
     np.testing.assert_array_equal(np.asarray(original), np.arange(4.0))  # intact
     np.testing.assert_array_equal(strategy.read(state), np.arange(4.0) * 100)
+
+
+# --- the topology owns layout (house issue 23); one device per replica ------------------------
+
+
+def test_topology_layouts_at_one_device_per_replica():
+    from jax.sharding import PartitionSpec as P
+    from jax.sharding import SingleDeviceSharding
+
+    from jmirror._topology import Topology
+
+    topology = Topology.create(jax.devices(), "replica")
+    assert topology.devices_per_replica == 1 and topology.mesh.axis_names == ("replica",)
+    assert topology.mirrored_sharding() is topology.mirrored
+    assert topology.mirrored_sharding(P()) is topology.mirrored
+    assert topology.stacked_sharding() is topology.stacked
+    assert topology.leaf_sharding((), np.ones((4, 8))) is topology.mirrored
+    assert topology.specs([True, False]) == (P("replica"), P())
+    assert topology.manual_axes == {"replica"}
+    assert [topology.replica_devices(i) for i in range(topology.num_replicas)] == [
+        (d,) for d in jax.devices()
+    ]
+    x = jax.device_put(np.ones(3), topology.mirrored)
+    assert topology.read_sharding(x) == SingleDeviceSharding(jax.devices()[0])
+    stacked = jax.device_put(np.ones((topology.num_replicas, 2)), topology.stacked)
+    assert not topology.is_stacked_elsewhere(stacked)
+
+
+def test_strategy_spans_one_device_per_replica_by_default():
+    strategy = jm.MirroredStrategy()
+    assert strategy.devices_per_replica == 1 and strategy.model_axis_name == "model"
+    assert strategy.backend == "pmap" and strategy.mesh.axis_names == ("replica",)
+    assert strategy.replica_devices(0) == strategy.devices[:1]
+
+
+def test_gather_of_a_mirrored_scalar_is_the_vector_of_its_copies(strategy, n):
+    """As for a PerReplica of scalars (the issue: numpy's zero-dimensional concatenate)."""
+    got = strategy.gather(strategy.mirror(np.float32(3.0)))
+    np.testing.assert_array_equal(got, np.full(n, 3.0, np.float32))
+    np.testing.assert_array_equal(got, strategy.gather(jm.PerReplica(np.full(n, 3.0, np.float32))))

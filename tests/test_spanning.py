@@ -1,0 +1,275 @@
+"""Replicas spanning several devices (SPEC section 13): `devices_per_replica=k`.
+
+The strategy's mesh is (N, k), named `(axis_name, model_axis_name)`; replica functions run on
+the shard_map backend, manual over the replica axis only, and XLA partitions each replica over
+its k devices. Results are checked against the k = 1 strategy on the same global batches.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jmirror as jm
+from jmirror import _backends
+from jmirror._topology import Topology
+
+pytestmark = pytest.mark.skipif(
+    len(jax.devices()) < 8,
+    reason="replicas spanning several devices need 8 host devices (JMIRROR_TEST_DEVICES=8)",
+)
+
+SPANS = (2, 4)
+KERNEL = P(None, "model")
+
+
+def _spanning(k: int, **kwargs) -> jm.MirroredStrategy:
+    return jm.MirroredStrategy(devices_per_replica=k, **kwargs)
+
+
+# --- (1) the constructor ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", SPANS)
+def test_replicas_span_k_devices(k):
+    strategy = _spanning(k)
+    devices = tuple(jax.devices())
+    n = len(devices) // k
+    assert strategy.num_replicas == n
+    assert strategy.devices == devices
+    assert strategy.devices_per_replica == k
+    assert strategy.model_axis_name == "model"
+    assert strategy.backend == "shard_map"
+    assert dict(strategy.mesh.shape) == {"replica": n, "model": k}
+    assert strategy.mesh.axis_names == ("replica", "model")
+    for i in range(n):
+        assert strategy.replica_devices(i) == devices[i * k : (i + 1) * k]
+        assert tuple(strategy.mesh.devices[i]) == strategy.replica_devices(i)
+    assert f"devices_per_replica={k}" in repr(strategy)
+
+
+def test_replicas_keep_the_callers_device_order():
+    devices = list(reversed(jax.devices()))
+    strategy = jm.MirroredStrategy(
+        devices, devices_per_replica=2, axis_name="b", model_axis_name="m"
+    )
+    assert strategy.replica_devices(0) == tuple(devices[:2])
+    assert strategy.mesh.axis_names == ("b", "m")
+
+
+def test_one_device_per_replica_is_as_before():
+    strategy = jm.MirroredStrategy(devices_per_replica=1)
+    assert strategy.mesh.axis_names == ("replica",)
+    assert strategy.backend == "pmap"
+    assert strategy.num_replicas == len(jax.devices())
+    assert strategy.replica_devices(3) == (jax.devices()[3],)
+    assert "devices_per_replica" not in repr(strategy)
+
+
+@pytest.mark.parametrize("k", [3, 0, -2, 16])
+def test_a_span_that_does_not_divide_the_devices_is_refused(k):
+    with pytest.raises(ValueError, match=rf"devices_per_replica={k}\).*\b8 device"):
+        _spanning(k)
+
+
+def test_a_span_of_another_type_is_refused():
+    with pytest.raises(TypeError, match="devices_per_replica"):
+        _spanning(2.0)
+
+
+def test_pmap_cannot_span_devices():
+    with pytest.raises(ValueError, match='backend="shard_map"'):
+        _spanning(2, backend="pmap")
+    assert _spanning(2, backend="shard_map").backend == "shard_map"
+
+
+def test_the_model_axis_needs_its_own_name():
+    with pytest.raises(ValueError, match="model_axis_name='replica'"):
+        _spanning(2, model_axis_name="replica")
+
+
+def test_scope_makes_the_mesh_current():
+    strategy = _spanning(2)
+    with strategy.scope():
+        assert jax.sharding.get_abstract_mesh() == strategy.mesh.abstract_mesh
+    assert jax.sharding.get_abstract_mesh().empty
+
+
+# --- (2) running -----------------------------------------------------------------------------
+
+
+def _train(strategy: jm.MirroredStrategy, steps: int = 3):
+    """A linear model trained on the same global batches by every strategy."""
+    n = strategy.num_replicas
+    rng = np.random.default_rng(0)
+    params = {"w": rng.normal(size=(4, 8)).astype(np.float32), "b": np.zeros(8, np.float32)}
+    params = strategy.mirror(params)
+
+    @jm.replicate(strategy=strategy)
+    def step(params, x, y):
+        def loss(p):
+            return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+        grads = jm.all_reduce("mean", jax.grad(loss)(params))
+        new = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+        return new, jm.all_reduce("mean", loss(params)), jm.replica_id()
+
+    xs = rng.normal(size=(steps, 16, 4)).astype(np.float32)
+    ys = rng.normal(size=(steps, 16, 8)).astype(np.float32)
+    losses, ids = [], None
+    for x, y in zip(xs, ys):
+        batch = (jm.PerReplica(x.reshape(n, -1, 4)), jm.PerReplica(y.reshape(n, -1, 8)))
+        params, loss, ids = step(params, *batch)
+        losses.append(float(strategy.read(loss)))
+    assert step.num_compilations == 1
+    return params, losses, ids
+
+
+@pytest.mark.parametrize("k", SPANS)
+def test_a_step_with_collectives_equals_one_device_per_replica(k):
+    expected, expected_losses, _ = _train(jm.MirroredStrategy())
+    strategy = _spanning(k)
+    params, losses, ids = _train(strategy)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    for name in ("w", "b"):
+        np.testing.assert_allclose(
+            np.asarray(strategy.read(params)[name]), np.asarray(expected[name]), rtol=1e-5
+        )
+    assert strategy.gather(ids).tolist() == list(range(strategy.num_replicas))
+    assert not isinstance(params["w"], jm.PerReplica)
+
+
+def test_replica_id_inside_a_nested_jit():
+    strategy = _spanning(2)
+    ids = strategy.run(jax.jit(lambda: jm.replica_id() * 2))
+    assert strategy.gather(ids).tolist() == [0, 2, 4, 6]
+
+
+def test_placement_of_mirrored_values_batches_and_reads():
+    strategy = _spanning(2)
+    w = strategy.mirror(np.arange(6.0, dtype=np.float32))
+    assert w.sharding == NamedSharding(strategy.mesh, P())
+    batches = [np.arange(24, dtype=np.float32).reshape(8, 3)]
+    with strategy.distribute_dataset(batches, remainder="drop") as data:
+        (batch,) = list(data)
+    x = batch.values
+    assert x.shape == (4, 2, 3)
+    assert x.sharding.is_equivalent_to(NamedSharding(strategy.mesh, P("replica")), x.ndim)
+    for shard in x.addressable_shards:  # replica i's rows on each of its 2 devices
+        i = strategy.devices.index(shard.device) // 2
+        np.testing.assert_array_equal(np.asarray(shard.data)[0], batches[0][2 * i : 2 * i + 2])
+    read = strategy.read(w)
+    assert read.sharding.device_set == set(strategy.replica_devices(0))
+    np.testing.assert_array_equal(np.asarray(read), np.arange(6.0))
+
+
+# --- (3) layout ------------------------------------------------------------------------------
+
+
+def _rules_callable(path, leaf):
+    return KERNEL if jax.tree_util.keystr(path).endswith("['w']") else None
+
+
+@pytest.mark.parametrize(
+    "layout", [[(r"\['w'\]$", KERNEL)], _rules_callable], ids=["pairs", "callable"]
+)
+def test_layout_rules_lay_out_mirrored_leaves(layout):
+    strategy = _spanning(2, layout=layout)
+    params = strategy.mirror({"w": np.ones((4, 8), np.float32), "b": np.ones(8, np.float32)})
+    assert params["w"].sharding == NamedSharding(strategy.mesh, KERNEL)
+    assert params["w"].addressable_shards[0].data.shape == (4, 4)  # 1/k per device
+    assert params["b"].sharding == NamedSharding(strategy.mesh, P())
+    np.testing.assert_array_equal(np.asarray(params["w"]), np.ones((4, 8)))
+    assert strategy.mirror(params)["w"] is params["w"]  # already laid out: no copy
+
+
+def test_the_first_matching_rule_wins():
+    strategy = _spanning(2, layout=[("w", P("model")), ("w", KERNEL)])
+    assert strategy.mirror({"w": np.ones((4, 8))})["w"].sharding.spec == P("model")
+
+
+def test_a_leafs_own_layout_comes_first():
+    strategy = _spanning(2, layout=[("w", P("model"))])
+    own = jax.device_put(np.ones((4, 8), np.float32), NamedSharding(strategy.mesh, KERNEL))
+    assert strategy.mirror({"w": own})["w"].sharding.spec == KERNEL
+
+
+@pytest.mark.parametrize(
+    "spec, shape, why",
+    [
+        (P("replica"), (4, 8), "names the replica axis"),
+        (P("model"), (3, 8), "splits a dimension of 3"),
+        (P(None, None, "model"), (4, 8), "more entries"),
+        (P("other"), (4, 8), "other than 'model'"),
+    ],
+)
+def test_a_bad_layout_is_refused_naming_path_shape_and_spec(spec, shape, why):
+    strategy = _spanning(2, layout=[("w", spec)])
+    with pytest.raises(ValueError) as info:
+        strategy.mirror({"w": np.ones(shape)})
+    message = str(info.value)
+    assert "['w']" in message and str(shape) in message and str(spec) in message
+    assert why in message
+
+
+def test_layout_rules_are_checked_when_given():
+    with pytest.raises(TypeError, match="regex, PartitionSpec"):
+        _spanning(2, layout=[("w", (None, "model"))])
+    with pytest.raises(re.error):
+        _spanning(2, layout=[("(", KERNEL)])
+
+
+@pytest.mark.parametrize("k", SPANS)
+def test_laid_out_state_trains_like_one_device_per_replica(k):
+    expected, expected_losses, _ = _train(jm.MirroredStrategy())
+    strategy = _spanning(k, layout=[(r"\['w'\]", KERNEL)])
+    params, losses, _ = _train(strategy)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    read = strategy.read(strategy.mirror(params))["w"]
+    assert read.sharding.device_set == set(strategy.replica_devices(0))
+    assert read.sharding.spec == KERNEL  # laid out over replica 0's devices, not gathered
+    np.testing.assert_allclose(np.asarray(read), np.asarray(expected["w"]), rtol=1e-5)
+
+
+def test_the_backend_lays_out_mirrored_outputs_by_the_rules():
+    topology = Topology.create(
+        jax.devices(), "replica", devices_per_replica=2, layout=[("out", KERNEL)]
+    )
+    closed = jax.make_jaxpr(lambda w: (w * 2.0, w + 1.0))(jax.ShapeDtypeStruct((4, 8), jnp.float32))
+    paths = [(jax.tree_util.DictKey("out"),), (jax.tree_util.DictKey("other"),)]
+    run = _backends.executable("shard_map", topology)(
+        topology, closed, [False], [False, False], False, paths
+    )
+    out, other = jax.jit(run)(jnp.ones((4, 8)))
+    assert out.sharding.is_equivalent_to(NamedSharding(topology.mesh, KERNEL), 2)
+    assert other.sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.asarray(out), np.full((4, 8), 2.0))
+
+
+# --- the cross-replica operations at k > 1 -----------------------------------------------------
+
+
+@pytest.mark.parametrize("k", SPANS)
+def test_cross_replica_operations_span_devices(k):
+    strategy = _spanning(k, layout=[("w", P("model"))])
+    n = strategy.num_replicas
+    ids = strategy.distribute_values_from_function(lambda ctx: np.float32(ctx.replica_id))
+    assert [float(v) for v in strategy.local_results(ids)] == list(range(n))
+    assert strategy.gather(ids).tolist() == list(range(n))
+    assert float(strategy.reduce("sum", ids)) == sum(range(n))
+    total = strategy.assign(strategy.sync_on_read(0.0, "sum"), 6.0)
+    assert float(strategy.read(total)) == 6.0
+    w = strategy.mirror({"w": np.arange(8.0, dtype=np.float32)})
+    copies = strategy.local_results(w)
+    assert len(copies) == n
+    for i, copy in enumerate(copies):
+        assert copy["w"].sharding.device_set == set(strategy.replica_devices(i))
+        np.testing.assert_array_equal(np.asarray(copy["w"]), np.arange(8.0))
+    w = strategy.update(w, lambda w, d: jax.tree.map(lambda x: x + d, w), 1.0)
+    np.testing.assert_array_equal(np.asarray(strategy.read(w)["w"]), np.arange(8.0) + 1)
+    keys = strategy.split_key(jax.random.key(0))
+    assert keys.values.shape == (n,)
