@@ -13,6 +13,8 @@ from jmirror._context import replica_context as replica_context
 from jmirror._context import replica_id as replica_id
 from jmirror._context import sync as sync
 from jmirror._input import InputContext as InputContext
+from jmirror._mirrored_state import MirroredStateError as MirroredStateError  # SPEC 11, round 4
+from jmirror._mirrored_state import MirroredStateWarning as MirroredStateWarning
 from jmirror._multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from jmirror._replicate import replicate as replicate
 from jmirror._shard_update import shard_update as shard_update
@@ -32,6 +34,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Aggregation",
     "InputContext",
+    "MirroredStateError",
+    "MirroredStateWarning",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "PerReplica",
@@ -51,4 +55,5 @@ __all__ = [
     "replicate",
     "shard_update",
     "sync",
+    "sync_batch_norm",
 ]

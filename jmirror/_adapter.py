@@ -12,7 +12,14 @@ caller's objects after the step. An *adapter* owns one such kind. For each call 
     variant of the user's that `make(fn, name)` builds once (it takes the user's arguments
     and returns what `finish` takes);
   - `finish(result)`: what the caller gets from the variant's result (state written back
-    into the caller's objects first).
+    into the caller's objects first);
+  - `check(traced)`: the trace-time check of the variant's proven result
+    (`jmirror._mirrored_state.Traced`), once per input signature, before anything runs:
+    raises `jm.MirroredStateError` for state that would lose its mirroring;
+  - `settle(first_component)`: on calls that compile, puts state that is not yet in the form
+    the step gives back into that form (an NNX metric's fresh state as sync-on-read
+    components, made by `first_component(value)`: the value on replica 0, zero elsewhere),
+    so that the next call, with the state this one writes back, compiles nothing new.
 
 - `Adapter.check_plain(name, in_treedef)`, once per input signature of a call it did not
   adapt: refuses what it would have had to adapt but could not see (an NNX object nested
@@ -28,6 +35,8 @@ import dataclasses
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
+from jmirror._mirrored_state import Traced
+
 
 @dataclasses.dataclass(frozen=True)
 class Adapted:
@@ -38,11 +47,16 @@ class Adapted:
       make: `make(fn, name)` builds that replica function from the user's `fn` (called once
         per variant; `name` is how errors name the replicated function).
       finish: turns the variant's result into what the caller gets.
+      check: the trace-time check of the variant's result (it may depend on the variant,
+        never on one call's objects).
+      settle: puts the call's state into its steady form (see the module docstring).
     """
 
     variant: Hashable
     make: Callable[[Callable[..., Any], str], Callable[..., Any]]
     finish: Callable[[Any], Any]
+    check: Callable[[Traced], None]
+    settle: Callable[[Callable[[Any], Any]], None]
 
 
 class Adapter(Protocol):

@@ -33,10 +33,11 @@ from typing import Any
 
 import jax
 
-from jmirror import _context, _nnx_metrics
+from jmirror import _context, _mirrored_state, _nnx_metrics
 from jmirror._adapter import Adapted
+from jmirror._mirrored_state import Diverged, Traced
 from jmirror._nnx_metrics import MetricComponents
-from jmirror._values import Sharded, SyncOnRead
+from jmirror._values import Sharded, SyncOnRead, is_distributed
 
 # Items of a container argument looked at by `_has_nodes`; NNX objects deeper in the
 # arguments are refused once per input signature by `_check_nested`.
@@ -164,13 +165,96 @@ class NnxAdapter:
         def finish(out: tuple[Any, list[Any]]) -> Any:
             return _write_back(dynamic, variables, variant[0], out)
 
-        return Adapted(variant, make, finish)
+        def check(traced: Traced) -> None:
+            _check_mirrored(traced, variant[0])
+
+        def settle(first_component: Callable[[Any], Any]) -> None:
+            _settle_metrics(dynamic, variables, first_component)
+
+        return Adapted(variant, make, finish, check, settle)
 
     def check_plain(self, name: str, in_treedef: Any) -> None:
         _check_nested(name, in_treedef)
 
 
 ADAPTER = NnxAdapter()
+
+
+def _settle_metrics(
+    dynamic: tuple, variables: list[Any], first_component: Callable[[Any], Any]
+) -> None:
+    """Fresh metric state (not yet sync-on-read) as the components a step writes back: its
+    value on replica 0 and zero elsewhere, which reads as the same value."""
+    roles = _nnx_metrics.metric_roles(_flax(), dynamic)
+    for k, aggregation in roles.items():
+        variable = variables[k]
+        value = variable.get_raw_value()
+        if not isinstance(value, SyncOnRead):
+            _set_raw_value(variable, MetricComponents(first_component(value), aggregation))
+
+
+def _check_mirrored(traced: Traced, aliases: tuple) -> None:
+    """Refuses a step whose written-back `Variable`s would lose their mirroring (SPEC 11,
+    round 4 notes): each that entered mirrored and comes back per replica, unless
+    `per_replica=` matches it, with the fix its type and owner call for."""
+    nnx = _flax()
+    dynamic, kwargs = traced.inputs
+    root = (list(dynamic), kwargs)
+    flat = jax.tree_util.tree_flatten_with_path(root, is_leaf=_is_variable)[0]
+    found = [(p, x) for p, x in flat if _is_variable(x)]
+    duplicate = {k for k, _ in aliases}
+    unique = [(p, x) for k, (p, x) in enumerate(found) if k not in duplicate]
+    values = traced.result[1]
+    per_replica = traced.per_replica
+    matches = None if per_replica is None else nnx.filterlib.to_predicate(per_replica)
+    diverged = []
+    for (path, variable), value in zip(unique, values):
+        before = jax.tree_util.tree_leaves(variable.get_raw_value(), is_leaf=is_distributed)
+        if any(is_distributed(x) for x in before):
+            continue  # entered per replica (or sync-on-read): nothing to keep
+        after = jax.tree_util.tree_leaves(value, is_leaf=is_distributed)
+        if not any(traced.diverged(x) for x in after):
+            continue
+        if matches is not None and matches(_nnx_path(path[2:]), variable):
+            continue
+        owners = _owners(root, path)
+        owner = type(owners[-1]).__name__ if owners else "the arguments"
+        what = f"nnx.{type(variable).__name__} of {owner}"
+        diverged.append(Diverged(traced.argument_path(path), what, _cause(nnx, variable, owners)))
+    _mirrored_state.refuse(traced.name, diverged)
+
+
+def _owners(root: Any, path: tuple) -> list[Any]:
+    """The NNX objects on the way to the leaf at `path`, outermost first."""
+    node, owners = root, []
+    for key in path[:-1]:
+        node = _child(node, key)
+        if _is_graph(node):
+            owners.append(node)
+    return owners
+
+
+def _cause(nnx: Any, variable: Any, owners: list[Any]) -> str | None:
+    """Why a `Variable` would diverge, where the message has a fix for it."""
+    owner = owners[-1] if owners else None
+    if isinstance(owner, nnx.BatchNorm) and getattr(owner, "axis_name", None) is None:
+        return _mirrored_state.BATCH_NORM
+    if isinstance(variable, nnx.Param) or any(isinstance(o, nnx.Optimizer) for o in owners):
+        return _mirrored_state.GRADIENTS
+    return None
+
+
+def _nnx_path(path: tuple) -> tuple:
+    """A `jax.tree_util` key path as NNX filters see paths: attribute names, indices, keys."""
+    keys = []
+    for key in path:
+        if isinstance(key, jax.tree_util.GetAttrKey):
+            keys.append(key.name)
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            keys.append(key.idx)
+        else:
+            keys.append(getattr(key, "key", key))
+    return tuple(keys)
 
 
 def _write_back(dynamic: tuple, variables: list[Any], aliases: tuple, out: tuple) -> Any:

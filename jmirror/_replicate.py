@@ -30,11 +30,12 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from jmirror import _context, _dispatch, _nnx
+from jmirror import _context, _dispatch, _mirrored_state, _nnx
 from jmirror._adapter import Adapted, Adapter
 from jmirror._backends import executable
 from jmirror._context import Runner
 from jmirror._interrupts import HELD
+from jmirror._mirrored_state import MirroredStateWarning, Traced
 from jmirror._process_ops import globalize
 from jmirror._shim import compiled_count
 from jmirror._tracing import (
@@ -78,11 +79,13 @@ class Replicated:
         strategy: Runner | None,
         donate_argnums: tuple[int, ...],
         static_argnums: tuple[int, ...],
+        per_replica: Any = None,
     ):
         self._fn = fn
         self._strategy = strategy
         self._donate = donate_argnums
         self._static = static_argnums
+        self._per_replica = per_replica
         self._min_args = max(static_argnums) + 1 if static_argnums else 0
         # The input signatures traced by calls, plain or under an outer transformation
         # (never by .lower()): what `num_compilations` counts.
@@ -92,26 +95,32 @@ class Replicated:
         # The last strategy called on and its `Donation` of `donate_argnums`.
         self._donation: tuple[Any, _dispatch.Donation] | None = None
         self._warned: set[str] = set()
+        # While calls keep compiling, state not yet mirrored (on one device, on the host) is
+        # placed mirrored before the call: the next call, with the mirrored state the first
+        # wrote back or returned, then finds the step compiled.
+        self._placing = True
         # One jax.jit around the whole step: its C++ dispatch flattens the arguments
         # (PerReplica and SyncOnRead are pytree nodes), checks the signature and runs the
         # cached program. The strategy is a static argument.
-        self._own = self._compile(fn, None)
+        self._own = self._compile(fn, None, None)
         # The variants of `fn` that adapters ask for (`jmirror._adapter`), by key.
         self._variants: dict[Hashable, _Step] = {}
         functools.update_wrapper(self, fn)
 
-    def _compile(self, fn: Callable[..., Any], variant: Hashable) -> _Step:
-        """The step of replica function `fn` (the user's own when `variant` is None)."""
+    def _compile(
+        self, fn: Callable[..., Any], variant: Hashable, check: Callable[[Traced], None] | None
+    ) -> _Step:
+        """The step of replica function `fn`: the user's own when `variant` is None, else an
+        adapter's variant, whose result `check` looks at (`Adapted.check`)."""
         static = (0,) + tuple(i + 1 for i in self._static)
         donate = tuple(i + 1 for i in self._donate)
-        own = variant is None
 
         def entry(strategy: Runner, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
             self._signatures.add((variant, *self._signature(args, kwargs)))
-            return self._step(fn, own, True, strategy, *args, **kwargs)
+            return self._step(fn, check, True, strategy, *args, **kwargs)
 
         def entry_result(strategy: Runner, *args: Any, **kwargs: Any) -> Any:
-            return self._step(fn, own, False, strategy, *args, **kwargs)[0]
+            return self._step(fn, check, False, strategy, *args, **kwargs)[0]
 
         def jitted(entry: Callable[..., Any]) -> dict[bool, Any]:
             return {
@@ -129,7 +138,8 @@ class Replicated:
                 step = self._variants.get(adapted.variant)
                 if step is None:
                     fn = adapted.make(self._fn, repr(self))
-                    step = self._variants[adapted.variant] = self._compile(fn, adapted.variant)
+                    step = self._compile(fn, adapted.variant, adapted.check)
+                    self._variants[adapted.variant] = step
                 return step, adapted
         return self._own, None
 
@@ -158,13 +168,17 @@ class Replicated:
         # in vain, and an NNX object is never left half written back.
         with HELD:
             step, adapted = self._adapt(args, kwargs)
-            result = self._run(step, args, kwargs)
+            result = self._run(step, adapted, args, kwargs)
             return result if adapted is None else adapted.finish(result)
 
-    def _run(self, step: _Step, args: tuple, kwargs: dict) -> Any:
+    def _run(self, step: _Step, adapted: Adapted | None, args: tuple, kwargs: dict) -> Any:
         strategy = self._check_call(args)
         if strategy.topology.process_count > 1:
             args, kwargs = self._globalize(strategy, args, kwargs)
+        elif self._placing:
+            if adapted is not None:
+                adapted.settle(functools.partial(_first_component, strategy.topology))
+            args, kwargs = self._place_state(strategy, args, kwargs)
         donate = self._donation_on(strategy).check(self, args, kwargs)
         strategy.dispatch.wait_for_room()
         jitted = step.jitted[donate]
@@ -181,7 +195,8 @@ class Replicated:
             # dispatches it, so there is nothing to bound and no compilation of ours to count.
             return result
         strategy.dispatch.track(token, self)
-        if self._compiled(jitted) != compiled:
+        self._placing = self._compiled(jitted) != compiled
+        if self._placing:
             self._check_new_signature(strategy, args, kwargs)
         return result
 
@@ -249,6 +264,34 @@ class Replicated:
         if kind not in self._warned:
             self._warned.add(kind)
             warnings.warn(message, UserWarning, stacklevel=_caller_level())
+
+    def _place_state(self, strategy: Runner, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments with every array leaf outside `PerReplica` / `SyncOnRead` values that
+        is not yet placed on the strategy's devices (a numpy array, an array not committed
+        to devices or on others) placed mirrored; NNX objects included (their copies: the
+        caller's objects are written back as before)."""
+        topology = strategy.topology
+        mirrored = topology.mirrored
+        dynamic = [i for i in range(len(args)) if i not in self._static]
+        tree = ([args[i] for i in dynamic], kwargs)
+        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_distributed)
+        placed, moved = [], False
+        devices = topology.device_set
+        for x in leaves:
+            if type(x) is np.ndarray or (
+                isinstance(x, jax.Array)
+                and not x.is_deleted()
+                and (not x.committed or x.sharding.device_set != devices)
+            ):
+                x, moved = jax.device_put(x, mirrored), True
+            placed.append(x)
+        if not moved:
+            return args, kwargs
+        new_dynamic, new_kwargs = treedef.unflatten(placed)
+        new_args = list(args)
+        for i, a in zip(dynamic, new_dynamic):
+            new_args[i] = a
+        return tuple(new_args), new_kwargs
 
     def _place(self, strategy: Runner, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Arguments with arrays on other devices moved onto the strategy's; None if none are."""
@@ -340,7 +383,7 @@ class Replicated:
     def _step(
         self,
         fn: Callable[..., Any],
-        own: bool,
+        check: Callable[[Traced], None] | None,
         with_token: bool,
         strategy: Runner,
         *args: Any,
@@ -355,7 +398,7 @@ class Replicated:
         statics = tuple(args[i] for i in self._static)
         dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
         top, treedef = jax.tree_util.tree_flatten((dynamic, kwargs), is_leaf=is_distributed)
-        if own:  # what no adapter took: refuse what one would have had to
+        if check is None:  # what no adapter took: refuse what one would have had to
             for adapter in ADAPTERS:
                 adapter.check_plain(repr(self), treedef)
         flat, slots = flatten_slots(top, inputs=True)
@@ -400,7 +443,32 @@ class Replicated:
                 built.append(PerReplica(leaves[0]) if out_split[pos] else leaves[0])
             pos += slot.size
         result = step.out_treedef.unflatten(built)
+        forced = frozenset(id(b) for b, s in zip(built, step.out_slots) if s.kind == FORCED)
+        self._check_state(check, (dynamic, kwargs), result, forced)
         return result, (outs[-1] if needs_token else None)
+
+    def _check_state(
+        self, check: Callable[[Traced], None] | None, inputs: tuple, result: Any, forced: Any
+    ) -> None:
+        """Mirrored state stays mirrored (`jmirror._mirrored_state`): at trace time, before
+        anything runs or is donated, the adapter's check of its variant, or for the user's
+        own function the check of returned dataclass state and the warning of plain state."""
+        traced = Traced(
+            repr(self),
+            inputs,
+            result,
+            forced,
+            self._per_replica,
+            lambda path: _argument_path(path, self._static),
+        )
+        if check is not None:
+            check(traced)
+            return
+        diverged = _mirrored_state.check_returned(traced)
+        if diverged and "mirrored state" not in self._warned:
+            self._warned.add("mirrored state")
+            message = _mirrored_state.warning(repr(self), diverged)
+            warnings.warn(message, MirroredStateWarning, stacklevel=_caller_level())
 
     def _bad_split(self, strategy: Runner, args: tuple, kwargs: dict, leaf: Any) -> ValueError:
         path = "<unknown>"
@@ -415,18 +483,14 @@ class Replicated:
                 f"{strategy.num_replicas} replicas. Restore the state through jmirror.checkpoint "
                 "(which re-shards it onto any replica count), or call tx.init on this strategy."
             )
-        sharding = getattr(leaf, "sharding", None)
-        if (
-            isinstance(sharding, jax.sharding.NamedSharding)
-            and sharding.mesh.axis_names == (strategy.axis_name,)
-            and sharding.device_set != strategy.topology.device_set
-        ):
+        if strategy.topology.is_stacked_elsewhere(leaf):
             # Placed per replica by another strategy: a notebook cell re-run after the
             # strategy was created again, say.
             return ValueError(
-                f"{found}, placed per replica over the {len(sharding.device_set)} device(s) of "
-                "another strategy: it came from that strategy's distribute_dataset (or one of "
-                f"its steps), not from this strategy's ({strategy.num_replicas} replicas). A "
+                f"{found}, placed per replica over the {len(leaf.sharding.device_set)} "
+                "device(s) of another strategy: it came from that strategy's "
+                "distribute_dataset (or one of its steps), not from this strategy's "
+                f"({strategy.num_replicas} replicas). A "
                 "batch belongs to the strategy that placed it: after creating the strategy "
                 "again (as re-running a notebook cell does), call the new strategy's "
                 "distribute_dataset again."
@@ -471,6 +535,13 @@ _STRUCTURE_CHANGES = (
 )
 
 
+def _first_component(topology: Any, value: Any) -> jax.Array:
+    """Per-replica components of `value`: `value` on replica 0, zero on the others."""
+    value = jnp.asarray(value)
+    stacked = jnp.zeros((topology.num_replicas, *value.shape), value.dtype).at[0].set(value)
+    return jax.device_put(stacked, topology.stacked)
+
+
 def _caller_level() -> int:
     """The `stacklevel` of the first frame outside this module: the caller's."""
     frame, level = inspect.currentframe(), 0
@@ -503,6 +574,7 @@ def replicate(
     strategy: Runner | None = None,
     donate_argnums: int | Sequence[int] = (),
     static_argnums: int | Sequence[int] = (),
+    per_replica: Any = None,
 ) -> Any:
     """Compiles a replica function to run on every device of a strategy.
 
@@ -534,6 +606,14 @@ def replicate(
         donates exactly these arguments. A donated argument is deleted by the call: passing
         it again is a `ValueError`.
       static_argnums: positional arguments that are static (hashed, not traced).
+      per_replica: state kept per replica on purpose. State that enters mirrored and would
+        leave not proven mirrored (an NNX `Variable` written back, a field of a returned
+        `TrainState` or other dataclass) is a `jm.MirroredStateError` raised by the first
+        call, before anything runs; a returned plain pytree shaped like a mirrored argument
+        earns a `jm.MirroredStateWarning`. `per_replica` declares what may differ: an NNX
+        filter (a `Variable` type such as `nnx.BatchStat`, `...` for all, a path predicate)
+        or, for pytrees, a callable `(path, leaf) -> bool` (`path` inside the state). What
+        it matches comes back as a `PerReplica`.
 
     Returns:
       A callable with the signature of `fn`, compiled once per input signature.
@@ -570,6 +650,7 @@ def replicate(
             strategy=strategy,
             donate_argnums=donate_argnums,
             static_argnums=static_argnums,
+            per_replica=per_replica,
         )
     if not callable(fn):
         raise TypeError(f"jm.replicate expects a callable, got {fn!r}.")
@@ -580,4 +661,4 @@ def replicate(
             f"jm.replicate got argument(s) {sorted(set(static) & set(donate))} in both "
             "static_argnums and donate_argnums; a static argument has no buffer to donate."
         )
-    return Replicated(fn, strategy, donate, static)
+    return Replicated(fn, strategy, donate, static, per_replica)

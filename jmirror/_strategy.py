@@ -458,11 +458,19 @@ class MirroredStrategy:
 
     # --- running -------------------------------------------------------------------------------
 
-    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None):
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict | None = None,
+        *,
+        per_replica: Any = None,
+    ):
         """Runs `fn(*args, **kwargs)` once per replica, at once (see `jm.replicate`).
 
-        The compiled step is cached per `fn`, so calling `run` again with the same function
-        and input shapes does not recompile.
+        The compiled step is cached per `fn` (and `per_replica`), so calling `run` again with
+        the same function and input shapes does not recompile. `per_replica` declares state
+        kept per replica on purpose, as for `jm.replicate`.
 
         Example:
             >>> import jmirror as jm
@@ -476,14 +484,15 @@ class MirroredStrategy:
                 "strategy.run was called inside a merge_call's merge_fn; replicated functions "
                 "do not nest. Compute in merge_fn directly, or return to the replica function."
             )
-        replicated = self._run_cache.get(fn)
+        key = fn if per_replica is None else (fn, per_replica)
+        replicated = self._run_cache.get(key)
         if replicated is None:
-            replicated = replicate(fn, strategy=self)
-            self._run_cache[fn] = replicated
+            replicated = replicate(fn, strategy=self, per_replica=per_replica)
+            self._run_cache[key] = replicated
             if len(self._run_cache) > _RUN_CACHE_SIZE:
                 self._run_cache.popitem(last=False)
         else:
-            self._run_cache.move_to_end(fn)
+            self._run_cache.move_to_end(key)
         return replicated(*args, **(kwargs or {}))
 
     # --- input ---------------------------------------------------------------------------------

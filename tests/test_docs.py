@@ -16,6 +16,8 @@ import jmirror.testing
 EXPECTED_ALL = {
     "Aggregation",
     "InputContext",
+    "MirroredStateError",
+    "MirroredStateWarning",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "PerReplica",
@@ -35,6 +37,7 @@ EXPECTED_ALL = {
     "replicate",
     "shard_update",
     "sync",
+    "sync_batch_norm",
 }
 
 

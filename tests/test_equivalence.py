@@ -1,5 +1,7 @@
 """Data-parallel training through jm.replicate equals one-device training."""
 
+import contextlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -55,10 +57,16 @@ def test_ten_steps_match_single_device_training(strategy, n, forget_all_reduce):
         params, opt_state, _ = single_step(params, opt_state, x, y)
 
     m_params, m_opt = strategy.mirror((params0, tx.init(params0)))
-    for x, y in batches(n):
-        m_params, m_opt, loss = replica_step(
-            m_params, m_opt, jm.PerReplica(x.reshape(n, -1, 16)), jm.PerReplica(y.reshape(n, -1))
-        )
+    for i, (x, y) in enumerate(batches(n)):
+        # Forgotten, the all-reduce earns one warning (SPEC 11, round 4 notes), naming the fix.
+        warns = pytest.warns(jm.MirroredStateWarning, match=r"\['params'\].*all_reduce")
+        with warns if forget_all_reduce and i == 0 else contextlib.nullcontext():
+            m_params, m_opt, loss = replica_step(
+                m_params,
+                m_opt,
+                jm.PerReplica(x.reshape(n, -1, 16)),
+                jm.PerReplica(y.reshape(n, -1)),
+            )
         assert strategy.topology.is_mirrored(loss)
 
     leaves = jax.tree.leaves(m_params, is_leaf=lambda v: isinstance(v, jm.PerReplica))

@@ -113,7 +113,7 @@ def test_unproven_state_is_written_back_per_replica_and_read_names_it(strategy):
     model = Net(nnx.Rngs(0), axis_name=None)  # batch statistics of the local batch only
     model.drop.deterministic = True
 
-    @jm.replicate(strategy=strategy)
+    @jm.replicate(strategy=strategy, per_replica=nnx.BatchStat)  # declared per replica
     def forward(model, x):
         return jm.all_reduce("mean", model(x).mean())
 
