@@ -27,7 +27,7 @@ PROCESS_TESTS=(
 )
 # A session still running after this long is stopped (its log says where it was: pytest's
 # faulthandler_timeout prints every thread's stack of a test that runs past 7 minutes).
-SESSION_LIMIT_S="${SESSION_LIMIT_S:-1800}"
+SESSION_LIMIT_S="${SESSION_LIMIT_S:-3000}"
 work="$(mktemp -d)"
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true; rm -rf "$work"' EXIT
