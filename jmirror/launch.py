@@ -373,8 +373,8 @@ class _Launch:
         before, least = self.count, self.options.min_processes
         self.count = max(least, before - len(self.lost))
         counts = (
-            f"restart {self.restarts} of {self.options.max_restarts}, {_RESTART}="
-            f"{self.restarts}, JMIRROR_NUM_PROCESSES={self.count}"
+            f"(restart {self.restarts} of {self.options.max_restarts}, {_RESTART}="
+            f"{self.restarts}), JMIRROR_NUM_PROCESSES={self.count}"
         )
         if least == self.options.processes:
             what = "every process"
@@ -384,7 +384,7 @@ class _Launch:
                 f"on {self.count} of {before} processes (lost: process"
                 f"{'es' if len(self.lost) > 1 else ''} {lost}; --min-processes {least})"
             )
-        sys.stderr.write(f"jmirror.launch: restarting {what} ({counts})\n")
+        sys.stderr.write(f"jmirror.launch: restarting {what} {counts}\n")
         sys.stderr.flush()
         self.processes = []
         self.first_failure = None

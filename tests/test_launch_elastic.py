@@ -122,11 +122,11 @@ def test_each_restart_has_one_process_fewer_per_lost_one_down_to_the_minimum(tmp
     restarts = re.findall(r"jmirror\.launch: restarting (.*)", err)
     assert restarts == [
         "on 3 of 4 processes (lost: process 3; --min-processes 2) "
-        "(restart 1 of 3, JMIRROR_RESTART=1, JMIRROR_NUM_PROCESSES=3)",
+        "(restart 1 of 3, JMIRROR_RESTART=1), JMIRROR_NUM_PROCESSES=3",
         "on 2 of 3 processes (lost: process 2; --min-processes 2) "
-        "(restart 2 of 3, JMIRROR_RESTART=2, JMIRROR_NUM_PROCESSES=2)",
+        "(restart 2 of 3, JMIRROR_RESTART=2), JMIRROR_NUM_PROCESSES=2",
         "on 2 of 2 processes (lost: process 1; --min-processes 2) "
-        "(restart 3 of 3, JMIRROR_RESTART=3, JMIRROR_NUM_PROCESSES=2)",
+        "(restart 3 of 3, JMIRROR_RESTART=3), JMIRROR_NUM_PROCESSES=2",
     ], err
     for restart, count in enumerate((4, 3, 2, 2)):
         started = set(re.findall(rf"^\[(\d)\] start \1 of {count} restart {restart}$", out, re.M))
@@ -171,7 +171,7 @@ def test_training_continues_on_three_processes_as_an_uninterrupted_run_would(tmp
     assert "jmirror.launch: process 3 was killed by SIGKILL (exit code 137)" in err, err
     assert (
         "jmirror.launch: restarting on 3 of 4 processes (lost: process 3; --min-processes 3) "
-        "(restart 1 of 1, JMIRROR_RESTART=1, JMIRROR_NUM_PROCESSES=3)"
+        "(restart 1 of 1, JMIRROR_RESTART=1), JMIRROR_NUM_PROCESSES=3"
     ) in err, err
     assert "[3] process 3 kills itself after step 3" in out
     for i in range(3):  # resumed after the step the killed process saw saved

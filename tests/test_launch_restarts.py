@@ -133,8 +133,8 @@ def test_a_failure_restarts_every_process_with_a_new_port(tmp_path):
     assert code == 0, run.output()
     assert "jmirror.launch: process 1 exited with code 3; stopped the others" in err
     assert (
-        "jmirror.launch: restarting every process (restart 1 of 2, JMIRROR_RESTART=1, "
-        "JMIRROR_NUM_PROCESSES=2)"
+        "jmirror.launch: restarting every process (restart 1 of 2, JMIRROR_RESTART=1), "
+        "JMIRROR_NUM_PROCESSES=2\n"
     ) in err
     assert "restart 2 of 2" not in err
     for index in (0, 1):
