@@ -1,0 +1,83 @@
+"""Per-call time of a small MLP's replicated train step, in one process: prints one figure.
+
+    python benchmarks/per_call_bench.py [--hidden 32] [--calls 3000] [--rounds 5]
+
+prints `per_call_us <median over rounds>` and which jmirror it imported. The step is small on
+purpose (a 2-layer MLP of `--hidden` units, 8 examples per replica), so that the figure is
+mostly what a call costs on the host: jmirror's Python, the JIT's dispatch, the in-flight
+bound. Self-contained (it imports only jmirror, JAX, optax, flax), so that it can time another
+checkout of jmirror: `PYTHONPATH=/path/to/other/checkout python benchmarks/per_call_bench.py`.
+RESULTS.md pairs the two with `farm-bench --vs` (A B A B ...) and takes the ratio of medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import jmirror as jm  # noqa: E402
+
+
+class _MLP(nn.Module):
+    hidden: int
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(10)(nn.relu(nn.Dense(self.hidden)(x)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+
+    strategy = jm.MirroredStrategy()
+    n = strategy.num_replicas
+    model, tx = _MLP(args.hidden), optax.sgd(1e-3)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 16)))
+
+    @jm.replicate(strategy=strategy, donate_argnums=(0, 1))
+    def step(params, opt_state, x, y):
+        def loss_fn(p):
+            logits = model.apply(p, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(jm.all_reduce("mean", grads), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jm.all_reduce("mean", loss)
+
+    rng = np.random.default_rng(0)
+    batch = (
+        rng.normal(size=(n * 8, 16)).astype(np.float32),
+        rng.integers(0, 10, size=(n * 8,)).astype(np.int32),
+    )
+    placed = next(iter(strategy.distribute_dataset([batch], remainder="drop")))  # placed once
+    x, y = (jm.PerReplica(v) for v in placed.values)
+    state = strategy.mirror((params, tx.init(params)))
+    for _ in range(50):  # compile and warm up
+        state = step(*state, x, y)[:2]
+    jax.block_until_ready(state)
+    per_call = []
+    for _ in range(args.rounds):
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            state = step(*state, x, y)[:2]
+        jax.block_until_ready(state)
+        per_call.append((time.perf_counter() - start) / args.calls * 1e6)
+    print(f"per_call_us {statistics.median(per_call):.2f} jmirror={os.path.dirname(jm.__file__)}")
+
+
+if __name__ == "__main__":
+    main()
