@@ -12,9 +12,10 @@ array output (see `jmirror._dispatch`):
 - `"vmap"`: every replica on one device through `jax.vmap` with the replica axis name (an
   emulated topology: `jmirror.testing.EmulatedStrategy`).
 
-`out_paths` (optional): each flat output's path; with replicas spanning several devices the
-mirrored outputs are then laid out by the topology's rules (`Topology.leaf_sharding`), so that
-state keeps its layout from step to step.
+`out_paths` (optional): each flat output's path, or `Output(path, like)` with the input leaf
+it replaces; with replicas spanning several devices the mirrored outputs are then laid out by
+the topology's rules (`Topology.leaf_sharding`), so that state keeps its layout from step to
+step.
 
 The topology owns the layout: the specs a backend maps its inputs and outputs with
 (`Topology.specs`) and the mesh axes it maps by hand (`Topology.manual_axes`).
@@ -25,12 +26,13 @@ The topology owns the layout: the specs a backend maps its inputs and outputs wi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AbstractMesh, NamedSharding
 
 from jmirror._topology import Topology
 
@@ -82,7 +84,7 @@ def _shard_map_executable(
     out_paths: Sequence[Any] | None = None,
 ) -> Executable:
     spanning = topology.devices_per_replica > 1
-    body = _with_replica_ids(closed, topology.axis_name) if spanning else None
+    body = _with_replica_ids(closed, topology) if spanning else None
     plain = jex.jaxpr_as_fun(closed)
     split = tuple(split) + ((True,) if spanning else ())
 
@@ -116,22 +118,35 @@ def _shard_map_executable(
     return run
 
 
+class Output(NamedTuple):
+    """An entry of `out_paths`: a flat output's path and, when the output replaces an input
+    leaf (a step's new state), that leaf, whose own layout then counts as its metadata."""
+
+    path: tuple
+    like: Any = None
+
+
 def _out_layouts(
     topology: Topology, closed: Any, out_split: Sequence[bool], out_paths: Sequence[Any] | None
 ) -> list[tuple[int, Any]]:
     """The layout of each mirrored output by the topology's rules (`Topology.leaf_sharding`),
-    given the outputs' paths; without them XLA's propagation decides."""
+    given the outputs' paths (key paths or `Output`s); without them XLA's propagation
+    decides."""
     if out_paths is None:
         return []
     avals = closed.out_avals
-    return [
-        (i, topology.leaf_sharding(path, jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype)))
-        for i, (path, s) in enumerate(zip(out_paths, out_split))
-        if not s
-    ]
+    layouts = []
+    for i, (entry, s) in enumerate(zip(out_paths, out_split)):
+        if s:
+            continue
+        path, like = entry if isinstance(entry, Output) else (entry, None)
+        if like is None:
+            like = jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype)
+        layouts.append((i, topology.leaf_sharding(path, like, "a replica function's output")))
+    return layouts
 
 
-def _with_replica_ids(closed: Any, axis: str) -> Callable[..., list[Any]]:
+def _with_replica_ids(closed: Any, topology: Topology) -> Callable[..., list[Any]]:
     """`closed` as a function of its inputs and, last, this replica's id, which stands for
     `axis_index(axis)`.
 
@@ -139,17 +154,38 @@ def _with_replica_ids(closed: Any, axis: str) -> Callable[..., list[Any]]:
     devices), JAX lowers `axis_index` through a nested shard_map that needs a mesh in
     context when the step is lowered, which `jax.jit` has no way to give; the replica id
     is an input instead (an iota split over the replicas). Calls of `jax.jit` inside the
-    replica function are evaluated inline.
+    replica function are evaluated inline. A `with_sharding_constraint` to a bare
+    `PartitionSpec` (resolved against the mesh in context, `strategy.scope()`) is laid out
+    over the strategy's mesh.
     """
 
     def run(*flat: Any) -> list[Any]:
-        return _evaluate(closed.jaxpr, closed.consts, flat[:-1], flat[-1], axis)
+        return _evaluate(closed.jaxpr, closed.consts, flat[:-1], flat[-1], topology)
 
     return run
 
 
-def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], rid: Any, axis: str):
+def _on_mesh(value: Any, here: AbstractMesh) -> Any:
+    """A parameter's sharding over the abstract mesh it was traced with, over `here`."""
+    if (
+        isinstance(value, NamedSharding)
+        and isinstance(value.mesh, AbstractMesh)
+        and value.mesh != here
+        and value.mesh.axis_names == here.axis_names
+    ):
+        return NamedSharding(here, value.spec)
+    return value
+
+
+def _evaluate(
+    jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], rid: Any, topology: Topology
+) -> list[Any]:
     env: dict[Any, Any] = {}
+    axis = topology.axis_name
+    # The mesh of this trace (the replica axis manual), not the one in context when the
+    # replica function was traced (`strategy.scope()`'s, all automatic), which each
+    # equation's context recorded.
+    here = jax.sharding.get_abstract_mesh()
 
     def read(v: Any) -> Any:
         return v.val if isinstance(v, jex.Literal) else env[v]
@@ -163,10 +199,18 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], rid: Any, 
             outs = [rid]
         elif name in ("pjit", "jit", "closed_call") and "jaxpr" in eqn.params:
             inner = eqn.params.get("jaxpr") or eqn.params["call_jaxpr"]
-            outs = _evaluate(inner.jaxpr, inner.consts, invals, rid, axis)
+            outs = _evaluate(inner.jaxpr, inner.consts, invals, rid, topology)
+        elif name == "sharding_constraint" and isinstance(
+            getattr(eqn.params["sharding"], "mesh", None), AbstractMesh
+        ):
+            layout = NamedSharding(topology.mesh, eqn.params["sharding"].spec)
+            outs = [jax.lax.with_sharding_constraint(invals[0], layout)]
         else:
-            with eqn.ctx.manager:
-                out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+            params = eqn.primitive.get_bind_params(eqn.params)
+            if not here.empty:
+                params = {k: _on_mesh(v, here) for k, v in params.items()}
+            with eqn.ctx.manager, jax.sharding.use_abstract_mesh(here):
+                out = eqn.primitive.bind(*invals, **params)
             outs = out if eqn.primitive.multiple_results else [out]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]

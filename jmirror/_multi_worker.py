@@ -12,9 +12,10 @@ from __future__ import annotations
 import jax
 
 from jmirror import _context, _deadline, distributed
+from jmirror._backends import choose
 from jmirror._devices import Device
 from jmirror._strategy import _PUBLIC_BACKENDS, MirroredStrategy, _check_axis_name
-from jmirror._topology import Topology
+from jmirror._topology import LayoutRules, Topology
 
 
 class MultiWorkerMirroredStrategy(MirroredStrategy):
@@ -31,9 +32,12 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
     Args:
       axis_name: the collective axis name of the replicas.
-      backend: `"pmap"` or `"shard_map"`.
+      backend: `"pmap"` or `"shard_map"`; `None` as for `MirroredStrategy`.
       max_in_flight: as for `MirroredStrategy`.
       donation: as for `MirroredStrategy`.
+      devices_per_replica, model_axis_name, layout: as for `MirroredStrategy`; a replica's
+        devices belong to one process, so `devices_per_replica` must divide each process's
+        device count.
       timeout_s: the bound, in seconds, on every wait of this process for the others
         (TensorFlow's `CommunicationOptions(timeout_seconds=...)`): a replicated step, a read,
         reduce or gather, a checkpoint barrier or the input agreement that has not completed
@@ -62,22 +66,39 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         self,
         *,
         axis_name: str = "replica",
-        backend: str = "pmap",
+        backend: str | None = None,
         max_in_flight: int | None = None,
         donation: str = "auto",
         timeout_s: float | None = 300,
+        devices_per_replica: int = 1,
+        model_axis_name: str = "model",
+        layout: LayoutRules = None,
     ):
         distributed.check_initialized("jm.MultiWorkerMirroredStrategy()")
         timeout = _deadline.check_timeout(timeout_s, "MultiWorkerMirroredStrategy")
-        if backend not in _PUBLIC_BACKENDS:
+        if backend is not None and backend not in _PUBLIC_BACKENDS:
             raise ValueError(
                 f"MultiWorkerMirroredStrategy(backend={backend!r}) is not a backend; expected "
                 f"one of {_PUBLIC_BACKENDS}."
             )
         _check_axis_name(axis_name)
+        _check_axis_name(model_axis_name, "model_axis_name", axis_name)
         devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        topology = Topology.create(devices, axis_name, timeout)
-        self._init(topology, backend, max_in_flight, donation)
+        topology = Topology.create(
+            devices,
+            axis_name,
+            timeout,
+            devices_per_replica=devices_per_replica,
+            model_axis_name=model_axis_name,
+            layout=layout,
+            call="MultiWorkerMirroredStrategy",
+        )
+        self._init(
+            topology,
+            choose(backend, topology, "MultiWorkerMirroredStrategy"),
+            max_in_flight,
+            donation,
+        )
 
     @property
     def num_processes(self) -> int:

@@ -63,11 +63,13 @@ def shard_update(
     (Xu et al. 2020, "Automatic Cross-Replica Sharding of Weight Update in Data-Parallel
     Training"; ZeRO stage 1). `tx.init(params)` in cross-replica context returns the sharded
     state: each leaf of a parameter's shape becomes a `jm.Sharded` (flattened, padded to a
-    multiple of N, 1/N per device); scalars such as step counts stay mirrored. Inside a
-    replica function, `updates, state = tx.update(grads, state, params)` takes this replica's
-    OWN gradients (do not all-reduce them first): it reduce-scatters their mean, runs `inner`
-    on this replica's pieces, and all-gathers the updates, which come back mirrored and equal
-    to `inner.update(jm.all_reduce("mean", grads), state, params)` on the full state.
+    multiple of N, 1/N per replica; with replicas spanning k devices also split over them
+    where k divides the piece, 1/(N*k) per device); scalars such as step counts stay
+    mirrored. Inside a replica function, `updates, state = tx.update(grads, state, params)`
+    takes this replica's OWN gradients (do not all-reduce them first): it reduce-scatters
+    their mean, runs `inner` on this replica's pieces, and all-gathers the updates, which come
+    back mirrored and equal to `inner.update(jm.all_reduce("mean", grads), state, params)` on
+    the full state.
 
     Reductions over a whole leaf or the whole tree (`clip_by_global_norm`, the LAMB / LARS
     trust ratios) give the unsharded result: `inner.update` is traced and each such reduction
@@ -205,7 +207,10 @@ def _init_placed(inner: Any, params: PyTree, topology: Topology) -> PyTree:
         state = jax.tree.leaves(inner.init(params))
         return [stack(x, n) if s else x for x, s in zip(state, sharded)]
 
-    layouts = [topology.stacked if s else topology.mirrored for s in sharded]
+    layouts = [
+        topology.pieces_sharding(-(-leaf.size // n)) if s else topology.mirrored
+        for leaf, s in zip(leaves, sharded)
+    ]
     placed = jax.jit(build, out_shardings=layouts)(params)
     return treedef.unflatten(
         [Sharded(x, leaf.shape) if s else x for x, leaf, s in zip(placed, leaves, sharded)]

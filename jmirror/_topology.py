@@ -99,11 +99,13 @@ class Topology:
         devices_per_replica: int = 1,
         model_axis_name: str = "model",
         layout: LayoutRules = None,
+        call: str = "MirroredStrategy",
     ) -> Topology:
         """Replicas over `devices` (distinct, one platform), in that order: replica i runs on
         `devices[i*k:(i+1)*k]` for k = `devices_per_replica` (checked to divide them)."""
         devices = tuple(devices)
-        k = check_devices_per_replica(devices_per_replica, len(devices))
+        k = check_devices_per_replica(devices_per_replica, len(devices), call)
+        _check_processes(devices, k, call)
         if k == 1:
             mesh = Mesh(np.array(devices), (axis_name,))
         else:
@@ -298,6 +300,15 @@ class Topology:
             return self.stacked
         return NamedSharding(self.mesh, P(self.axis_name, *spec))
 
+    def pieces_sharding(self, length: int) -> Sharding:
+        """The layout of `[N, length]` stacked pieces (`jm.shard_update`'s state): split over
+        the replica axis, and over the model axis too when k divides `length` (1/(N*k) of a
+        leaf per device)."""
+        k = self.devices_per_replica
+        if k == 1 or self.is_emulated or length % k:
+            return self.stacked
+        return self.stacked_sharding(P(self.model_axis_name))
+
     def read_sharding(self, x: jax.Array, replica: int = 0) -> Sharding:
         """Where a read of the mirrored leaf `x` lands: replica `replica`'s device (k = 1), or
         its devices, laid out as `x` is inside a replica (k > 1)."""
@@ -402,6 +413,21 @@ def check_devices_per_replica(k: Any, num_devices: int, call: str = "MirroredStr
             f"multiple of it."
         )
     return int(k)
+
+
+def _check_processes(devices: Sequence[Device], k: int, call: str) -> None:
+    """A `ValueError` unless each process holds a multiple of k of `devices` (a replica's
+    devices belong to one process)."""
+    counts: dict[int, int] = {}
+    for d in devices:
+        counts[d.process_index] = counts.get(d.process_index, 0) + 1
+    for process, count in sorted(counts.items()):
+        if count % k:
+            raise ValueError(
+                f"{call}(devices_per_replica={k}): a replica's devices belong to one process, "
+                f"but process {process} has {count} device(s), which {k} does not divide. Pick "
+                "a devices_per_replica that divides every process's local device count."
+            )
 
 
 def _names_axis(spec: Any, axis: str) -> bool:

@@ -273,3 +273,86 @@ def test_cross_replica_operations_span_devices(k):
     np.testing.assert_array_equal(np.asarray(strategy.read(w)["w"]), np.arange(8.0) + 1)
     keys = strategy.split_key(jax.random.key(0))
     assert keys.values.shape == (n,)
+
+
+def test_an_output_keeps_the_layout_of_the_input_it_replaces():
+    topology = Topology.create(jax.devices(), "replica", devices_per_replica=2)
+    like = jax.device_put(np.ones((4, 8), np.float32), NamedSharding(topology.mesh, KERNEL))
+    closed = jax.make_jaxpr(lambda w: (w * 2.0,))(jax.ShapeDtypeStruct((4, 8), jnp.float32))
+    outputs = [_backends.Output((jax.tree_util.DictKey("w"),), like)]
+    run = _backends.executable("shard_map", topology)(
+        topology, closed, [False], [False], False, outputs
+    )
+    (out,) = jax.jit(run)(like)
+    assert out.sharding.is_equivalent_to(like.sharding, 2)
+
+
+def test_several_processes_strategy_spans_devices():
+    strategy = jm.MultiWorkerMirroredStrategy(devices_per_replica=2)
+    assert (strategy.num_replicas, strategy.backend) == (4, "shard_map")
+    assert strategy.num_local_replicas == 4
+    ids = strategy.run(jm.replica_id)
+    assert [int(i) for i in strategy.local_results(ids)] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match=r"MultiWorkerMirroredStrategy\(devices_per_replica=3\)"):
+        jm.MultiWorkerMirroredStrategy(devices_per_replica=3)
+
+
+def test_a_replica_cannot_span_processes():
+    from types import SimpleNamespace
+
+    from jmirror._topology import _check_processes
+
+    devices = [SimpleNamespace(process_index=p) for p in (0, 0, 0, 1, 1, 1)]
+    _check_processes(devices, 3, "MultiWorkerMirroredStrategy")
+    with pytest.raises(ValueError, match="process 0 has 3 device"):
+        _check_processes(devices, 2, "MultiWorkerMirroredStrategy")
+
+
+def _shard_update_run(strategy: jm.MirroredStrategy):
+    import optax
+
+    tx = jm.shard_update(optax.adam(0.1))
+    params = strategy.mirror({"w": jnp.ones((4, 8)), "b": jnp.ones(5)})
+    state = tx.init(params)
+    mu = state[0].mu["w"].shards
+    assert mu.addressable_shards[0].data.size == 32 // 8  # 1/(N*k) of the leaf per device
+
+    @jm.replicate(strategy=strategy)
+    def step(params, state, x):
+        def loss(p):
+            return jnp.mean((x @ p["w"]) ** 2) + jnp.sum(p["b"] ** 2)
+
+        updates, state = tx.update(jax.grad(loss)(params), state, params)
+        return optax.apply_updates(params, updates), state
+
+    x = jm.PerReplica(jnp.arange(64.0).reshape(strategy.num_replicas, -1, 4) / 64)
+    for _ in range(3):
+        params, state = step(params, state, x)
+    return strategy.read((params, state))
+
+
+@pytest.mark.parametrize("k", SPANS)
+def test_shard_update_splits_state_over_replicas_and_model_axis(k):
+    want = _shard_update_run(jm.MirroredStrategy())
+    got = _shard_update_run(_spanning(k, layout=[("w", KERNEL)]))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_sharding_constraints_inside_a_replica_function():
+    strategy = _spanning(2)
+    x = jm.PerReplica(jnp.ones((4, 2, 4)))
+
+    def double(spec):
+        def fn(x):
+            return jm.all_reduce("sum", jax.lax.with_sharding_constraint(x * 2, spec))
+
+        return fn
+
+    named = strategy.run(double(NamedSharding(strategy.mesh, KERNEL)), (x,))
+    np.testing.assert_array_equal(np.asarray(strategy.read(named)), np.full((2, 4), 8.0))
+    with strategy.scope():  # a bare PartitionSpec needs the mesh in context
+        bare = strategy.run(double(KERNEL), (x,))
+        _, losses, _ = _train(strategy)  # any step traced inside the scope
+    np.testing.assert_array_equal(np.asarray(strategy.read(bare)), np.full((2, 4), 8.0))
+    assert losses == _train(strategy)[1]
