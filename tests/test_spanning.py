@@ -356,3 +356,47 @@ def test_sharding_constraints_inside_a_replica_function():
         _, losses, _ = _train(strategy)  # any step traced inside the scope
     np.testing.assert_array_equal(np.asarray(strategy.read(bare)), np.full((2, 4), 8.0))
     assert losses == _train(strategy)[1]
+
+
+def test_datasets_from_function_and_donation_span_devices():
+    strategy = _spanning(2)
+    n = strategy.num_replicas
+
+    def dataset_fn(ctx):
+        return [np.full((2,), i, np.float32) for i in range(2 * n)]
+
+    with strategy.distribute_datasets_from_function(dataset_fn) as data:
+        steps = [strategy.gather(batch) for batch in data]
+    assert [s.tolist()[::2] for s in steps] == [list(range(n)), list(range(n, 2 * n))]
+    step = jm.replicate(lambda w: w + 1.0, strategy=strategy, donate_argnums=0)
+    w = strategy.mirror(np.zeros(4, np.float32))
+    new = step(w)
+    assert w.is_deleted()
+    np.testing.assert_array_equal(np.asarray(strategy.read(new)), np.ones(4))
+
+
+def _nnx_losses(strategy: jm.MirroredStrategy) -> list[float]:
+    import optax
+    from flax import nnx
+
+    init = nnx.initializers.lecun_normal()
+    if strategy.devices_per_replica > 1:
+        init = nnx.with_partitioning(init, (None, "model"))
+    with strategy.scope():  # flax's eager sharding lays the kernel out over the model axis
+        model = nnx.Linear(4, 8, kernel_init=init, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    @jm.replicate(strategy=strategy)
+    def step(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optimizer.update(model, jm.all_reduce("mean", grads))
+        return jm.all_reduce("mean", loss)
+
+    x = np.arange(64.0, dtype=np.float32).reshape(strategy.num_replicas, -1, 4) / 64
+    return [float(strategy.read(step(model, optimizer, jm.PerReplica(x)))) for _ in range(3)]
+
+
+def test_nnx_with_partitioning_trains_like_one_device_per_replica():
+    np.testing.assert_allclose(
+        _nnx_losses(_spanning(2)), _nnx_losses(jm.MirroredStrategy()), rtol=1e-5
+    )
