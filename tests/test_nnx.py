@@ -6,6 +6,7 @@ one device with the key each replica is documented to draw from.
 
 import jax
 import jax.numpy as jnp
+import nnx_data
 import numpy as np
 import optax
 import pytest
@@ -34,20 +35,11 @@ def _np(x):
     return np.asarray(x)
 
 
-def _loss(model, x, y):
-    logits = model(x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+_loss, _split = nnx_data.loss, nnx_data.split
 
 
 def _data(n, steps, per_replica=4):
-    rs = np.random.RandomState(0)
-    xs = rs.randn(steps, n * per_replica, 6, 6, 1).astype(np.float32)
-    ys = rs.randint(0, 3, (steps, n * per_replica)).astype(np.int32)
-    return xs, ys
-
-
-def _split(n, batch):
-    return jm.PerReplica(batch.reshape(n, -1, *batch.shape[1:]))
+    return nnx_data.data(n, steps, per_replica, side=6, classes=3)
 
 
 def _pair(axis_name, deterministic=True):

@@ -5,6 +5,7 @@ Oracle: the unconverted model trained by `nnx.jit` on one device on the global b
 
 import flax.linen as nn
 import jax
+import nnx_data
 import numpy as np
 import optax
 import pytest
@@ -43,20 +44,11 @@ def _model():
     return model
 
 
-def _loss(model, x, y):
-    logits = model(x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+_loss, _split = nnx_data.loss, nnx_data.split
 
 
 def _data(n, steps, per_replica=2):
-    rs = np.random.RandomState(0)
-    xs = rs.randn(steps, n * per_replica, 8, 8, 1).astype(np.float32)
-    ys = rs.randint(0, 10, (steps, n * per_replica)).astype(np.int32)
-    return xs, ys
-
-
-def _split(n, batch):
-    return jm.PerReplica(batch.reshape(n, -1, *batch.shape[1:]))
+    return nnx_data.data(n, steps, per_replica, side=8, classes=10)
 
 
 def test_converted_mnist_model_trains_like_one_device_on_the_global_batch(strategy):
