@@ -364,7 +364,8 @@ class MirroredStrategy:
         """Returns the value of mirrored and sync-on-read state, in cross-replica context.
 
         Mirrored leaves give their value as a `jax.Array` on `devices[0]` (one copy, no
-        gather); `SyncOnRead` nodes are aggregated (`SUM`, `MEAN`, `ONLY_FIRST_REPLICA`); other
+        gather; with `devices_per_replica > 1`, on `replica_devices(0)`, laid out as the leaf
+        is inside a replica); `SyncOnRead` nodes are aggregated (`SUM`, `MEAN`, `ONLY_FIRST_REPLICA`); other
         non-distributed leaves are returned unchanged.
 
         Raises:
