@@ -14,24 +14,18 @@ directory written by one process of 8 devices. Each process writes what it saw t
 OUT_DIR/process<i>.npz.
 """
 
-import faulthandler
 import sys
 import time
 
-import jmirror as jm
+import jax
+import jax.numpy as jnp
+import numpy as np
+from preamble import join
+from training import batches, init_state, make_step
 
 # A watchdog for the test: were a process ever stuck, it prints every thread's stack and ends,
 # so the test fails with where it stood instead of at the harness's timeout.
-faulthandler.dump_traceback_later(90, exit=True)
-
-jm.distributed.initialize()
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from training import batches, init_state, make_step  # noqa: E402
+jm = join(watchdog_s=90)
 
 BIG = (256, 1024)  # a 1 MiB mirrored leaf, so that bytes on disk measure copies
 

@@ -20,24 +20,17 @@ and optimizer state to OUT_DIR/final<process>.npy.
 """
 
 import argparse
-import faulthandler
 import os
 import shutil
 import signal
-import sys
 
-import jmirror as jm
+import jax
+import numpy as np
+from preamble import join
+from training import batches, init_state, make_step
 
 # A watchdog: were a process ever stuck, it prints every thread's stack and ends.
-faulthandler.dump_traceback_later(100, exit=True)
-
-jm.distributed.initialize()
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from training import batches, init_state, make_step  # noqa: E402
+jm = join(watchdog_s=100)
 
 STEPS = 6
 GLOBAL_BATCH = 24  # divisible by 8 (4 x 2 devices) and 6 (3 x 2)

@@ -17,24 +17,18 @@ the trained parameters and optimizer state to OUT_DIR/final<process>.npy.
 """
 
 import argparse
-import faulthandler
 import os
 import signal
 import sys
 import time
 
-import jmirror as jm
+import jax
+import numpy as np
+from preamble import join
+from training import batches, init_state, make_step
 
 # A watchdog: were a process ever stuck, it prints every thread's stack and ends.
-faulthandler.dump_traceback_later(150, exit=True)
-
-jm.distributed.initialize()
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from training import batches, init_state, make_step  # noqa: E402
+jm = join(watchdog_s=150)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out_dir")

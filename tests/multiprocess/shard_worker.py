@@ -9,16 +9,13 @@ Each process trains the equivalence MLP with `jm.shard_update(optax.lamb)` on bo
 
 import sys
 
-import jmirror as jm
+import jax
+import numpy as np
+import optax
+from preamble import join
+from training import batches, init_state, loss_fn
 
-jm.distributed.initialize()
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from training import batches, init_state, loss_fn  # noqa: E402
+jm = join()
 
 out_dir = sys.argv[1]
 results: dict[str, np.ndarray] = {}

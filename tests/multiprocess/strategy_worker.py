@@ -10,17 +10,12 @@ for the test to compare with one process of 8 devices.
 import dataclasses
 import sys
 
-import jmirror as jm
-
-jm.distributed.initialize()
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from flax import nnx  # noqa: E402
-from training import (  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from preamble import join
+from training import (
     batches,
     init_state,
     make_step,
@@ -28,6 +23,8 @@ from training import (  # noqa: E402
     metric_values,
     nnx_training,
 )
+
+jm = join()
 
 out_dir = sys.argv[1]
 results: dict[str, np.ndarray] = {}

@@ -29,6 +29,7 @@ import time
 
 import jax.numpy as jnp
 import numpy as np
+from preamble import join
 
 import jmirror as jm
 
@@ -51,7 +52,7 @@ if mode == "no-init" and me == 1:
     say("process 1 never calls initialize")
     time.sleep(FOREVER)
 init = {"timeout_s": timeout} if supports_timeout(jm.distributed.initialize) else {}
-jm.distributed.initialize(**init)
+join(**init)
 say(f"process {me} initialized")
 
 kwargs = {"timeout_s": timeout} if supports_timeout(jm.MultiWorkerMirroredStrategy) else {}

@@ -11,15 +11,12 @@ with one process of 8 devices.
 import socket
 import sys
 
-import jmirror as jm
+import jax
+import numpy as np
+from preamble import join
+from training import batches, init_state, make_step
 
-jm.distributed.initialize()
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from training import batches, init_state, make_step  # noqa: E402
+jm = join()
 
 strategy = jm.MultiWorkerMirroredStrategy()
 print(f"process {strategy.process_index} on host {socket.gethostname()}", flush=True)

@@ -14,12 +14,11 @@ import sys
 import time
 import warnings
 
-import jmirror as jm
+import jax.numpy as jnp
+import numpy as np
+from preamble import join
 
-jm.distributed.initialize()
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+jm = join()
 
 out_dir = sys.argv[1]
 strategy = jm.MultiWorkerMirroredStrategy()

@@ -28,18 +28,16 @@ parser.add_argument("mode", choices=["sum", "loop", "exit", "raise", "quiet"])
 parser.add_argument("code", nargs="?", type=int, default=0)
 options = parser.parse_args()
 
-import jmirror as jm  # noqa: E402
-
-if options.coordinator:
-    jax.config.update("jax_num_cpu_devices", 4)
-    jm.distributed.initialize(options.coordinator, options.num_processes, options.process_id)
-else:
-    jm.distributed.initialize()
-
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from preamble import join  # noqa: E402
+
+if options.coordinator:
+    join(options.coordinator, options.num_processes, options.process_id, devices=4)
+else:
+    join()
 
 index, count = jax.process_index(), jax.process_count()
 mesh = jax.make_mesh((jax.device_count(),), ("x",), devices=jax.devices())
