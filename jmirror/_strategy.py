@@ -365,8 +365,8 @@ class MirroredStrategy:
 
         Mirrored leaves give their value as a `jax.Array` on `devices[0]` (one copy, no
         gather; with `devices_per_replica > 1`, on `replica_devices(0)`, laid out as the leaf
-        is inside a replica); `SyncOnRead` nodes are aggregated (`SUM`, `MEAN`, `ONLY_FIRST_REPLICA`); other
-        non-distributed leaves are returned unchanged.
+        is inside a replica); `SyncOnRead` nodes are aggregated (`SUM`, `MEAN`,
+        `ONLY_FIRST_REPLICA`); other non-distributed leaves are returned unchanged.
 
         Raises:
           TypeError: for a `PerReplica` (use `reduce`, `gather` or `local_results`).
