@@ -21,8 +21,10 @@ def save(
     """Writes `state` to the checkpoint `directory` and returns when it is complete.
 
     Mirrored leaves are written once (one copy, however many replicas); a `SyncOnRead` is
-    written aggregated, as `strategy.read` gives it; a `PerReplica` with its N components;
-    numpy arrays and Python scalars as they are. The checkpoint appears only when complete.
+    written aggregated, as `strategy.read` gives it, and with its N components (restored as
+    they were on the same replica count, so that a resumed run's metrics continue bitwise); a
+    `PerReplica` with its N components; numpy arrays and Python scalars as they are. The
+    checkpoint appears only when complete.
 
     With several processes (`jm.MultiWorkerMirroredStrategy`) every process calls `save` with
     its part of the state; the first process writes the checkpoint once (mirrored leaves and
@@ -79,10 +81,11 @@ def restore(
     """Reads the checkpoint in `directory` and places it on `strategy`.
 
     Values come back as they were saved: mirrored leaves mirrored on the strategy's devices,
-    `SyncOnRead` nodes as `strategy.assign` places a value (reading one gives what was saved,
-    on any replica count: exactly for integer `SUM` and `ONLY_FIRST_REPLICA`, an integer `MEAN`
-    rounded to the nearest integer), `PerReplica` nodes split over the replicas (same replica
-    count only), numpy arrays and Python scalars as themselves. Nothing read from the
+    `SyncOnRead` nodes with the components they had on the replica count that saved them
+    (bitwise), on another count as `strategy.assign` places a value (reading one gives what
+    was saved: exactly for integer `SUM` and `ONLY_FIRST_REPLICA`, an integer `MEAN` rounded to
+    the nearest integer), `PerReplica` nodes split over the replicas (same replica count
+    only), numpy arrays and Python scalars as themselves. Nothing read from the
     checkpoint is unpickled or evaluated. With several processes every process calls
     `restore` and reads the files (a filesystem every process sees); the layout that wrote the
     checkpoint (how many processes, how many devices each) does not matter.
@@ -146,7 +149,7 @@ def read(path: pathlib.Path, target: PyTree, strategy: MirroredStrategy, call: s
         arrays = _read_verified(path, doc, tree, specs)
     except _format.CorruptCheckpointError as error:
         raise with_fix(error, path, call) from error
-    return _decode.place(tree, arrays, strategy, target)
+    return _decode.place(tree, arrays, strategy, target, saved_n)
 
 
 def with_fix(error: _format.CorruptCheckpointError, path: pathlib.Path, call: str) -> Exception:
@@ -178,7 +181,7 @@ def _read_tree(path: pathlib.Path, call: str) -> tuple[dict, int, _decode.Tree, 
 def _read_verified(path: pathlib.Path, doc: dict, tree: _decode.Tree, specs: dict) -> dict:
     """The checkpoint's host arrays, each checked against its saved checksum."""
     where = str(path)
-    paths = _integrity.leaf_paths(tree)
+    paths = _integrity.leaf_paths(tree) | _decode.component_paths(tree)
     saved = _integrity.saved_checksums(path) if doc["version"] >= 2 else {}
     arrays = _storage.read_arrays(path, specs, paths)
     _integrity.verify_arrays(arrays, saved, paths, where)

@@ -1,9 +1,11 @@
 """Restoring side: the JSON tree and its host arrays become a state placed on a strategy.
 
 `check` validates the tree (and `target`, when given) before any array is read; `place` puts
-the values back as they were saved: mirrored leaves mirrored, `SyncOnRead` leaves as
-`strategy.assign` places a value (so reading them gives what was saved, on any replica
-count), `PerReplica` leaves split over the replicas (same replica count only).
+the values back as they were saved: mirrored leaves mirrored, `SyncOnRead` leaves with their
+saved components on the replica count that saved them (bitwise as they were), else as
+`strategy.assign` places a value (so reading them gives what was saved, on any replica count;
+also for checkpoints written without components), `PerReplica` leaves split over the replicas
+(same replica count only).
 """
 
 from __future__ import annotations
@@ -52,6 +54,16 @@ class Leaf:
             raise _format.corrupt(where, f"Python scalar type {self.python!r} is unknown")
         self.scalar = node.get("scalar") is True
         self.sharded = self.kind == _sharded.KIND  # restored as a Sharded node
+        # The array of a sync-on-read leaf's N components (absent before round 4).
+        self.components: str | None = node.get("components")
+        if self.components is not None and (
+            self.kind != "aggregated" or not isinstance(self.components, str)
+        ):
+            raise _format.corrupt(where, f"a {self.kind} leaf has components {self.components!r}")
+        if self.components is not None and self.components not in specs:
+            raise _format.corrupt(
+                where, f"leaf components {self.components!r} are not in the array table"
+            )
 
     def describe(self) -> str:
         if self.kind == "python":
@@ -141,6 +153,29 @@ def check_arrays(tree: Tree, specs: dict, saved_n: int, where: str) -> None:
                 f"array {leaf.array!r} has shape {spec.shape} dtype {spec.dtype}; its leaf "
                 f"{jax.tree_util.keystr(leaf.path)!r} says {leaf.describe()}",
             )
+        if leaf.components is not None:
+            spec = specs[leaf.components]
+            shape = tuple(spec.shape)
+            if leaf.key_impl is not None:
+                shape = shape[: len(leaf.shape) + 1]
+            if shape != (saved_n,) + leaf.shape or not (
+                leaf.key_impl is not None or spec.dtype == leaf.dtype
+            ):
+                raise _format.corrupt(
+                    where,
+                    f"array {leaf.components!r} has shape {spec.shape} dtype {spec.dtype}; the "
+                    f"{saved_n} components of the leaf {jax.tree_util.keystr(leaf.path)!r} are "
+                    f"{leaf.describe()} each",
+                )
+
+
+def component_paths(tree: Tree) -> dict[str, str]:
+    """Each components array's leaf path, for messages (as `_integrity.leaf_paths`)."""
+    return {
+        leaf.components: jax.tree_util.keystr(leaf.path) + " (its components)"
+        for leaf in tree.leaves()
+        if leaf.components is not None
+    }
 
 
 def _key_str(entry: Any) -> str:
@@ -217,9 +252,10 @@ def fit_metrics(tree: Tree, target: Any, n: int) -> Any:
     A metric updated by a replicated function holds sync-on-read `MetricComponents`; a target
     made by `nnx.eval_shape` (or a metric not yet updated) holds a plain value there, and a
     live metric holds components where a fresh one was saved. Such a `Variable` of the target
-    takes the saved kind: components of `n` replicas (placed as `MetricComponents` takes a
-    value: replica 0's component is the saved total, the others zero, so reading is exact)
-    or a plain leaf of one component's shape. Every other part of `target` is kept.
+    takes the saved kind: components of `n` replicas (the saved ones on the replica count
+    that saved them; else placed as `MetricComponents` takes a value: replica 0's component
+    is the saved total, the others zero, so reading is exact) or a plain leaf of one
+    component's shape. Every other part of `target` is kept.
     """
     nnx = sys.modules.get("flax.nnx")
     if nnx is None or target is None:
@@ -312,18 +348,26 @@ def check_replicas(tree: Tree, saved_n: int, n: int) -> None:
 
 
 def place(
-    tree: Tree, arrays: dict[str, np.ndarray], strategy: MirroredStrategy, target: Any
+    tree: Tree,
+    arrays: dict[str, np.ndarray],
+    strategy: MirroredStrategy,
+    target: Any,
+    saved_n: int,
 ) -> PyTree:
-    """The restored state: `target`'s structure when given, else the saved plain containers."""
+    """The restored state: `target`'s structure when given, else the saved plain containers.
+
+    `saved_n` is the replica count that saved it: on that count a `SyncOnRead` leaf saved with
+    its components gets them back as they were.
+    """
     leaves = tree.leaves()
-    values = _place_leaves(leaves, arrays, strategy)
+    values = _place_leaves(leaves, arrays, strategy, as_saved=saved_n == strategy.num_replicas)
     if target is not None:
         return jax.tree.unflatten(jax.tree.structure(target), values)
     return _rebuild(tree, iter(values))
 
 
 def _place_leaves(
-    leaves: list[Leaf], arrays: dict[str, np.ndarray], strategy: MirroredStrategy
+    leaves: list[Leaf], arrays: dict[str, np.ndarray], strategy: MirroredStrategy, as_saved: bool
 ) -> list:
     n = strategy.num_replicas
     out: list[Any] = [None] * len(leaves)
@@ -339,7 +383,12 @@ def _place_leaves(
             out[i] = _sharded.pieces(host, n) if leaf.sharded else host
         else:
             placed["stacked"].append(i)
-            out[i] = _components(leaf, host, n) if leaf.kind == "aggregated" else host
+            if leaf.components is not None and as_saved:  # as they were: bitwise resume
+                out[i] = arrays[leaf.components]
+            elif leaf.kind == "aggregated":
+                out[i] = _components(leaf, host, n)
+            else:
+                out[i] = host
     topology = strategy.topology
     layouts = {"mirrored": topology.mirrored, "stacked": topology.stacked}
     for kind, indices in placed.items():

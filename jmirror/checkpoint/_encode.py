@@ -1,18 +1,21 @@
 """Saving side: a training state becomes host arrays plus a JSON tree that says how to rebuild it.
 
 Mirrored leaves are fetched once (one device's copy), `SyncOnRead` nodes are read (aggregated)
-in one `strategy.read` call, `PerReplica` leaves are fetched with their N components, numpy
-arrays and Python scalars are copied. Every value is a fresh host copy when `encode` returns,
-so the caller may donate or overwrite its arrays at once (on XLA:CPU a host view of a device
-buffer would otherwise change under the writer).
+in one `strategy.read` call and their N components fetched beside (a restore on the same
+replica count puts them back as they were, so a resumed run's metrics continue bitwise),
+`PerReplica` leaves are fetched with their N components, numpy arrays and Python scalars are
+copied. Every value is a fresh host copy when `encode` returns, so the caller may donate or
+overwrite its arrays at once (on XLA:CPU a host view of a device buffer would otherwise change
+under the writer).
 
 With several processes every process encodes, since reading a `SyncOnRead` and gathering the
-`PerReplica` components (this process addresses only its own) are collectives: one jitted
-identity into the mirrored layout gathers every per-replica leaf at once. Only the writer keeps
-the host arrays; a `PerReplica` built by the user from this process's components (leading axis
-`num_local_replicas`) is first made global. The gather is bounded by the strategy's
-`timeout_s` (`jmirror._deadline`), as the strategy's own reads are: a process that skips a save
-ends its peers' wait in bounded time, named.
+`PerReplica` and `SyncOnRead` components (this process addresses only its own) are
+collectives: one jitted identity into the mirrored layout gathers every per-replica leaf at
+once. Only the writer keeps the host arrays; a `PerReplica` built by the user from this
+process's components (leading axis `num_local_replicas`) is first made global, as is a
+`SyncOnRead` of them. The gather is bounded by the strategy's `timeout_s`
+(`jmirror._deadline`), as the strategy's own reads are: a process that skips a save ends its
+peers' wait in bounded time, named.
 """
 
 from __future__ import annotations
@@ -173,22 +176,26 @@ class _Encoder:
         def one(sub_path: tuple, x: Any) -> dict:
             where = jax.tree_util.keystr(path + sub_path)
             check_leaf(x, where, stacked=True)
-            if self.several and not _is_global(x):
-                x = self.globalize(x, where)
-            if np.ndim(x) < 1 or np.shape(x)[0] != self.n:
-                raise ValueError(
-                    f"jm.checkpoint.save: the per-replica leaf at path {where!r} has shape "
-                    f"{np.shape(x)}; expected a leading axis of {self.n} (one component per "
-                    "replica of the strategy). Save with the strategy that made the value."
-                )
-            name = self._name()
-            if isinstance(x, jax.Array):
-                self.fetch.append((name, x))
-            else:
-                self.fetch.append((name, np.array(x, copy=True)))
-            return _leaf("stacked", name, np.shape(x)[1:], x)
+            return _leaf("stacked", self.components(x, where), np.shape(x)[1:], x)
 
         return self.subtree(tree, path, one)
+
+    def components(self, x: Any, where: str) -> str:
+        """The array name of a per-replica leaf's N stacked components, fetched with the rest."""
+        if self.several and not _is_global(x):
+            x = self.globalize(x, where)
+        if np.ndim(x) < 1 or np.shape(x)[0] != self.n:
+            raise ValueError(
+                f"jm.checkpoint.save: the per-replica leaf at path {where!r} has shape "
+                f"{np.shape(x)}; expected a leading axis of {self.n} (one component per "
+                "replica of the strategy). Save with the strategy that made the value."
+            )
+        name = self._name()
+        if isinstance(x, jax.Array):
+            self.fetch.append((name, x))
+        else:
+            self.fetch.append((name, np.array(x, copy=True)))
+        return name
 
     def globalize(self, x: Any, where: str) -> Any:
         """A global stacked array of this process's components (leading axis: local ones)."""
@@ -205,13 +212,17 @@ class _Encoder:
         return jax.make_array_from_process_local_data(self.topology.stacked, local_value, shape)
 
     def aggregated(self, node: SyncOnRead, path: tuple) -> dict:
+        """Each leaf stored as read, with its N components beside it (`"components"`)."""
         names: list[str] = []
         self.reads.append((node, names))
 
         def one(sub_path: tuple, x: Any) -> dict:
-            check_leaf(x, jax.tree_util.keystr(path + sub_path), stacked=True)
+            where = jax.tree_util.keystr(path + sub_path)
+            check_leaf(x, where, stacked=True)
             names.append(self._name())
-            return _leaf("aggregated", names[-1], np.shape(x)[1:], x)
+            out = _leaf("aggregated", names[-1], np.shape(x)[1:], x)
+            out["components"] = self.components(x, where)
+            return out
 
         return self.subtree(node.value, path + (jax.tree_util.GetAttrKey("value"),), one)
 
