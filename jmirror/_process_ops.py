@@ -103,12 +103,16 @@ class ProcessHostOps(HostOps):
     def _everywhere(
         self, fn: Callable[[jax.Array], jax.Array], x: jax.Array, call: str
     ) -> jax.Array:
-        """`fn(x)` computed over the global array, as this process's copy (watched as `call`)."""
+        """`fn(x)` computed over the global array, as this process's copy (watched as `call`).
+
+        The program is waited for before this returns: reads left in flight side by side (a
+        dozen independent ones, or the two of one `metric.compute(strategy)`) can leave gloo's
+        collectives of 2 x 4 processes waiting on each other for ever.
+        """
         timeout = self.topology.timeout_s
         with _deadline.bounded(call, timeout):  # a cheap program may run (and wait) inline
             out = _jit_mirrored(fn, self.topology.mirrored)(x)
-        mine = self._on_first_device(out)
-        _deadline.watch(mine, call, timeout)
+            mine = jax.block_until_ready(self._on_first_device(out))
         return mine
 
     def stacked(self, x: Any) -> Any:
