@@ -95,9 +95,10 @@ class Replicated:
         # The last strategy called on and its `Donation` of `donate_argnums`.
         self._donation: tuple[Any, _dispatch.Donation] | None = None
         self._warned: set[str] = set()
-        # While calls keep compiling, state not yet mirrored (on one device, on the host) is
-        # placed mirrored before the call: the next call, with the mirrored state the first
-        # wrote back or returned, then finds the step compiled.
+        # While calls keep compiling (or keep passing arrays not placed yet), state not yet
+        # mirrored (on one device, on the host) is placed mirrored before the call: the next
+        # call, with the mirrored state the first wrote back or returned, finds the step
+        # compiled.
         self._placing = True
         # One jax.jit around the whole step: its C++ dispatch flattens the arguments
         # (PerReplica and SyncOnRead are pytree nodes), checks the signature and runs the
@@ -175,7 +176,8 @@ class Replicated:
         strategy = self._check_call(args)
         if strategy.topology.process_count > 1:
             args, kwargs = self._globalize(strategy, args, kwargs)
-        elif self._placing:
+        given = args, kwargs  # what the warnings about arguments look at
+        if strategy.topology.process_count == 1 and self._placing:
             if adapted is not None:
                 adapted.settle(functools.partial(_first_component, strategy.topology))
             args, kwargs = self._place_state(strategy, args, kwargs)
@@ -188,16 +190,19 @@ class Replicated:
                 result, token = self._dispatch(strategy, jitted, args, kwargs)
             except Exception:
                 # Name pmap leftovers and host batches before JAX's own error about them.
-                self._warn_of_arguments(strategy, args, kwargs)
+                self._warn_of_arguments(strategy, *given)
                 raise
         if isinstance(token, jax.core.Tracer):
             # Traced by the caller's own transformation (jit, grad, vmap, scan, ...): JAX
             # dispatches it, so there is nothing to bound and no compilation of ours to count.
             return result
         strategy.dispatch.track(token, self)
-        self._placing = self._compiled(jitted) != compiled
-        if self._placing:
-            self._check_new_signature(strategy, args, kwargs)
+        compiled_now = self._compiled(jitted) != compiled
+        # Placing goes on while calls compile, or keep passing values it places (a numpy
+        # array every call): those then find the step compiled for mirrored arrays.
+        self._placing = compiled_now or args is not given[0] or kwargs is not given[1]
+        if compiled_now:
+            self._check_new_signature(strategy, *given)
         return result
 
     def _dispatch(self, strategy: Runner, jitted: Any, args: tuple, kwargs: dict) -> Any:
@@ -274,16 +279,21 @@ class Replicated:
         mirrored = topology.mirrored
         dynamic = [i for i in range(len(args)) if i not in self._static]
         tree = ([args[i] for i in dynamic], kwargs)
-        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_distributed)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_distributed)
         placed, moved = [], False
         devices = topology.device_set
-        for x in leaves:
+        for path, x in leaves:
+            if isinstance(x, jax.core.Tracer):
+                return args, kwargs  # traced by the caller's own transformation: JAX places
             if type(x) is np.ndarray or (
                 isinstance(x, jax.Array)
                 and not x.is_deleted()
                 and (not x.committed or x.sharding.device_set != devices)
             ):
-                x, moved = jax.device_put(x, mirrored), True
+                sharding = mirrored
+                if topology.devices_per_replica > 1:  # laid out as the step lays it out
+                    sharding = topology.leaf_sharding(path[2:], x, repr(self))
+                x, moved = jax.device_put(x, sharding), True
             placed.append(x)
         if not moved:
             return args, kwargs
