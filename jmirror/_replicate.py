@@ -439,7 +439,13 @@ class Replicated:
             aval.dtype == jax.dtypes.float0 for aval in step.closed.out_avals
         )
         backend = executable(strategy.backend, strategy.topology)
-        outs = backend(strategy.topology, step.closed, split, out_split, needs_token)(*flat)
+        out_paths = None
+        if strategy.topology.devices_per_replica > 1:  # mirrored outputs laid out by the rules
+            top = step.out_treedef.unflatten([0] * len(step.out_slots))
+            top_paths = jax.tree_util.tree_flatten_with_path(top)[0]
+            out_paths = [p for (p, _), s in zip(top_paths, step.out_slots) for _ in range(s.size)]
+        run = backend(strategy.topology, step.closed, split, out_split, needs_token, out_paths)
+        outs = run(*flat)
         built, pos = [], 0
         for slot in step.out_slots:
             leaves = outs[pos : pos + slot.size]

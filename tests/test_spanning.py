@@ -400,3 +400,17 @@ def test_nnx_with_partitioning_trains_like_one_device_per_replica():
     np.testing.assert_allclose(
         _nnx_losses(_spanning(2)), _nnx_losses(jm.MirroredStrategy()), rtol=1e-5
     )
+
+
+@pytest.mark.parametrize("k", SPANS)
+def test_mirrored_outputs_keep_the_layout_from_step_to_step(k):
+    """The step's state comes back laid out by the rules (never as XLA left it), equal to
+    k = 1, and the next step then finds it as compiled."""
+    expected, _, _ = _train(jm.MirroredStrategy())
+    strategy = _spanning(k, layout=[(r"\['w'\]", KERNEL)])
+    params, _, _ = _train(strategy)
+    assert params["w"].sharding == NamedSharding(strategy.mesh, KERNEL)
+    assert params["b"].sharding.is_fully_replicated
+    assert params["w"].addressable_shards[0].data.shape == (4, 8 // k)
+    for got, want in zip(jax.tree.leaves(strategy.read(params)), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
