@@ -25,6 +25,12 @@ caller's objects after the step. An *adapter* owns one such kind. For each call 
   adapt: refuses what it would have had to adapt but could not see (an NNX object nested
   deeper than `adapt` looks).
 
+A variant's replica function may also define `output_path(path)`: given the key path of a
+flat output in the variant's result, what that output stands for as the layout rules see it
+(`jmirror._backends.Output`: the path and what declares its layout). With replicas spanning
+several devices (`Topology.layout_spec`) this is how state written back by an adapter comes
+back laid out by its own metadata and the rules matched against its argument path.
+
 `jm.replicate` (`jmirror._replicate.Replicated`) knows its adapters only through this
 interface: it compiles one step per variant and counts their compilations as its own.
 """

@@ -26,6 +26,7 @@ top-level arguments only (and of the items of tuple, list and dict arguments).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 from collections.abc import Callable
@@ -35,6 +36,7 @@ import jax
 
 from jmirror import _context, _mirrored_state, _nnx_metrics
 from jmirror._adapter import Adapted
+from jmirror._backends import Output
 from jmirror._mirrored_state import Diverged, Traced
 from jmirror._nnx_metrics import MetricComponents
 from jmirror._values import Sharded, SyncOnRead, is_distributed
@@ -358,7 +360,16 @@ class _Entry:
     """The replica function of the NNX variant: the user's, with NNX state in and out."""
 
     # Slots: `functools.update_wrapper` in `Replicated` would copy a `__dict__` over its own.
-    __slots__ = ("user_fn", "static", "aliases", "shared", "name", "__name__", "__qualname__")
+    __slots__ = (
+        "user_fn",
+        "static",
+        "aliases",
+        "shared",
+        "name",
+        "written",
+        "__name__",
+        "__qualname__",
+    )
 
     def __init__(
         self, fn: Callable[..., Any], static: tuple, aliases: tuple, shared: tuple, name: str
@@ -367,6 +378,9 @@ class _Entry:
         # `aliases`: (k, i) when argument Variable k is Variable i; `shared`: (path, first
         # path) of the NNX objects reached twice, made one object again inside the trace.
         self.aliases, self.shared = aliases, shared
+        # Per written-back value of the last trace: the argument path of its leaf and what
+        # its Variable declares (`output_path`).
+        self.written: list[tuple[tuple, _Declared]] = []
         self.__name__ = getattr(fn, "__name__", "replica_fn")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
 
@@ -411,7 +425,7 @@ class _Entry:
             )
         after_vars = [x for x in after_flat if isinstance(x, nnx.Variable)]
         duplicate = {j for j, _ in self.aliases}
-        values = []
+        values, written = [], []
         for k, variable in enumerate(after_vars):
             if k in duplicate:
                 continue
@@ -419,6 +433,8 @@ class _Entry:
             if k in roles:
                 value = SyncOnRead(value, roles[k])
             values.append(value)
+            written.append((_leaf_path(found[k][0], variable), _Declared.of(variable, value)))
+        self.written = written
         if refs:
             result = jax.tree.map(
                 lambda x: refs.get(id(x), x),
@@ -426,6 +442,38 @@ class _Entry:
                 is_leaf=lambda x: isinstance(x, _graph_types(nnx)),
             )
         return result, values
+
+    def output_path(self, path: tuple) -> Any:
+        """What the flat output at `path` of `(result, values)` stands for, as the layout
+        rules see it (`jmirror._adapter`): a written-back value is its Variable's leaf, at its
+        argument path and with the Variable's own sharding metadata (so that the state comes
+        back laid out as it went in); the result's leaves are the user's result's."""
+        if path[:1] == (jax.tree_util.SequenceKey(1),) and len(path) >= 2:
+            where, declared = self.written[path[1].idx]
+            return Output(where + tuple(path[2:]), declared if len(path) == 2 else None)
+        return tuple(path[1:])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Declared:
+    """A written-back value's shape and its Variable's declared layout (flax's
+    `out_sharding` / `sharding_names` metadata), without the traced value itself."""
+
+    shape: tuple[int, ...]
+    sharding_names: tuple | None
+
+    @classmethod
+    def of(cls, variable: Any, value: Any) -> _Declared:
+        metadata = variable.get_metadata()
+        names = metadata.get("out_sharding", metadata.get("sharding_names"))
+        return cls(tuple(getattr(value, "shape", ())), tuple(names) if names else None)
+
+
+def _leaf_path(variable_path: tuple, variable: Any) -> tuple:
+    """The path of a Variable's array leaf as the arguments' flattening gives it (the
+    Variable's own key, `.value`, appended), without the `(arguments, kwargs)` prefix."""
+    own = jax.tree_util.tree_flatten_with_path(variable)[0]
+    return tuple(variable_path[2:]) + (tuple(own[0][0]) if len(own) == 1 else ())
 
 
 def _keep_sharded(variable: Any, before: Sharded, name: str) -> None:

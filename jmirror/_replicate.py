@@ -444,6 +444,9 @@ class Replicated:
             top = step.out_treedef.unflatten([0] * len(step.out_slots))
             top_paths = jax.tree_util.tree_flatten_with_path(top)[0]
             out_paths = [p for (p, _), s in zip(top_paths, step.out_slots) for _ in range(s.size)]
+            output_path = getattr(fn, "output_path", None)  # an adapter's variant (_adapter)
+            if output_path is not None:
+                out_paths = [output_path(p) for p in out_paths]
         run = backend(strategy.topology, step.closed, split, out_split, needs_token, out_paths)
         outs = run(*flat)
         built, pos = [], 0

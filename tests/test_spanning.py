@@ -414,3 +414,46 @@ def test_mirrored_outputs_keep_the_layout_from_step_to_step(k):
     assert params["w"].addressable_shards[0].data.shape == (4, 8 // k)
     for got, want in zip(jax.tree.leaves(strategy.read(params)), jax.tree.leaves(expected)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _nnx_state_layouts(strategy: jm.MirroredStrategy, partitioned: bool):
+    """Three Adam steps on an NNX model: the losses, the kernel's and its Adam moments'
+    shardings after them, and the step's compilations."""
+    import optax
+    from flax import nnx
+
+    init = nnx.initializers.lecun_normal()
+    if partitioned:
+        init = nnx.with_partitioning(init, (None, "model"))
+    with strategy.scope():
+        model = nnx.Linear(4, 8, kernel_init=init, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
+
+    @jm.replicate(strategy=strategy)
+    def step(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optimizer.update(model, jm.all_reduce("mean", grads))
+        return jm.all_reduce("mean", loss)
+
+    x = np.arange(64.0, dtype=np.float32).reshape(strategy.num_replicas, -1, 4) / 64
+    losses = [float(strategy.read(step(model, optimizer, jm.PerReplica(x)))) for _ in range(3)]
+    adam = optimizer.opt_state[0]
+    laid_out = [model.kernel, adam.mu["kernel"], adam.nu["kernel"]]
+    return losses, [v.get_raw_value() for v in laid_out], model.bias.get_raw_value(), step
+
+
+@pytest.mark.parametrize("partitioned", [True, False], ids=["with_partitioning", "rules"])
+def test_nnx_state_written_back_keeps_its_layout(partitioned):
+    """Written-back Variables come back laid out by their own metadata (flax's eager
+    sharding, which the Adam moments copy) or by the rules matched against their argument
+    paths: the same layout every step, one compilation, losses equal to k = 1."""
+    expected, _, _, _ = _nnx_state_layouts(jm.MirroredStrategy(), False)
+    layout = None if partitioned else [(r"kernel", KERNEL)]
+    strategy = _spanning(2, layout=layout)
+    losses, kernels, bias, step = _nnx_state_layouts(strategy, partitioned)
+    for x in kernels:
+        assert x.sharding == NamedSharding(strategy.mesh, KERNEL)
+        assert x.addressable_shards[0].data.shape == (4, 4)
+    assert bias.sharding.is_fully_replicated
+    assert step.num_compilations == 1
+    np.testing.assert_allclose(losses, expected, rtol=1e-5)
