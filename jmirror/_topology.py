@@ -220,7 +220,7 @@ class Topology:
     def _own_spec(self, leaf: Any) -> P | None:
         """The spec of `leaf`'s own metadata when it names only the model axis: a laid-out
         `jax.Array` of this mesh, an NNX `Variable`'s `sharding`, a linen `Partitioned` box."""
-        names = getattr(leaf, "sharding_names", None) or getattr(leaf, "names", None)
+        names = _metadata_names(leaf)
         sharding = getattr(leaf, "sharding", None)
         if names is None and isinstance(sharding, NamedSharding):
             if sharding.mesh.shape_tuple == self.mesh.shape_tuple:
@@ -292,6 +292,18 @@ class Topology:
     def leaf_sharding(self, path: Any, leaf: Any, call: str = "strategy.mirror") -> Sharding:
         """The layout of the mirrored leaf `leaf` at `path` (`layout_spec`)."""
         return self.mirrored_sharding(self.layout_spec(path, leaf, call))
+
+    def local_copy(self, x: jax.Array) -> jax.Array:
+        """This process's whole copy of the mirrored leaf `x`, without a transfer: the shard
+        of one device when `x` is replicated inside a replica, else the shards of this
+        process's first replica as one array laid out over its devices (`read_sharding`)."""
+        if x.sharding.is_fully_replicated:
+            return x.addressable_shards[0].data
+        replica = self.local_replica_ids[0]
+        sharding = self.read_sharding(x, replica)
+        by_device = {shard.device: shard.data for shard in x.addressable_shards}
+        parts = [by_device[d] for d in self.replica_devices(replica)]
+        return jax.make_array_from_single_device_arrays(x.shape, sharding, parts)
 
     def stacked_sharding(self, spec: P | None = None) -> Sharding:
         """The layout of a per-replica stack whose components are laid out by `spec` inside
@@ -428,6 +440,16 @@ def _check_processes(devices: Sequence[Device], k: int, call: str) -> None:
                 f"but process {process} has {count} device(s), which {k} does not divide. Pick "
                 "a devices_per_replica that divides every process's local device count."
             )
+
+
+def _metadata_names(leaf: Any) -> Any:
+    """The partitioning names a leaf's own metadata gives: an NNX `Variable`'s `out_sharding`
+    (flax 0.12's name; reading its deprecated `sharding_names` warns), a linen `Partitioned`
+    box's `names`, or None."""
+    if callable(getattr(type(leaf), "get_metadata", None)):  # an NNX Variable
+        names = leaf.get_metadata("out_sharding", None)
+        return tuple(names.spec) if isinstance(names, NamedSharding) else names
+    return getattr(leaf, "sharding_names", None) or getattr(leaf, "names", None)
 
 
 def _names_axis(spec: Any, axis: str) -> bool:

@@ -174,6 +174,47 @@ def test_a_checkpoint_of_one_process_restores_on_two(tmp_path, trained, strategy
         np.testing.assert_array_equal(process["restored/keys"], keys[mine])
 
 
+# --- replicas spanning 2 devices on 2 x 4, restored on 1 x 8 at k = 1 ---------------------------
+
+
+def test_replicas_spanning_two_devices_save_on_two_processes_and_restore_on_one(tmp_path, strategy):
+    import optax
+
+    seen = harness.two_by_four(
+        HERE / "spanning_checkpoint_worker.py", tmp_path, out=tmp_path, timeout=200
+    )
+    keys = ("params", "opt_state", "sharded", "count")
+    for process in seen:  # laid out over the model axis; restored on the same layout as held
+        assert str(process["trained/kernel_spec"]) == "P(None, 'model')"
+        assert process["trained/kernel_shard"].tolist() == [16, 16]
+        for key in (*keys, "kernel_spec", "kernel_shard"):
+            np.testing.assert_array_equal(process[f"again/{key}"], process[f"trained/{key}"])
+    for key in keys:
+        np.testing.assert_array_equal(seen[0][f"trained/{key}"], seen[1][f"trained/{key}"])
+    held = seen[0]
+    tx = jm.shard_update(optax.adam(1e-2), strategy=strategy)
+    params, opt_state = strategy.mirror(init_state())
+    target = {
+        "params": params,
+        "opt_state": opt_state,
+        "count": strategy.sync_on_read(np.int32(0), "sum"),
+        "sharded": tx.init(params),
+    }
+    with jm.checkpoint.CheckpointManager(tmp_path / "series", strategy=strategy) as manager:
+        restored = [jm.checkpoint.restore(tmp_path / "plain", target), manager.restore(3, target)]
+    for state in restored:  # bitwise what the processes held, on 8 replicas of one device
+        for key in ("params", "opt_state", "sharded"):
+            np.testing.assert_array_equal(flat(strategy, state[key]), held[f"trained/{key}"])
+        assert int(strategy.read(state["count"])) == 3 * 16
+        assert state["params"]["params"]["Dense_0"]["kernel"].sharding.is_fully_replicated
+    # Oracle: the same global batches trained on 1 x 8 at k = 1.
+    step_fn = jm.replicate(make_step(), strategy=strategy)
+    count = strategy.sync_on_read(np.int32(0), "sum")
+    for batch in strategy.distribute_dataset(list(batches(4, steps=3)), remainder="drop"):
+        params, opt_state, _, count = step_fn(params, opt_state, batch, count)
+    np.testing.assert_allclose(flat(strategy, params), held["trained/params"], rtol=2e-5, atol=2e-6)
+
+
 # --- a save that one process skips -------------------------------------------------------------
 
 SKIP_TIMEOUT_S = 10

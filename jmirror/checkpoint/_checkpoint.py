@@ -20,7 +20,8 @@ def save(
 ) -> None:
     """Writes `state` to the checkpoint `directory` and returns when it is complete.
 
-    Mirrored leaves are written once (one copy, however many replicas); a `SyncOnRead` is
+    Mirrored leaves are written once (one copy, however many replicas; a leaf laid out
+    inside the replicas, `devices_per_replica > 1`, as its whole value); a `SyncOnRead` is
     written aggregated, as `strategy.read` gives it, and with its N components (restored as
     they were on the same replica count, so that a resumed run's metrics continue bitwise); a
     `PerReplica` with its N components; numpy arrays and Python scalars as they are. The
@@ -80,12 +81,14 @@ def restore(
 ) -> PyTree:
     """Reads the checkpoint in `directory` and places it on `strategy`.
 
-    Values come back as they were saved: mirrored leaves mirrored on the strategy's devices,
-    `SyncOnRead` nodes with the components they had on the replica count that saved them
-    (bitwise), on another count as `strategy.assign` places a value (reading one gives what
-    was saved: exactly for integer `SUM` and `ONLY_FIRST_REPLICA`, an integer `MEAN` rounded to
-    the nearest integer), `PerReplica` nodes split over the replicas (same replica count
-    only), numpy arrays and Python scalars as themselves. Nothing read from the
+    Values come back as they were saved: mirrored leaves mirrored on the strategy's devices
+    (with replicas spanning several devices, laid out inside each replica by the strategy's
+    rules at the leaf's path in the result, `target`'s own metadata first, whatever layout
+    saved them), `SyncOnRead` nodes with the components they had on the replica count that
+    saved them (bitwise), on another count as `strategy.assign` places a value (reading one
+    gives what was saved: exactly for integer `SUM` and `ONLY_FIRST_REPLICA`, an integer `MEAN`
+    rounded to the nearest integer), `PerReplica` nodes split over the replicas (same replica
+    count only), numpy arrays and Python scalars as themselves. Nothing read from the
     checkpoint is unpickled or evaluated. With several processes every process calls
     `restore` and reads the files (a filesystem every process sees); the layout that wrote the
     checkpoint (how many processes, how many devices each) does not matter.
@@ -149,7 +152,7 @@ def read(path: pathlib.Path, target: PyTree, strategy: MirroredStrategy, call: s
         arrays = _read_verified(path, doc, tree, specs)
     except _format.CorruptCheckpointError as error:
         raise with_fix(error, path, call) from error
-    return _decode.place(tree, arrays, strategy, target, saved_n)
+    return _decode.place(tree, arrays, strategy, target, saved_n, call)
 
 
 def with_fix(error: _format.CorruptCheckpointError, path: pathlib.Path, call: str) -> Exception:

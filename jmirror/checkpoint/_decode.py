@@ -1,7 +1,9 @@
 """Restoring side: the JSON tree and its host arrays become a state placed on a strategy.
 
 `check` validates the tree (and `target`, when given) before any array is read; `place` puts
-the values back as they were saved: mirrored leaves mirrored, `SyncOnRead` leaves with their
+the values back as they were saved: mirrored leaves mirrored (laid out inside the replicas by
+the restoring strategy's rules, whatever k saved them), `jm.Sharded` leaves cut into the
+restoring strategy's pieces, `SyncOnRead` leaves with their
 saved components on the replica count that saved them (bitwise as they were), else as
 `strategy.assign` places a value (so reading them gives what was saved, on any replica count;
 also for checkpoints written without components), `PerReplica` leaves split over the replicas
@@ -19,7 +21,7 @@ import numpy as np
 from jmirror._nnx_metrics import MetricComponents
 from jmirror._values import Aggregation, PerReplica, PyTree, Sharded, SyncOnRead, is_distributed
 from jmirror.checkpoint import _format, _sharded
-from jmirror.checkpoint._encode import children, container_kind
+from jmirror.checkpoint._encode import children, container_kind, is_nnx_variable
 
 if TYPE_CHECKING:
     from jmirror._strategy import MirroredStrategy
@@ -353,65 +355,114 @@ def place(
     strategy: MirroredStrategy,
     target: Any,
     saved_n: int,
+    call: str = "jm.checkpoint.restore",
 ) -> PyTree:
     """The restored state: `target`'s structure when given, else the saved plain containers.
 
     `saved_n` is the replica count that saved it: on that count a `SyncOnRead` leaf saved with
-    its components gets them back as they were.
+    its components gets them back as they were. A mirrored leaf is laid out by the strategy's
+    rules (`Topology.leaf_sharding`, whatever layout saved it): at the path it has in the
+    result, with `target`'s leaf (or the NNX `Variable` holding it) as its own metadata.
     """
     leaves = tree.leaves()
-    values = _place_leaves(leaves, arrays, strategy, as_saved=saved_n == strategy.num_replicas)
+    likes = _target_leaves(target) if target is not None else _rebuilt_leaves(tree)
+    as_saved = saved_n == strategy.num_replicas
+    values = _place_leaves(leaves, likes, arrays, strategy, as_saved, call)
     if target is not None:
         return jax.tree.unflatten(jax.tree.structure(target), values)
     return _rebuild(tree, iter(values))
 
 
 def _place_leaves(
-    leaves: list[Leaf], arrays: dict[str, np.ndarray], strategy: MirroredStrategy, as_saved: bool
+    leaves: list[Leaf],
+    likes: list[tuple[tuple, Any]],
+    arrays: dict[str, np.ndarray],
+    strategy: MirroredStrategy,
+    as_saved: bool,
+    call: str,
 ) -> list:
+    """The leaves' values, placed; `likes` holds each leaf's (path, leaf or `Variable`) in
+    the result, which lay a mirrored leaf out."""
     n = strategy.num_replicas
+    topology = strategy.topology
     out: list[Any] = [None] * len(leaves)
-    placed: dict[str, list[int]] = {"mirrored": [], "stacked": []}
+    placed: list[tuple[int, Any]] = []  # (index, layout)
     for i, leaf in enumerate(leaves):
         host = arrays[leaf.array]
         if leaf.kind == "numpy":  # the caller's own, writable copy
             out[i] = host[()] if leaf.scalar else np.array(host)
         elif leaf.kind == "python":
             out[i] = _format.PYTHON_TYPES[leaf.python](host.item())  # type: ignore[index]
+        elif leaf.kind in ("mirrored", _sharded.KIND) and leaf.sharded:
+            out[i] = _sharded.pieces(host, n)
+            placed.append((i, topology.pieces_sharding(out[i].shape[1])))
         elif leaf.kind in ("mirrored", _sharded.KIND):
-            placed["stacked" if leaf.sharded else "mirrored"].append(i)
-            out[i] = _sharded.pieces(host, n) if leaf.sharded else host
+            path, like = likes[i]
+            if like is None:
+                like = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype or host.dtype)
+            out[i] = host
+            placed.append((i, topology.leaf_sharding(path, like, call)))
         else:
-            placed["stacked"].append(i)
+            placed.append((i, topology.stacked))
             if leaf.components is not None and as_saved:  # as they were: bitwise resume
                 out[i] = arrays[leaf.components]
             elif leaf.kind == "aggregated":
                 out[i] = _components(leaf, host, n)
             else:
                 out[i] = host
-    topology = strategy.topology
-    layouts = {"mirrored": topology.mirrored, "stacked": topology.stacked}
-    for kind, indices in placed.items():
-        if indices:
-            values = _put([out[i] for i in indices], layouts[kind], topology.process_count)
-            for i, x in zip(indices, values):
-                out[i] = x
+    if placed:
+        indices, layouts = zip(*placed)
+        values = _put([out[i] for i in indices], list(layouts), topology.process_count)
+        for i, x in zip(indices, values):
+            out[i] = x
     for i, leaf in enumerate(leaves):
         if leaf.key_impl is not None:
             out[i] = jax.random.wrap_key_data(out[i], impl=leaf.key_impl)
     return out
 
 
-def _put(hosts: list[np.ndarray], sharding: Any, num_processes: int) -> list[jax.Array]:
-    """The host arrays (the whole values) placed with `sharding`."""
+def _put(hosts: list[np.ndarray], shardings: list[Any], num_processes: int) -> list[jax.Array]:
+    """The host arrays (the whole values) placed, each with its sharding."""
     if num_processes == 1:
         # The host arrays are private to this restore, so device_put may reuse them.
-        return jax.device_put(hosts, [sharding] * len(hosts))
+        return jax.device_put(hosts, shardings)
     # Several processes: each places the parts on its own devices (every process read all).
     return [
         jax.make_array_from_callback(host.shape, sharding, lambda index, h=host: h[index])
-        for host in hosts
+        for host, sharding in zip(hosts, shardings)
     ]
+
+
+def _target_leaves(target: Any) -> list[tuple[tuple, Any]]:
+    """(path, leaf) of each leaf of `target` in flattening order; a leaf that is an NNX
+    `Variable`'s value comes with that `Variable` (its partitioning metadata)."""
+    out = []
+    for path, node in jax.tree_util.tree_flatten_with_path(target, is_leaf=is_nnx_variable)[0]:
+        inner = jax.tree_util.tree_flatten_with_path(node)[0] if is_nnx_variable(node) else None
+        if inner is None:
+            out.append((path, node))
+        else:
+            out.extend((path + sub, node if len(inner) == 1 else x) for sub, x in inner)
+    return out
+
+
+def _rebuilt_leaves(tree: Tree, path: tuple = ()) -> list[tuple[tuple, Any]]:
+    """(path, None) of each leaf in the tree `_rebuild` makes of `tree`, in the saved order
+    (a class node is a dict of its fields there, an NNX `Variable` its value)."""
+    if tree.leaf is not None:
+        return [(path, None)]
+    if tree.kind in ("sync_on_read", "per_replica"):
+        return _rebuilt_leaves(tree.children[0][1], path + (tree.children[0][0],))
+    out = []
+    for i, (entry, child) in enumerate(tree.children):
+        if tree.variable and len(tree.children) == 1:
+            key: tuple = ()
+        elif tree.kind in ("list", "tuple"):
+            key = (jax.tree_util.SequenceKey(i),)
+        else:
+            key = (jax.tree_util.DictKey(_format.entry_name(entry)),)
+        out.extend(_rebuilt_leaves(child, path + key))
+    return out
 
 
 def _components(leaf: Leaf, value: np.ndarray, n: int) -> np.ndarray:

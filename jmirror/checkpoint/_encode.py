@@ -1,8 +1,9 @@
 """Saving side: a training state becomes host arrays plus a JSON tree that says how to rebuild it.
 
-Mirrored leaves are fetched once (one device's copy), `SyncOnRead` nodes are read (aggregated)
-in one `strategy.read` call and their N components fetched beside (a restore on the same
-replica count puts them back as they were, so a resumed run's metrics continue bitwise),
+Mirrored leaves are fetched once (one replica's copy: one device's, or with replicas spanning
+k devices the k shards of one replica, `Topology.local_copy`), `SyncOnRead` nodes are read
+(aggregated) in one `strategy.read` call and their N components fetched beside (a restore on
+the same replica count puts them back as they were, so a resumed run's metrics continue bitwise),
 `PerReplica` leaves are fetched with their N components, numpy arrays and Python scalars are
 copied. Every value is a fresh host copy when `encode` returns, so the caller may donate or
 overwrite its arrays at once (on XLA:CPU a host view of a device buffer would otherwise change
@@ -39,6 +40,14 @@ if TYPE_CHECKING:
 _PYTHON_SCALARS = (bool, int, float, complex)
 # The bounded wait of a save that gathers per-replica components (named if it times out).
 GATHER_CALL = "jm.checkpoint's gathering of the per-replica components"
+
+_NOT_MIRRORED = (
+    "jm.checkpoint.save: the array at path {where!r} is not mirrored (its sharding is "
+    "{sharding}); a state holds mirrored arrays, SyncOnRead and PerReplica nodes. Wrap "
+    "per-replica values in jm.PerReplica, or mirror the array with strategy.mirror; an array "
+    "laid out inside the replicas (devices_per_replica > 1) is saved with strategy= the "
+    "strategy that laid it out."
+)
 
 
 @dataclasses.dataclass
@@ -145,14 +154,11 @@ class _Encoder:
         check_leaf(x, where)
         name = self._name()
         if isinstance(x, jax.Array):
-            if not x.is_fully_replicated:
-                raise TypeError(
-                    f"jm.checkpoint.save: the array at path {where!r} is not mirrored (its "
-                    f"sharding is {x.sharding}); a state holds mirrored arrays, SyncOnRead and "
-                    "PerReplica nodes. Wrap per-replica values in jm.PerReplica, or mirror the "
-                    "array with strategy.mirror."
-                )
-            self.fetch.append((name, x.addressable_shards[0].data))
+            # Mirrored: replicated everywhere, or laid out inside the replicas (k > 1) and
+            # replicated over them; one replica's copy is the whole value, written once.
+            if not (x.is_fully_replicated or self.topology.is_mirrored(x)):
+                raise TypeError(_NOT_MIRRORED.format(where=where, sharding=x.sharding))
+            self.fetch.append((name, self.topology.local_copy(x)))
             return _leaf("mirrored", name, x.shape, x)
         if isinstance(x, (np.ndarray, np.generic)):
             self.fetch.append((name, np.array(x, copy=True)))
