@@ -21,6 +21,7 @@ EXPECTED = {
     "04_from_pmap_and_flax.ipynb",
     "05_checkpoints.ipynb",
     "06_nnx.ipynb",
+    "07_spanning_devices.ipynb",
 }
 # Notebooks that must work on however many devices the kernel sees, 1 included.
 ANY_DEVICE_COUNT = {"04_from_pmap_and_flax.ipynb"}
