@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmirror._cross_replica import REDUCERS, CrossReplica
-from jmirror._topology import Topology
+from jmirror._topology import Topology, declared_leaves
 from jmirror._values import (
     Aggregation,
     PerReplica,
@@ -66,7 +66,10 @@ class HostOps(CrossReplica):
     # --- placing -------------------------------------------------------------------------------
 
     def mirror(self, tree: PyTree) -> PyTree:
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_distributed)
+        treedef = jax.tree_util.tree_structure(tree, is_leaf=is_distributed)
+        declared = declared_leaves(tree, is_leaf=is_distributed)
+        leaves = [(path, leaf) for path, leaf, _ in declared]
+        likes = [(path, like) for path, _, like in declared]
         out: list[Any] = [None] * len(leaves)
         todo = []
         for i, (path, leaf) in enumerate(leaves):
@@ -85,7 +88,7 @@ class HostOps(CrossReplica):
             # sharding for mirrored state, so a step's outputs match its inputs' signature).
             if isinstance(leaf, (SyncOnRead, Sharded)) or (
                 isinstance(leaf, jax.Array)
-                and leaf.sharding == self.topology.leaf_sharding(path, leaf)
+                and leaf.sharding == self.topology.leaf_sharding(*likes[i])
             ):
                 out[i] = leaf
             else:
@@ -93,7 +96,7 @@ class HostOps(CrossReplica):
         self._warn_pmap_layout([leaves[i] for i in todo])
         if todo:
             sources = [leaves[i][1] for i in todo]
-            layouts = [self.topology.leaf_sharding(*leaves[i]) for i in todo]
+            layouts = [self.topology.leaf_sharding(*likes[i]) for i in todo]
             # Laid out inside the replicas (k > 1, `Topology.layout_spec`) or all mirrored.
             laid_out = any(x != self.topology.mirrored for x in layouts)
             placed = (

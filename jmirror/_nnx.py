@@ -26,7 +26,6 @@ top-level arguments only (and of the items of tuple, list and dict arguments).
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import types
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from jmirror._adapter import Adapted
 from jmirror._backends import Output
 from jmirror._mirrored_state import Diverged, Traced
 from jmirror._nnx_metrics import MetricComponents
+from jmirror._topology import Declared
 from jmirror._values import Sharded, SyncOnRead, is_distributed
 
 # Items of a container argument looked at by `_has_nodes`; NNX objects deeper in the
@@ -380,7 +380,7 @@ class _Entry:
         self.aliases, self.shared = aliases, shared
         # Per written-back value of the last trace: the argument path of its leaf and what
         # its Variable declares (`output_path`).
-        self.written: list[tuple[tuple, _Declared]] = []
+        self.written: list[tuple[tuple, Declared]] = []
         self.__name__ = getattr(fn, "__name__", "replica_fn")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
 
@@ -433,7 +433,7 @@ class _Entry:
             if k in roles:
                 value = SyncOnRead(value, roles[k])
             values.append(value)
-            written.append((_leaf_path(found[k][0], variable), _Declared.of(variable, value)))
+            written.append((_leaf_path(found[k][0], variable), _declared(variable, value)))
         self.written = written
         if refs:
             result = jax.tree.map(
@@ -454,19 +454,11 @@ class _Entry:
         return tuple(path[1:])
 
 
-@dataclasses.dataclass(frozen=True)
-class _Declared:
+def _declared(variable: Any, value: Any) -> Declared:
     """A written-back value's shape and its Variable's declared layout (flax's
-    `out_sharding` / `sharding_names` metadata), without the traced value itself."""
-
-    shape: tuple[int, ...]
-    sharding_names: tuple | None
-
-    @classmethod
-    def of(cls, variable: Any, value: Any) -> _Declared:
-        metadata = variable.get_metadata()
-        names = metadata.get("out_sharding", metadata.get("sharding_names"))
-        return cls(tuple(getattr(value, "shape", ())), tuple(names) if names else None)
+    `out_sharding` metadata), without the traced value itself."""
+    names = variable.get_metadata().get("out_sharding")
+    return Declared(tuple(getattr(value, "shape", ())), tuple(names) if names else None)
 
 
 def _leaf_path(variable_path: tuple, variable: Any) -> tuple:

@@ -32,12 +32,13 @@ import numpy as np
 
 from jmirror import _context, _dispatch, _mirrored_state, _nnx
 from jmirror._adapter import Adapted, Adapter
-from jmirror._backends import executable
+from jmirror._backends import Output, executable
 from jmirror._context import Runner
 from jmirror._interrupts import HELD
 from jmirror._mirrored_state import MirroredStateWarning, Traced
 from jmirror._process_ops import globalize
 from jmirror._shim import compiled_count
+from jmirror._topology import Declared, declared_leaves
 from jmirror._tracing import (
     FORCED,
     SHARDED,
@@ -279,10 +280,10 @@ class Replicated:
         mirrored = topology.mirrored
         dynamic = [i for i in range(len(args)) if i not in self._static]
         tree = ([args[i] for i in dynamic], kwargs)
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_distributed)
+        treedef = jax.tree_util.tree_structure(tree, is_leaf=is_distributed)
         placed, moved = [], False
         devices = topology.device_set
-        for path, x in leaves:
+        for path, x, like in declared_leaves(tree, is_leaf=is_distributed):
             if isinstance(x, jax.core.Tracer):
                 return args, kwargs  # traced by the caller's own transformation: JAX places
             if type(x) is np.ndarray or (
@@ -292,7 +293,7 @@ class Replicated:
             ):
                 sharding = mirrored
                 if topology.devices_per_replica > 1:  # laid out as the step lays it out
-                    sharding = topology.leaf_sharding(path[2:], x, repr(self))
+                    sharding = topology.leaf_sharding(path[2:], like, repr(self))
                 x, moved = jax.device_put(x, sharding), True
             placed.append(x)
         if not moved:
@@ -441,12 +442,7 @@ class Replicated:
         backend = executable(strategy.backend, strategy.topology)
         out_paths = None
         if strategy.topology.devices_per_replica > 1:  # mirrored outputs laid out by the rules
-            top = step.out_treedef.unflatten([0] * len(step.out_slots))
-            top_paths = jax.tree_util.tree_flatten_with_path(top)[0]
-            out_paths = [p for (p, _), s in zip(top_paths, step.out_slots) for _ in range(s.size)]
-            output_path = getattr(fn, "output_path", None)  # an adapter's variant (_adapter)
-            if output_path is not None:
-                out_paths = [output_path(p) for p in out_paths]
+            out_paths = self._out_paths(fn, step)
         run = backend(strategy.topology, step.closed, split, out_split, needs_token, out_paths)
         outs = run(*flat)
         built, pos = [], 0
@@ -465,6 +461,26 @@ class Replicated:
         forced = frozenset(id(b) for b, s in zip(built, step.out_slots) if s.kind == FORCED)
         self._check_state(check, (dynamic, kwargs), result, forced)
         return result, (outs[-1] if needs_token else None)
+
+    @staticmethod
+    def _out_paths(fn: Callable[..., Any], step: Any) -> list[Any]:
+        """What each flat output of `step` stands for as the layout rules see it
+        (`jmirror._backends.Output`): its path in the result, with a linen box's metadata
+        or, through an adapter's variant (`output_path`), the state it is written back to."""
+        avals, starts, pos = step.closed.out_avals, [], 0
+        for slot in step.out_slots:
+            starts.append(pos)
+            pos += slot.size
+        shapes = [jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype) for i in starts]
+        top = step.out_treedef.unflatten(shapes)
+        output_path = getattr(fn, "output_path", None)  # an adapter's variant (_adapter)
+        out_paths = []
+        for (path, _, like), slot in zip(declared_leaves(top), step.out_slots):
+            entry = output_path(path) if output_path is not None else path
+            if isinstance(like, Declared) and not isinstance(entry, Output):
+                entry = Output(path, like)
+            out_paths.extend([entry] * slot.size)
+        return out_paths
 
     def _check_state(
         self, check: Callable[[Traced], None] | None, inputs: tuple, result: Any, forced: Any

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -479,3 +480,47 @@ def _check_rules(layout: Any) -> Any:
             )
         re.compile(rule[0])
     return rules
+
+
+# --- what a leaf declares ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Declared:
+    """A mirrored leaf's shape and the layout its metadata declares (`sharding_names`, as
+    `Topology.layout_spec` reads it), standing in for the leaf where the metadata lives
+    beside the array: an NNX `Variable`'s written-back value, a linen `Partitioned` box's."""
+
+    shape: tuple[int, ...]
+    sharding_names: tuple | None
+
+
+def declared_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list:
+    """`(path, leaf, like)` for every leaf of `tree` in flattening order (with `is_leaf`):
+    `like` is what the layout rules look at (`Topology.layout_spec`), the leaf itself, or for
+    the value of a metadata box (linen's `nn.Partitioned`, any `flax.core.meta.AxisMetadata`
+    with `names`) a `Declared` with the box's names (section 13: a leaf's own metadata comes
+    first)."""
+
+    def stop(x: Any) -> bool:
+        return _is_box(x) or (is_leaf is not None and is_leaf(x))
+
+    found = []
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=stop)[0]:
+        if not _is_box(node) or (is_leaf is not None and is_leaf(node)):
+            found.append((path, node, node))
+            continue
+        inner = jax.tree_util.tree_flatten_with_path(node, is_leaf=is_leaf)[0]
+        for p, leaf in inner:
+            names = tuple(node.names) if len(inner) == 1 else None
+            found.append((path + p, leaf, Declared(tuple(np.shape(leaf)), names)))
+    return found
+
+
+def _is_box(x: Any) -> bool:
+    meta = sys.modules.get("flax.core.meta")
+    return (
+        meta is not None
+        and isinstance(x, getattr(meta, "AxisMetadata", ()))
+        and getattr(x, "names", None) is not None
+    )

@@ -457,3 +457,42 @@ def test_nnx_state_written_back_keeps_its_layout(partitioned):
     assert bias.sharding.is_fully_replicated
     assert step.num_compilations == 1
     np.testing.assert_allclose(losses, expected, rtol=1e-5)
+
+
+def _linen_params(strategy: jm.MirroredStrategy):
+    """A linen Dense whose kernel is boxed in `nn.Partitioned((None, "model"))`, mirrored,
+    after two SGD steps; and the step."""
+    import flax.linen as nn
+
+    kernel_init = nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+    model = nn.Dense(8, kernel_init=kernel_init)
+    params = strategy.mirror(model.init(jax.random.key(0), jnp.ones((1, 4))))
+
+    @jm.replicate(strategy=strategy)
+    def step(params, x):
+        grads = jax.grad(lambda p: jnp.mean(model.apply(p, x) ** 2))(params)
+        grads = jm.all_reduce("mean", grads)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    x = np.arange(64.0, dtype=np.float32).reshape(strategy.num_replicas, -1, 4) / 64
+    mirrored = params
+    for _ in range(2):
+        params = step(params, jm.PerReplica(x))
+    return mirrored, params, step
+
+
+def test_linen_partitioned_boxes_lay_out_their_leaves():
+    """A linen `nn.Partitioned` box's names are the leaf's own metadata: the mirrored kernel
+    and the stepped one are laid out by them, the bias replicated, equal to k = 1."""
+    _, expected, _ = _linen_params(jm.MirroredStrategy())
+    strategy = _spanning(2)
+    mirrored, params, step = _linen_params(strategy)
+    for tree in (mirrored, params):
+        kernel = tree["params"]["kernel"].value
+        assert kernel.sharding == NamedSharding(strategy.mesh, KERNEL)
+        assert kernel.addressable_shards[0].data.shape == (4, 4)
+        assert tree["params"]["bias"].sharding.is_fully_replicated
+    assert step.num_compilations == 1
+    got = jax.tree.leaves(strategy.read(params))
+    for g, w in zip(got, jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
