@@ -499,8 +499,8 @@ def declared_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> 
     """`(path, leaf, like)` for every leaf of `tree` in flattening order (with `is_leaf`):
     `like` is what the layout rules look at (`Topology.layout_spec`), the leaf itself, or for
     the value of a metadata box (linen's `nn.Partitioned`, any `flax.core.meta.AxisMetadata`
-    with `names`) a `Declared` with the box's names (section 13: a leaf's own metadata comes
-    first)."""
+    with `names`; an NNX `Variable` with `out_sharding`) a `Declared` with the box's names
+    (section 13: a leaf's own metadata comes first)."""
 
     def stop(x: Any) -> bool:
         return _is_box(x) or (is_leaf is not None and is_leaf(x))
@@ -512,15 +512,15 @@ def declared_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> 
             continue
         inner = jax.tree_util.tree_flatten_with_path(node, is_leaf=is_leaf)[0]
         for p, leaf in inner:
-            names = tuple(node.names) if len(inner) == 1 else None
+            names = tuple(_metadata_names(node)) if len(inner) == 1 else None
             found.append((path + p, leaf, Declared(tuple(np.shape(leaf)), names)))
     return found
 
 
 def _is_box(x: Any) -> bool:
+    """A linen metadata box with `names`, or an NNX `Variable` with `out_sharding`."""
     meta = sys.modules.get("flax.core.meta")
-    return (
-        meta is not None
-        and isinstance(x, getattr(meta, "AxisMetadata", ()))
-        and getattr(x, "names", None) is not None
-    )
+    if meta is not None and isinstance(x, getattr(meta, "AxisMetadata", ())):
+        return getattr(x, "names", None) is not None
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.Variable) and bool(_metadata_names(x))

@@ -496,3 +496,28 @@ def test_linen_partitioned_boxes_lay_out_their_leaves():
     got = jax.tree.leaves(strategy.read(params))
     for g, w in zip(got, jax.tree.leaves(expected)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+
+
+def test_nnx_metadata_without_eager_sharding_lays_out_mirrored_leaves():
+    """A Variable built outside the strategy's mesh keeps only flax's `out_sharding`
+    metadata: `strategy.mirror` and a step's first call lay it out by that metadata."""
+    from flax import nnx
+
+    strategy = _spanning(2)
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+    with nnx.use_eager_sharding(False):
+        model = nnx.Linear(4, 8, kernel_init=init, rngs=nnx.Rngs(0))
+        fresh = nnx.Linear(4, 8, kernel_init=init, rngs=nnx.Rngs(0))
+    value = np.asarray(model.kernel.get_raw_value())
+    mirrored = strategy.mirror(model)
+
+    @jm.replicate(strategy=strategy)
+    def touch(model):
+        model.kernel.set_raw_value(model.kernel.get_raw_value() * 1.0)
+
+    touch(fresh)
+    for m in (mirrored, fresh):
+        kernel = m.kernel.get_raw_value()
+        assert kernel.sharding == NamedSharding(strategy.mesh, KERNEL)
+        np.testing.assert_array_equal(np.asarray(kernel), value)
+        assert m.bias.get_raw_value().sharding.is_fully_replicated
