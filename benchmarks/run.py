@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--memory", action="store_true", help="peak RSS of each variant")
-    parser.add_argument("--skip", default="", help="comma list of: steps,hlo,micro")
+    parser.add_argument("--skip", default="", help="comma list of: steps,hlo,micro,spanning")
     args = parser.parse_args(argv)
     _setup_devices()
     from benchmarks import models_tf
@@ -165,6 +165,13 @@ def main(argv: list[str] | None = None) -> None:
             print(steps_section(size, args.steps, args.rounds, args.memory), flush=True)
     if "micro" not in skip:
         print(micro.report(args.rounds), flush=True)
+    if "spanning" not in skip:  # replicas spanning k devices (SPEC 13): 8 devices only
+        from benchmarks import spanning_bench
+
+        if jax.device_count() == spanning_bench.NUM_DEVICES:
+            print(spanning_bench.report(args.rounds), flush=True)
+        else:
+            print(f"\n(replicas spanning devices: skipped, needs {spanning_bench.NUM_DEVICES})")
 
 
 if __name__ == "__main__":
