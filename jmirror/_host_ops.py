@@ -236,9 +236,14 @@ class HostOps(CrossReplica):
     def _on_replica(self, x: jax.Array, i: int) -> jax.Array:
         """Replica `i`'s copy of the mirrored `x` (on its device, or laid out on its devices)."""
         target = self.topology.read_sharding(x, i)
-        for shard in x.addressable_shards:
-            if {shard.device} == target.device_set and shard.data.shape == x.shape:
-                return shard.data
+        devices = self.topology.replica_devices(i)
+        by_device = {shard.device: shard.data for shard in x.addressable_shards}
+        if all(d in by_device for d in devices):  # its own shards: no transfer
+            if len(devices) == 1 and by_device[devices[0]].shape == x.shape:
+                return by_device[devices[0]]
+            if len(devices) > 1:
+                parts = [by_device[d] for d in devices]
+                return jax.make_array_from_single_device_arrays(x.shape, target, parts)
         return jax.device_put(x, target)
 
     def _gathered(self, stacked: Any) -> jax.Array:

@@ -48,12 +48,20 @@ class ProcessHostOps(HostOps):
 
     # --- placing -------------------------------------------------------------------------------
 
-    def _place_mirrored(self, sources: list[Any]) -> list[jax.Array]:
+    def _place_mirrored(
+        self, sources: list[Any], layouts: list[Any] | None = None
+    ) -> list[jax.Array]:
         host = [np.asarray(x) for x in sources]
         with _deadline.bounded("strategy.mirror", self.topology.timeout_s):
             host = multihost_utils.broadcast_one_to_all(host)  # process 0's value, everywhere
-        mirrored = self.topology.mirrored
-        return [_from_local(x, mirrored, x.shape) for x in host]
+        if layouts is None:
+            mirrored = self.topology.mirrored
+            return [_from_local(x, mirrored, x.shape) for x in host]
+        # Laid out inside the replicas (k > 1): each device takes its piece of the value.
+        return [
+            jax.make_array_from_callback(x.shape, layout, lambda index, x=x: x[index])
+            for x, layout in zip(host, layouts)
+        ]
 
     def sync_on_read_from(self, component: Callable[[jax.Array], PyTree], aggregation):
         n = self.num_replicas
@@ -112,7 +120,7 @@ class ProcessHostOps(HostOps):
         timeout = self.topology.timeout_s
         with _deadline.bounded(call, timeout):  # a cheap program may run (and wait) inline
             out = _jit_mirrored(fn, self.topology.mirrored)(x)
-            mine = jax.block_until_ready(self._on_first_device(out))
+            mine = jax.block_until_ready(self._first_local_copy(out))
         return mine
 
     def stacked(self, x: Any) -> Any:
@@ -120,6 +128,11 @@ class ProcessHostOps(HostOps):
         return self._everywhere(_whole, x, _READ)
 
     def _on_first_device(self, x: jax.Array) -> jax.Array:
+        """This process's first replica's copy (on its device, or laid out on its devices)."""
+        return self._on_replica(x, self.topology.local_replica_ids[0])
+
+    def _first_local_copy(self, x: jax.Array) -> jax.Array:
+        """The copy of the fully replicated `x` on this process's first device."""
         first = self.topology.first_local_device
         for shard in x.addressable_shards:
             if shard.device == first:
@@ -134,13 +147,12 @@ class ProcessHostOps(HostOps):
                 for i in range(self.topology.num_local_replicas)
             ]
         if isinstance(x, jax.Array) and self.topology.is_mirrored(x):
-            by_device = {s.device: s.data for s in x.addressable_shards}
-            return [by_device[d] for d in self.topology.local_devices]
+            return [self._on_replica(x, i) for i in self.topology.local_replica_ids]
         return None
 
     def _local_component(self, stacked: Any, i: int) -> Any:
         if isinstance(stacked, jax.Array) and not stacked.is_fully_addressable:
-            device = self.topology.local_devices[i]
+            device = self.topology.replica_devices(self.topology.local_replica_ids[i])[0]
             for shard in stacked.addressable_shards:
                 if shard.device == device:
                     return shard.data[0]

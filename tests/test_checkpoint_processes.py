@@ -187,6 +187,8 @@ def test_replicas_spanning_two_devices_save_on_two_processes_and_restore_on_one(
     for process in seen:  # laid out over the model axis; restored on the same layout as held
         assert str(process["trained/kernel_spec"]) == "P(None, 'model')"
         assert process["trained/kernel_shard"].tolist() == [16, 16]
+        # strategy.read and local_results give whole values (was half a kernel at k = 2)
+        np.testing.assert_array_equal(process["trained/read"], process["trained/params"])
         for key in (*keys, "kernel_spec", "kernel_shard"):
             np.testing.assert_array_equal(process[f"again/{key}"], process[f"trained/{key}"])
     for key in keys:

@@ -46,22 +46,30 @@ def held(strategy, state, prefix, results):
     results[f"{prefix}/kernel_shard"] = np.array(kernel.addressable_shards[0].data.shape)
 
 
-def laid_out(strategy, tree):
-    """`tree` mirrored and laid out by the strategy's rules, as `strategy.mirror` would place
-    it (which with several processes and a layout is a TypeError in `_process_ops` today)."""
+def as_read(strategy, tree):
+    """What `strategy.read` and `strategy.local_results` give of each mirrored leaf, whole:
+    a read is laid out over this process's first replica's devices, a component per local
+    replica over that replica's."""
+    out = []
+    for x in jax.tree.leaves(tree):
+        read = strategy.read(x)
+        copies = strategy.local_results(x)
+        assert len(copies) == strategy.num_local_replicas, len(copies)
+        assert read.sharding.device_set == set(strategy.replica_devices(first_local(strategy)))
+        out.append(np.ravel(np.asarray(read)))
+        for copy in copies:
+            np.testing.assert_array_equal(np.asarray(copy), np.asarray(read))
+    return np.concatenate(out)
 
-    def one(path, x):
-        x = np.asarray(x)
-        sharding = strategy.topology.leaf_sharding(path, x)
-        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
-    return jax.tree_util.tree_map_with_path(one, tree)
+def first_local(strategy):
+    return strategy.topology.local_replica_ids[0]
 
 
 strategy = jm.MultiWorkerMirroredStrategy(devices_per_replica=2, layout=LAYOUT)
 assert (strategy.num_replicas, strategy.num_local_replicas) == (4, 2)
 step_fn = jm.replicate(make_step(), strategy=strategy)
-params, opt_state = laid_out(strategy, init_state())
+params, opt_state = strategy.mirror(init_state())  # laid out by the rules
 count = strategy.sync_on_read(np.int32(0), "sum")
 data = list(batches(strategy.num_replicas, steps=3))
 for batch in strategy.distribute_dataset(data, remainder="drop"):
@@ -81,6 +89,7 @@ state = {"params": params, "opt_state": opt_state, "count": count, "sharded": sh
 out_dir = sys.argv[1]
 results: dict[str, np.ndarray] = {}
 held(strategy, state, "trained", results)
+results["trained/read"] = as_read(strategy, state["params"])
 jm.checkpoint.save(f"{out_dir}/plain", state, strategy=strategy)
 with jm.checkpoint.CheckpointManager(f"{out_dir}/series", strategy=strategy) as manager:
     manager.save(3, state)
