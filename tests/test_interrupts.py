@@ -41,18 +41,22 @@ def _interrupt_loop(step_once, check, interrupts: int = INTERRUPTS) -> int:
     caught = 0
     done = threading.Event()
     ready = threading.Event()
+    deadline = time.monotonic() + 300
 
     def interrupter():
+        # Each interrupt waits for the loop to have caught the one before: two interrupts
+        # within one call are one KeyboardInterrupt (as two of Python's own SIGINTs before
+        # its next bytecode are), and a first call that compiles on a loaded machine can
+        # take longer than any fixed wait.
         for _ in range(interrupts):
-            ready.wait(10)
+            if not ready.wait(max(0.0, deadline - time.monotonic())) or done.is_set():
+                break
             ready.clear()
             time.sleep(rng.uniform(0.001, 0.02))
             _thread.interrupt_main()
-        done.set()
 
     thread = threading.Thread(target=interrupter, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 120
     while caught < interrupts and time.monotonic() < deadline:
         try:
             ready.set()
@@ -61,6 +65,8 @@ def _interrupt_loop(step_once, check, interrupts: int = INTERRUPTS) -> int:
         except KeyboardInterrupt:
             caught += 1
             check()
+    done.set()  # an interrupter still waiting (the loop ran out of time) ends
+    ready.set()
     thread.join(10)
     assert not thread.is_alive()
     return caught
