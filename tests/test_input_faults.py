@@ -17,9 +17,9 @@ import jmirror as jm
 from jmirror import _prefetch
 
 # A stalled source waits this long at most (then the test would fail on its timing bound).
-STALL_S = 6.0
+STALL_S = 20.0
 # What "promptly" means on a busy shared 2-core machine: far below STALL_S.
-PROMPT_S = 2.0
+PROMPT_S = 5.0
 
 
 @pytest.fixture
@@ -203,7 +203,7 @@ it = iter(data)
 next(it)
 time.sleep(0.5)  # the prefetch thread is now blocked inside the source
 {end}
-print("exiting", flush=True)
+print("exiting at", time.time(), flush=True)
 """
 
 
@@ -211,14 +211,16 @@ print("exiting", flush=True)
 def test_interpreter_exit_does_not_wait_for_a_blocked_source(n, end):
     script = _EXIT_SCRIPT.format(n=n, prefetch=2, end=end)
     env = dict(os.environ, PYTHONWARNINGS="default")
-    began = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=50, env=env
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=150, env=env
     )
-    elapsed = time.monotonic() - began
+    ended = time.time()
     assert done.returncode == 0, done.stderr
-    assert "exiting" in done.stdout
-    assert elapsed < 30, f"exit took {elapsed:.0f} s"  # JAX's import takes a few seconds here
+    assert "exiting at" in done.stdout
+    # From the script's last line to the process's end (JAX's import, slow on a loaded
+    # machine, not included): far less than the 60 s the source stalls.
+    elapsed = ended - float(done.stdout.split("exiting at")[1])
+    assert elapsed < 30, f"exit took {elapsed:.0f} s"
 
 
 # --- 64-bit integers -----------------------------------------------------------------------------
