@@ -10,6 +10,7 @@ elements into one batch instead. See `jmirror._input` for the choices the contra
 
 from __future__ import annotations
 
+import math
 import numbers
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmirror._cluster_config import process_counts
 from jmirror._prefetch import Control, _Positioned, _Warning
 from jmirror._shim import put_rows
 from jmirror._topology import Topology
@@ -311,14 +313,23 @@ def global_batches(
         pulled.close()
 
 
-def _global_size(call: str, n: int, size: int, remainder: str) -> tuple[int, _Warning | None]:
-    """G from the first batch's size, and the warning that "drop" gives when size < G."""
+def _global_size(
+    call: str, n: int, size: int, remainder: str, topology_processes: int = 1
+) -> tuple[int, _Warning | None]:
+    """G from the first batch's size, and the warning that "drop" gives when size < G.
+
+    In a run that `jmirror.launch --min-processes` may continue on fewer processes, a first
+    batch that N does not divide is a `ValueError` (SPEC 10, round 4 notes): padding or
+    dropping would change the global batch from one start to the next."""
     if size == 0:
         raise ValueError(
             f"{call}: the first batch has 0 examples, so there is no global batch size "
             "to infer; the first batch sets G. Skip empty batches in the source."
         )
     g = -(-size // n) * n
+    counts = process_counts()
+    if counts is not None and size != g:
+        raise ValueError(_elastic_batch(call, size, n, topology_processes, counts))
     if remainder != "drop" or size == g:
         return g, None
     return g, _Warning(
@@ -326,6 +337,23 @@ def _global_size(call: str, n: int, size: int, remainder: str) -> tuple[int, _Wa
         f"multiple of the {n} replicas, so the global batch size is G={g} and every "
         f"batch of {size} examples is incomplete and will be dropped. Use a global "
         f"batch size divisible by {n}, or remainder='pad'."
+    )
+
+
+def _elastic_batch(
+    call: str, size: int, n: int, processes: int, counts: tuple[int, int]
+) -> str:
+    per_process = max(1, n // processes)
+    least, most = counts
+    sizes = [c * per_process for c in range(least, most + 1)]
+    every = math.lcm(*sizes)
+    return (
+        f"{call}: the global batch has {size} examples, which the N={n} replicas of this "
+        f"start ({processes} process{'es' if processes > 1 else ''}) do not divide. This run "
+        f"may continue on {least} to {most} processes (jmirror.launch --min-processes "
+        f"{least}), {'/'.join(map(str, sizes))} replicas, and keeps its global batch across "
+        f"restarts (per-replica batch = global / N): use a global batch size that each of "
+        f"them divides, a multiple of {every}."
     )
 
 
@@ -339,6 +367,7 @@ def _split_batches(
     """Splits and places each batch; the first `skip` are only counted (the first sets G)."""
     call = DATASET_CALL
     n = topology.num_replicas
+    processes = topology.process_count
     g = 0
     first = 0
     index = -1
@@ -347,7 +376,7 @@ def _split_batches(
             if index == 0:
                 flat, _ = _flatten(batch)
                 first = _leading_size(call, batch, index, flat)
-                g, warning = _global_size(call, n, first, remainder)
+                g, warning = _global_size(call, n, first, remainder, processes)
                 if warning is not None:
                     yield warning
             continue
@@ -357,7 +386,7 @@ def _split_batches(
         size = _leading_size(call, batch, index, leaves)
         if index == 0:
             first = size
-            g, warning = _global_size(call, n, size, remainder)
+            g, warning = _global_size(call, n, size, remainder, processes)
             if warning is not None:
                 yield warning
         if size > g:

@@ -25,6 +25,18 @@ ENV_NUM_PROCESSES = "JMIRROR_NUM_PROCESSES"
 ENV_PROCESS_ID = "JMIRROR_PROCESS_ID"
 ENV_DEVICES_PER_PROCESS = "JMIRROR_DEVICES_PER_PROCESS"
 ENV_RESTART = "JMIRROR_RESTART"  # set by the launcher: restarts before this start ("0" first)
+# Set by the launcher with --min-processes M < P: "M:P", the process counts the run may have.
+ENV_PROCESS_COUNTS = "JMIRROR_PROCESS_COUNTS"
+
+
+def process_counts() -> tuple[int, int] | None:
+    """`(M, P)` when `python -m jmirror.launch --min-processes M --processes P` (M < P) started
+    this process, so that the run may continue on fewer processes; else None."""
+    value = os.environ.get(ENV_PROCESS_COUNTS, "")
+    least, _, most = value.partition(":")
+    if not (least.isdigit() and most.isdigit()) or int(least) >= int(most):
+        return None
+    return int(least), int(most)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,8 @@ CPU collectives through gloo, from one of three sources, in this order:
 
 With none of them it is one process and `initialize` does nothing. The launcher also sets
 `JMIRROR_RESTART` (`ENV_RESTART`): how many times it restarted the run before this start
-(`--max-restarts`), `"0"` the first time; `initialize` does not need it.
+(`--max-restarts`), `"0"` the first time; `initialize` does not need it. With
+`--min-processes M` it sets `JMIRROR_PROCESS_COUNTS` (`ENV_PROCESS_COUNTS`) to `"M:P"`.
 
 The configuration is checked before JAX is asked, so that a mistake is an error at once (not
 a wait of up to 300 s for a coordinator, or an `IndexError` from JAX): an address that is not
@@ -58,6 +59,7 @@ from jmirror._cluster_config import (
     ENV_COORDINATOR,
     ENV_DEVICES_PER_PROCESS,
     ENV_NUM_PROCESSES,
+    ENV_PROCESS_COUNTS,
     ENV_PROCESS_ID,
     ENV_RESTART,
 )
@@ -66,6 +68,7 @@ __all__ = [
     "ENV_COORDINATOR",
     "ENV_DEVICES_PER_PROCESS",
     "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_COUNTS",
     "ENV_PROCESS_ID",
     "ENV_RESTART",
     "check_initialized",

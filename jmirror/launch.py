@@ -30,10 +30,13 @@ ENV_RESTART`); a program that resumes from `manager.latest_step()` needs nothing
 Fewer processes (`--min-processes M`, default P; torchrun's elastic `--nnodes MIN:MAX`): a
 restart starts one process fewer for each lost process (one that failed by itself, before the
 launcher stopped the others; not those it stopped), never fewer than M, and tells them the
-new count in `JMIRROR_NUM_PROCESSES` (process indices 0 to the count - 1). Each restart's
-line on stderr gives its process count. The program then resumes on fewer replicas:
-`jmirror.checkpoint` restores onto any layout, and a global batch of the same size (a
-multiple of every count it may run on) keeps the results of an uninterrupted run.
+new count in `JMIRROR_NUM_PROCESSES` (process indices 0 to the count - 1), and every start the
+counts the run may have in `JMIRROR_PROCESS_COUNTS` (`"M:P"`). Each restart's line on stderr
+gives its process count. The program then resumes on fewer replicas: `jmirror.checkpoint`
+restores onto any layout, and a global batch of the same size keeps the results of an
+uninterrupted run; `strategy.distribute_dataset` refuses (`ValueError`, at its first batch,
+before any step) a global batch that the replicas of this start do not divide, naming the
+sizes that every count from M to P divides.
 
 SIGTERM to the launcher (what SLURM and Kubernetes send before SIGKILL) is forwarded to every
 process (its process group), which then have `--grace-period` seconds (default 30) to save and
@@ -81,6 +84,7 @@ _STATUS_FD = "JMIRROR_LAUNCH_STATUS_FD"
 _ALIVE_FD = "JMIRROR_LAUNCH_ALIVE_FD"
 _PARENT = "JMIRROR_LAUNCH_PID"
 _RESTART = "JMIRROR_RESTART"  # jm.distributed.ENV_RESTART
+ENV_PROCESS_COUNTS = "JMIRROR_PROCESS_COUNTS"  # jm.distributed.ENV_PROCESS_COUNTS
 _OPTIONS_WITH_VALUE = (
     "--processes",
     "--min-processes",
@@ -419,6 +423,8 @@ class _Launch:
                 PYTHONUNBUFFERED="1",
             )
             env[_RESTART] = str(self.restarts)
+            if self.options.min_processes < self.options.processes:
+                env[ENV_PROCESS_COUNTS] = f"{self.options.min_processes}:{self.options.processes}"
             env[_STATUS_FD] = str(write_fd)
             env[_ALIVE_FD] = str(self.alive_read)
             env[_PARENT] = str(os.getpid())

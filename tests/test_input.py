@@ -450,3 +450,27 @@ def test_input_context_per_replica_batch_size():
     with pytest.raises(ValueError, match="100.*num_replicas_in_sync=8"):
         ctx.get_per_replica_batch_size(100)
     assert jm.InputContext() == jm.InputContext(1, 0, 1)
+
+
+# --- a run that may continue on fewer processes (SPEC 10, round 4 notes) -------------------------
+
+
+def test_an_elastic_run_refuses_a_global_batch_that_n_does_not_divide(n, monkeypatch):
+    """Under `jmirror.launch --min-processes 3 --processes 4` a global batch that the N
+    replicas do not divide is a ValueError at the first batch, before any step (padding it
+    would change the global batch from one start to the next); one that N divides is split
+    as ever, and outside such a run the batch is padded as section 7 says."""
+    if n == 1:
+        pytest.skip("one replica divides every batch")
+    strategy = jm.MirroredStrategy()
+    uneven = [np.arange(n + 1, dtype=np.float32)]
+    monkeypatch.setenv(jm.distributed.ENV_PROCESS_COUNTS, "3:4")
+    data = strategy.distribute_dataset(uneven, remainder="pad", prefetch=0)
+    with pytest.raises(ValueError, match=rf"{n + 1} examples.*N={n}.*multiple of {12 * n}"):
+        next(iter(data))
+    even = [np.arange(2 * n, dtype=np.float32)]
+    (batch,) = list(strategy.distribute_dataset(even, remainder="drop", prefetch=0))
+    np.testing.assert_array_equal(np.asarray(batch.values).ravel(), np.arange(2 * n))
+    monkeypatch.delenv(jm.distributed.ENV_PROCESS_COUNTS)
+    ((padded, mask),) = list(strategy.distribute_dataset(uneven, remainder="pad", prefetch=0))
+    assert int(np.asarray(mask.values).sum()) == n + 1

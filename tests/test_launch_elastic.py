@@ -96,7 +96,8 @@ LOSES_ONE = """
     import os, sys, time
     restart, index = os.environ["JMIRROR_RESTART"], os.environ["JMIRROR_PROCESS_ID"]
     count = os.environ["JMIRROR_NUM_PROCESSES"]
-    print("start", index, "of", count, "restart", restart, flush=True)
+    counts = os.environ["JMIRROR_PROCESS_COUNTS"]
+    print("start", index, "of", count, "restart", restart, "counts", counts, flush=True)
     open(f"started-{restart}-{index}", "w").close()
     if int(restart) < 3 and index == str(int(count) - 1):  # the last process is lost
         deadline = time.monotonic() + 30  # once every process has started (and printed)
@@ -129,7 +130,8 @@ def test_each_restart_has_one_process_fewer_per_lost_one_down_to_the_minimum(tmp
         "(restart 3 of 3, JMIRROR_RESTART=3), JMIRROR_NUM_PROCESSES=2",
     ], err
     for restart, count in enumerate((4, 3, 2, 2)):
-        started = set(re.findall(rf"^\[(\d)\] start \1 of {count} restart {restart}$", out, re.M))
+        line = rf"^\[(\d)\] start \1 of {count} restart {restart} counts 2:4$"
+        started = set(re.findall(line, out, re.M))
         assert started == {str(i) for i in range(count)}, out
     finished = re.findall(r"^\[(\d)\] finished \1 of (\d)$", out, re.M)
     assert sorted(finished) == [("0", "2"), ("1", "2")], out  # the last start only
