@@ -24,10 +24,9 @@ import os
 import shutil
 import signal
 
-import jax
 import numpy as np
 from preamble import join
-from training import batches, init_state, make_step
+from training import batches, init_state, make_step, save_final
 
 # A watchdog: were a process ever stuck, it prints every thread's stack and ends.
 jm = join(watchdog_s=100)
@@ -41,10 +40,6 @@ parser.add_argument("out_dir")
 parser.add_argument("--kill-at", type=int)
 parser.add_argument("--copy-on-restart")
 options = parser.parse_args()
-
-
-def flat(strategy, tree):
-    return np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(strategy.read(tree))])
 
 
 def main():
@@ -83,9 +78,7 @@ def main():
                 os.kill(os.getpid(), signal.SIGKILL)
     manager.close()
     iterator.close()
-    final = np.concatenate([flat(strategy, params), flat(strategy, opt_state)])
-    np.save(f"{options.out_dir}/final{me}.npy", final)
-    print("done", flush=True)
+    save_final(strategy, options.out_dir, params, opt_state)
 
 
 main()

@@ -22,10 +22,9 @@ import signal
 import sys
 import time
 
-import jax
 import numpy as np
 from preamble import join
-from training import batches, init_state, make_step
+from training import batches, init_state, make_step, save_final
 
 # A watchdog: were a process ever stuck, it prints every thread's stack and ends.
 jm = join(watchdog_s=150)
@@ -38,11 +37,6 @@ parser.add_argument("--ignore-preemption", action="store_true")
 parser.add_argument("--helper", action="store_true")
 parser.add_argument("--sigterm-before-manager", action="store_true")
 options = parser.parse_args()
-
-
-def flat(strategy, tree):
-    leaves = jax.tree.leaves(strategy.read(tree))
-    return np.concatenate([np.ravel(np.asarray(x)) for x in leaves])
 
 
 def main():
@@ -89,9 +83,7 @@ def main():
         time.sleep(options.sleep)
     manager.close()
     iterator.close()
-    final = np.concatenate([flat(strategy, params), flat(strategy, opt_state)])
-    np.save(f"{options.out_dir}/final{me}.npy", final)
-    print("done", flush=True)
+    save_final(strategy, options.out_dir, params, opt_state)
 
 
 main()

@@ -65,6 +65,15 @@ def train(strategy):
     return flat, strategy.read(loss), count
 
 
+def save_final(strategy, out_dir, params, opt_state):
+    """Ends a worker's training: its final parameters and optimizer state, read and flattened,
+    to OUT_DIR/final<process>.npy (what the tests compare with an uninterrupted run)."""
+    read = jax.tree.leaves(strategy.read((params, opt_state)))
+    final = np.concatenate([np.ravel(np.asarray(x)) for x in read])
+    np.save(f"{out_dir}/final{strategy.process_index}.npy", final)
+    print("done", flush=True)
+
+
 def metric_values(n, steps=3, seed=2):
     """Values for NNX metrics, one row per replica: a different count of real values in each
     replica's row would need masking, so every row has 5, spread differently per replica."""
