@@ -375,31 +375,6 @@ def test_datasets_from_function_and_donation_span_devices():
     np.testing.assert_array_equal(np.asarray(strategy.read(new)), np.ones(4))
 
 
-def _nnx_losses(strategy: jm.MirroredStrategy) -> list[float]:
-    import optax
-    from flax import nnx
-
-    init = nnx.initializers.lecun_normal()
-    if strategy.devices_per_replica > 1:
-        init = nnx.with_partitioning(init, (None, "model"))
-    with strategy.scope():  # flax's eager sharding lays the kernel out over the model axis
-        model = nnx.Linear(4, 8, kernel_init=init, rngs=nnx.Rngs(0))
-        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-
-    @jm.replicate(strategy=strategy)
-    def step(model, optimizer, x):
-        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
-        optimizer.update(model, jm.all_reduce("mean", grads))
-        return jm.all_reduce("mean", loss)
-
-    x = np.arange(64.0, dtype=np.float32).reshape(strategy.num_replicas, -1, 4) / 64
-    return [float(strategy.read(step(model, optimizer, jm.PerReplica(x)))) for _ in range(3)]
-
-
-def test_nnx_with_partitioning_trains_like_one_device_per_replica():
-    np.testing.assert_allclose(
-        _nnx_losses(_spanning(2)), _nnx_losses(jm.MirroredStrategy()), rtol=1e-5
-    )
 
 
 @pytest.mark.parametrize("k", SPANS)
