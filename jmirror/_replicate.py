@@ -207,15 +207,18 @@ class Replicated:
         return result
 
     def _dispatch(self, strategy: Runner, jitted: Any, args: tuple, kwargs: dict) -> Any:
-        try:
-            return jitted(strategy, *args, **kwargs)
-        except ValueError:
-            # jax.jit refuses arrays committed to other devices; move them (rare), retry.
-            placed = self._place(strategy, args, kwargs)
-            if placed is None:
-                raise
-            args, kwargs = placed
-            return jitted(strategy, *args, **kwargs)
+        # With replicas spanning devices the strategy's mesh is in context while the step is
+        # traced and lowered: `axis_index` inside a scan, cond or while body lowers through it.
+        with strategy.topology.mesh_scope():
+            try:
+                return jitted(strategy, *args, **kwargs)
+            except ValueError:
+                # jax.jit refuses arrays committed to other devices; move them (rare), retry.
+                placed = self._place(strategy, args, kwargs)
+                if placed is None:
+                    raise
+                args, kwargs = placed
+                return jitted(strategy, *args, **kwargs)
 
     def _compiled(self, jitted: Any) -> tuple[int | None, int]:
         """What changes when a call compiles: the jit's cache entries, the signatures traced."""
@@ -351,7 +354,8 @@ class Replicated:
         step, _ = self._adapt(args, kwargs)
         strategy = self._check_call(args)
         lowerable = step.lowerable[self._donation_on(strategy).donates(args)]
-        return lowerable.lower(strategy, *args, **kwargs)
+        with strategy.topology.mesh_scope():
+            return lowerable.lower(strategy, *args, **kwargs)
 
     @property
     def num_compilations(self) -> int:

@@ -149,6 +149,31 @@ def test_replica_id_inside_a_nested_jit():
     assert strategy.gather(ids).tolist() == [0, 2, 4, 6]
 
 
+def _loops_of_replica_ids(x):
+    def body(carry, _):
+        return carry + jm.replica_id(), None
+
+    scanned, _ = jax.lax.scan(body, 0, None, length=3)
+    chosen = jax.lax.cond(jm.replica_id() > 1, lambda: x, lambda: -x)
+    looped = jax.lax.fori_loop(0, 2, lambda i, c: c + jm.replica_id() * i, 0)
+    return scanned, chosen, jm.all_reduce("sum", looped * x)
+
+
+@pytest.mark.parametrize("k", SPANS)
+def test_replica_id_inside_scan_cond_and_loops(k):
+    """`jm.replica_id()` inside `lax.scan`, `lax.cond` and `lax.fori_loop` bodies (lowered
+    with the strategy's mesh in context), and `.lower()` of such a step, equal k = 1's."""
+    n = 8 // k
+    one = jm.MirroredStrategy(devices=jax.devices()[:n], backend="shard_map")
+    expected = one.run(_loops_of_replica_ids, args=(2.0,))
+    strategy = _spanning(k)
+    got = strategy.run(_loops_of_replica_ids, args=(2.0,))
+    for g, w in zip(got, expected):
+        np.testing.assert_array_equal(np.asarray(strategy.gather(g)), np.asarray(one.gather(w)))
+    assert strategy.gather(got[0]).tolist() == [3 * i for i in range(n)]
+    jm.replicate(_loops_of_replica_ids, strategy=strategy).lower(2.0).compile()
+
+
 def test_placement_of_mirrored_values_batches_and_reads():
     strategy = _spanning(2)
     w = strategy.mirror(np.arange(6.0, dtype=np.float32))
