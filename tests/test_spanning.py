@@ -174,6 +174,24 @@ def test_replica_id_inside_scan_cond_and_loops(k):
     jm.replicate(_loops_of_replica_ids, strategy=strategy).lower(2.0).compile()
 
 
+@pytest.mark.parametrize("k", SPANS)
+def test_metrics_nnx_metrics_and_assertions_span_devices(k, tmp_path):
+    """jm.metrics, nnx.metrics (Welford included, and their checkpoint and resume) and
+    jmirror.testing's assertions on replicas spanning k devices, against NumPy and one device
+    as in their own tests."""
+    import test_metrics
+    import test_nnx_metrics
+    import test_testing
+
+    strategy = _spanning(k)
+    n = strategy.num_replicas
+    test_metrics.test_distributed_metrics_match_numpy(strategy, n)
+    test_nnx_metrics.test_multimetric_read_compute_equals_one_device(strategy)
+    test_nnx_metrics.test_welford_chan_combine_with_uneven_counts(strategy)
+    test_nnx_metrics.test_sync_on_read_metrics_checkpoint_and_resume(strategy, tmp_path)
+    test_testing.test_assertions(strategy, n)
+
+
 def test_placement_of_mirrored_values_batches_and_reads():
     strategy = _spanning(2)
     w = strategy.mirror(np.arange(6.0, dtype=np.float32))
