@@ -19,6 +19,7 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
+from jmirror import _shard_jaxpr
 from jmirror._cross_replica import REDUCERS, CrossReplica
 from jmirror._topology import Topology, declared_leaves
 from jmirror._values import (
@@ -215,7 +216,7 @@ class HostOps(CrossReplica):
                 out.append(None)
             elif isinstance(node, Sharded):  # the whole leaf, on devices[0]
                 first = jax.device_put(node.shards, self.topology.devices[0])
-                out.append(unshard(node.shape)(first))
+                out.append(unshard(node.shape, pieces_span(self.topology))(first))
             elif isinstance(node, SyncOnRead):  # ONLY_FIRST_REPLICA
                 out.append(jax.tree.map(lambda v: self._component(v, 0), node.value))
             elif isinstance(node, jax.Array) and self.topology.is_mirrored(node):
@@ -369,10 +370,20 @@ _squeeze = jax.jit(lambda x: x[0])
 
 
 @functools.cache
-def unshard(shape: tuple[int, ...]) -> Callable[[jax.Array], jax.Array]:
-    """The whole leaf of shape `shape` from its stacked `Sharded` pieces (padding dropped)."""
-    size = int(np.prod(shape))
-    return jax.jit(lambda x: x.reshape(-1)[:size].reshape(shape))
+def unshard(shape: tuple[int, ...], k: int = 1) -> Callable[[jax.Array], jax.Array]:
+    """The whole leaf of shape `shape` from its stacked `Sharded` pieces (padding dropped),
+    cut for replicas of `k` devices (`jmirror._shard_jaxpr.layout`)."""
+    shape = tuple(shape)
+
+    def whole(x: jax.Array) -> jax.Array:
+        return _shard_jaxpr.unstack(x, _shard_jaxpr.layout(shape, x.shape[0], k), shape)
+
+    return jax.jit(whole)
+
+
+def pieces_span(topology: Topology) -> int:
+    """The k that `jm.shard_update` cuts a `Sharded` leaf's pieces for on `topology`."""
+    return 1 if topology.is_emulated else topology.devices_per_replica
 
 
 @functools.cache

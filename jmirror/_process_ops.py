@@ -29,7 +29,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jmirror import _deadline
-from jmirror._host_ops import HostOps, concatenate, reducer, unshard
+from jmirror._host_ops import HostOps, concatenate, pieces_span, reducer, unshard
 from jmirror._topology import Topology
 from jmirror._values import (
     Aggregation,
@@ -95,7 +95,8 @@ class ProcessHostOps(HostOps):
 
         def one(x: Any) -> Any:
             if isinstance(x, Sharded):
-                return self._everywhere(unshard(x.shape), x.shards, _READ_SHARDED)
+                k = pieces_span(self.topology)
+                return self._everywhere(unshard(x.shape, k), x.shards, _READ_SHARDED)
             if isinstance(x, SyncOnRead):
                 if x.aggregation is Aggregation.ONLY_FIRST_REPLICA:
                     return jax.tree.map(lambda v: self._everywhere(_first, v, _READ), x.value)

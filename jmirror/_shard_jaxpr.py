@@ -6,9 +6,16 @@ XLA graph). Every value of the jaxpr is one of two layouts:
 
 - *whole*: the full value, present on this replica (mirrored state, parameters, constants,
   scalars, and everything computed from them alone);
-- a `Piece`: this replica's piece of a value of shape `shape`, which is the value flattened
-  (row-major), padded to a multiple of N and cut into N pieces of `k` elements (piece i on
-  replica i). The layout depends on the size only, so reshapes keep it.
+- a `Piece`: this replica's piece of a value of shape `shape`, cut by its `Layout`. With one
+  device per replica (k = 1), and for a leaf no dimension of which k divides, the value is
+  flattened (row-major), padded to a multiple of N and cut into N pieces of `ceil(size / N)`
+  elements (piece i on replica i). With replicas spanning k > 1 devices the value is first cut
+  into k blocks along its last dimension that k divides (block j is what model device j holds
+  when the leaf is laid out over that dimension); each block is flattened, padded to a
+  multiple of N and cut into N sub-pieces, and piece i is the k blocks' sub-pieces i, one
+  after another (the sub-piece of block j on model device j: 1/(N*k) of the leaf per device,
+  every cut local to a device). A layout depends on the shape the piece was cut from, which
+  a `Layout` records, so reshapes keep it.
 
 The rules, each of which gives exactly the unsharded result:
 
@@ -49,11 +56,83 @@ from jax import lax
 
 
 @dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a value is cut into N pieces: `blocks` (1, or k with replicas spanning k devices)
+    blocks along the middle axis of its `(pre, mid, post)` view, each flattened, padded to a
+    multiple of N and cut in N sub-pieces of `sub` elements; piece i is the blocks' sub-pieces
+    i. `dim` is the dimension of the value's own shape split into the blocks (not compared:
+    two layouts that cut the same elements the same way are equal)."""
+
+    n: int
+    blocks: int
+    pre: int
+    mid: int
+    post: int
+    dim: int | None = dataclasses.field(default=None, compare=False)
+
+    @property
+    def size(self) -> int:
+        return self.pre * self.mid * self.post
+
+    @property
+    def block(self) -> int:
+        """The elements of one block (padding excluded)."""
+        return self.size // self.blocks
+
+    @property
+    def sub(self) -> int:
+        """The elements of one block's piece (padding included)."""
+        return -(-self.block // self.n)
+
+    @property
+    def length(self) -> int:
+        """The elements of one replica's piece (padding included)."""
+        return self.blocks * self.sub
+
+
+def layout(shape: Sequence[int], n: int, k: int = 1) -> Layout:
+    """The layout of the pieces of a value of `shape` over `n` replicas of `k` devices: split
+    into k blocks along its last dimension that k divides (k > 1), else row-major."""
+    shape = tuple(int(d) for d in shape)
+    if k > 1:
+        for d in reversed(range(len(shape))):
+            if shape[d] and shape[d] % k == 0:
+                pre, post = math.prod(shape[:d]), math.prod(shape[d + 1 :])
+                return Layout(n, k, pre, shape[d], post, d)
+    return Layout(n, 1, 1, math.prod(shape), 1)
+
+
+def stack(x: Any, lay: Layout, xp: Any = jnp) -> Any:
+    """The `[N, length]` pieces of the whole value `x` (`xp`: `jax.numpy` or `numpy`)."""
+    if lay.blocks == 1:  # row-major: flattened, padded with zeros, cut in N
+        flat = xp.ravel(x)
+        return xp.pad(flat, (0, lay.n * lay.sub - flat.size)).reshape(lay.n, lay.sub)
+    b = lay.blocks
+    blocks = xp.moveaxis(xp.reshape(x, (lay.pre, b, lay.mid // b, lay.post)), 1, 0)
+    blocks = xp.pad(blocks.reshape(b, lay.block), ((0, 0), (0, lay.n * lay.sub - lay.block)))
+    pieces = blocks.reshape(b, lay.n, lay.sub).transpose(1, 0, 2)
+    return pieces.reshape(lay.n, lay.length)
+
+
+def unstack(pieces: Any, lay: Layout, shape: Sequence[int], xp: Any = jnp) -> Any:
+    """The whole value of `shape` from its `[N, length]` pieces (padding dropped)."""
+    shape = tuple(shape)
+    if lay.blocks == 1:
+        return pieces.reshape(-1)[: lay.size].reshape(shape)
+    b = lay.blocks
+    blocks = pieces.reshape(lay.n, b, lay.sub).transpose(1, 0, 2).reshape(b, lay.n * lay.sub)
+    blocks = blocks[:, : lay.block].reshape(b, lay.pre, lay.mid // b, lay.post)
+    return xp.moveaxis(blocks, 0, 1).reshape(shape)
+
+
+@dataclasses.dataclass(frozen=True)
 class Piece:
-    """This replica's piece (`local`, `[k]`) of a value of shape `shape`."""
+    """This replica's piece (`local`, `[length]`) of a value of shape `shape`, cut by
+    `layout`."""
 
     local: Any
     shape: tuple[int, ...]
+    layout: Layout
 
     @property
     def size(self) -> int:
@@ -62,28 +141,43 @@ class Piece:
 
 @dataclasses.dataclass(frozen=True)
 class Pieces:
-    """How values are cut over the replicas: N, the axis and this replica's index."""
+    """How values are cut over the replicas: N, the axis and this replica's index; with
+    replicas spanning `k` > 1 devices, the `mesh` and its `model_axis_name` too."""
 
     axis_name: str
     n: int
     index: Any  # traced replica index
     name: str  # how errors name the transformation
+    k: int = 1
+    mesh: Any = None
+    model_axis_name: str = "model"
 
-    def k(self, size: int) -> int:
-        """The elements per piece of a value of `size` elements."""
-        return -(-size // self.n)
+    def layout(self, shape: Sequence[int]) -> Layout:
+        """The layout of the pieces of a value of `shape`."""
+        return layout(shape, self.n, self.k)
 
-    def take(self, x: Any) -> jax.Array:
-        """This replica's piece of the whole value `x`."""
-        flat = jnp.ravel(x)
-        k = self.k(flat.size)
-        flat = jnp.pad(flat, (0, self.n * k - flat.size))
-        return lax.dynamic_slice_in_dim(flat, self.index * k, k)
+    def length(self, shape: Sequence[int]) -> int:
+        """The elements per piece of a value of `shape`."""
+        return self.layout(shape).length
 
-    def valid(self, size: int) -> jax.Array:
-        """Which entries of this replica's piece lie inside a value of `size` elements."""
-        k = self.k(size)
-        return self.index * k + lax.iota(np.int32, k) < size
+    def take(self, x: Any, lay: Layout | None = None) -> jax.Array:
+        """This replica's piece of the whole value `x` (cut by `lay`, else by its shape's)."""
+        lay = self.layout(np.shape(x)) if lay is None else lay
+        if lay.blocks == 1:
+            flat = jnp.ravel(x)
+            flat = jnp.pad(flat, (0, self.n * lay.sub - flat.size))
+            return lax.dynamic_slice_in_dim(flat, self.index * lay.sub, lay.sub)
+        mine = lax.dynamic_index_in_dim(
+            stack(x, lay).reshape(self.n, lay.blocks, lay.sub), self.index, 0, False
+        )
+        return mine.reshape(lay.length)
+
+    def valid(self, lay: Layout) -> jax.Array:
+        """Which entries of this replica's piece lie inside the value (not padding)."""
+        inside = self.index * lay.sub + lax.iota(np.int32, lay.sub) < lay.block
+        if lay.blocks == 1:
+            return inside
+        return jnp.broadcast_to(inside, (lay.blocks, lay.sub)).reshape(lay.length)
 
     def fill_padding(self, piece: Piece, value: Any = 0) -> jax.Array:
         """The piece's local entries with the padding replaced by `value`.
@@ -92,7 +186,20 @@ class Pieces:
         infinite (`0 / 0` where the real entries are finite), and NaN * 0 is NaN.
         """
         local = piece.local
-        return jnp.where(self.valid(piece.size), local, jnp.asarray(value, local.dtype))
+        return jnp.where(self.valid(piece.layout), local, jnp.asarray(value, local.dtype))
+
+    def whole(self, piece: Piece) -> jax.Array:
+        """The whole value of `piece` on every replica (an all-gather)."""
+        gathered = lax.all_gather(piece.local, self.axis_name)
+        lay = piece.layout
+        base = (lay.pre, lay.mid, lay.post)
+        return unstack(gathered, lay, base).reshape(piece.shape)
+
+    def relayout(self, piece: Piece, lay: Layout) -> Piece:
+        """`piece` cut by `lay` instead (the same piece when the layouts are equal)."""
+        if piece.layout == lay:
+            return piece
+        return Piece(self.take(self.whole(piece), lay), piece.shape, lay)
 
 
 def run(closed: jex.ClosedJaxpr, args: Sequence[Any], pieces: Pieces) -> list[Any]:
@@ -216,28 +323,33 @@ def _unknown(eqn: Any, invals: list, pieces: Pieces) -> list:
     raise _refuse(eqn, invals, pieces, why)
 
 
-def _to_pieces(eqn: Any, invals: list, pieces: Pieces, shape: tuple[int, ...]) -> list[Any]:
-    """The operands of an element-wise equation on the pieces of values of `shape`."""
+def _to_pieces(
+    eqn: Any, invals: list, pieces: Pieces, shape: tuple[int, ...]
+) -> tuple[list[Any], Layout]:
+    """The operands of an element-wise equation on the pieces of values of `shape`, all cut
+    by one layout (the first piece operand's), and that layout."""
     size = math.prod(shape)
+    lay = next(v.layout for v in invals if isinstance(v, Piece))
     out = []
     for v in invals:
         if isinstance(v, Piece):
             if v.size != size:
                 raise _refuse(eqn, invals, pieces)
-            out.append(v.local)
+            out.append(pieces.relayout(v, lay).local)
         elif np.ndim(v) == 0:
             out.append(v)  # scalar operands broadcast, as in the jaxpr
         elif tuple(np.shape(v)) == shape:
-            out.append(pieces.take(v))
+            out.append(pieces.take(v, lay))
         else:
             raise _refuse(eqn, invals, pieces)
-    return out
+    return out, lay
 
 
 def _elementwise(eqn: Any, invals: list, pieces: Pieces) -> list:
     shape = tuple(eqn.outvars[0].aval.shape)
-    outs = _bind(eqn, _to_pieces(eqn, invals, pieces, shape))
-    return [Piece(o, tuple(v.aval.shape)) for o, v in zip(outs, eqn.outvars)]
+    operands, lay = _to_pieces(eqn, invals, pieces, shape)
+    outs = _bind(eqn, operands)
+    return [Piece(o, tuple(v.aval.shape), lay) for o, v in zip(outs, eqn.outvars)]
 
 
 def _same_layout(eqn: Any, invals: list, pieces: Pieces) -> list:
@@ -253,7 +365,7 @@ def _same_layout(eqn: Any, invals: list, pieces: Pieces) -> list:
         keeps = keeps and order == sorted(order)
     if not keeps:
         raise _refuse(eqn, invals, pieces)
-    return [Piece(x.local, shape)]
+    return [Piece(x.local, shape, x.layout)]
 
 
 def _all_axes(shape: tuple[int, ...], axes: Sequence[int]) -> bool:
@@ -320,7 +432,13 @@ def _dot_general(eqn: Any, invals: list, pieces: Pieces) -> list:
         raise _refuse(eqn, invals, pieces, "`dot_general` contracts only part of the leaf")
     # Both operands' padding is zeroed: either may be NaN there (an update `g / sqrt(nu)`
     # of a zero-padded `nu`), and 0 * NaN would make the sum NaN.
-    la, lb = (pieces.fill_padding(v) if isinstance(v, Piece) else pieces.take(v) for v in (a, b))
+    lay = next(v.layout for v in (a, b) if isinstance(v, Piece))
+    la, lb = (
+        pieces.fill_padding(pieces.relayout(v, lay))
+        if isinstance(v, Piece)
+        else pieces.take(v, lay)
+        for v in (a, b)
+    )
     (partial,) = _bind(eqn, [la, lb], dimension_numbers=(((0,), (0,)), ((), ())))
     total = lax.psum(partial, pieces.axis_name)
     return [jnp.reshape(total, eqn.outvars[0].aval.shape)]
@@ -339,38 +457,42 @@ def _cond(eqn: Any, invals: list, pieces: Pieces) -> list:
     if isinstance(index, Piece):
         raise _refuse(eqn, invals, pieces, "the branch taken would differ along the leaf")
     branches = eqn.params["branches"]
-    shapes = [v.shape if isinstance(v, Piece) else None for v in operands]
+    kinds = [(v.shape, v.layout) if isinstance(v, Piece) else None for v in operands]
     locals_ = [v.local if isinstance(v, Piece) else v for v in operands]
 
     def rebuild(flat: Sequence[Any]) -> list[Any]:
-        return [x if s is None else Piece(x, s) for x, s in zip(flat, shapes)]
+        return [x if s is None else Piece(x, *s) for x, s in zip(flat, kinds)]
 
-    # First each branch's layouts (abstractly): an output is a piece if any branch's is.
-    is_piece = [False] * len(eqn.outvars)
+    # First each branch's layouts (abstractly): an output is a piece if any branch's is, cut
+    # by the first such branch's layout.
+    layouts: list[Layout | None] = [None] * len(eqn.outvars)
     for branch in branches:
-        found: list[list[bool]] = []
+        found: list[list[Layout | None]] = []
 
-        def layouts(*flat: Any, branch=branch, found=found) -> list[Any]:
+        def trace(*flat: Any, branch=branch, found=found) -> list[Any]:
             outs = _eval(branch.jaxpr, branch.consts, rebuild(flat), pieces)
-            found.append([isinstance(o, Piece) for o in outs])
+            found.append([o.layout if isinstance(o, Piece) else None for o in outs])
             return [o.local if isinstance(o, Piece) else o for o in outs]
 
-        jax.eval_shape(layouts, *locals_)
-        is_piece = [a or b for a, b in zip(is_piece, found[0])]
+        jax.eval_shape(trace, *locals_)
+        layouts = [a if a is not None else b for a, b in zip(layouts, found[0])]
 
     def run_branch(branch: Any) -> Callable[..., list[Any]]:
         def fn(*flat: Any) -> list[Any]:
             outs = _eval(branch.jaxpr, branch.consts, rebuild(flat), pieces)
             return [
-                (o.local if isinstance(o, Piece) else pieces.take(o)) if p else o
-                for o, p in zip(outs, is_piece)
+                (pieces.relayout(o, lay).local if isinstance(o, Piece) else pieces.take(o, lay))
+                if lay is not None
+                else o
+                for o, lay in zip(outs, layouts)
             ]
 
         return fn
 
     outs = lax.switch(index, [run_branch(b) for b in branches], *locals_)
     return [
-        Piece(o, tuple(v.aval.shape)) if p else o for o, p, v in zip(outs, is_piece, eqn.outvars)
+        Piece(o, tuple(v.aval.shape), lay) if lay is not None else o
+        for o, lay, v in zip(outs, layouts, eqn.outvars)
     ]
 
 

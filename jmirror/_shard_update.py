@@ -5,7 +5,11 @@ pieces (1/N per device). Inside a replica function `update`
 
 1. reduce-scatters the mean of this replica's own gradients: one `psum_scatter` per bucket
    (the gradients of one dtype, about `DEFAULT_BUCKET_BYTES` of them in tree order, packed in
-   one flat buffer), laid out so that replica i receives piece i of every leaf;
+   one flat buffer), laid out so that replica i receives piece i of every leaf; with replicas
+   spanning k > 1 devices each model device packs and reduces only its own block of every
+   leaf (`_shard_jaxpr.layout`: a leaf is cut in k blocks along its last dimension that k
+   divides), so no gradient is rebuilt whole inside a replica and each device receives
+   1/(N*k) of every leaf;
 2. runs the inner transformation's `update`, traced at the full shapes, on the pieces
    (`jmirror._shard_jaxpr`: element-wise work stays local, reductions over whole leaves become
    a local reduction plus a collective, anything else is refused);
@@ -26,9 +30,10 @@ import numpy as np
 import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jmirror import _context
-from jmirror._shard_jaxpr import Piece, Pieces, run
+from jmirror import _context, _shard_jaxpr
+from jmirror._shard_jaxpr import Layout, Piece, Pieces, run
 from jmirror._topology import Topology
 from jmirror._values import PyTree, Sharded
 
@@ -63,10 +68,11 @@ def shard_update(
     (Xu et al. 2020, "Automatic Cross-Replica Sharding of Weight Update in Data-Parallel
     Training"; ZeRO stage 1). `tx.init(params)` in cross-replica context returns the sharded
     state: each leaf of a parameter's shape becomes a `jm.Sharded` (flattened, padded to a
-    multiple of N, 1/N per replica; with replicas spanning k devices also split over them
-    where k divides the piece, 1/(N*k) per device); scalars such as step counts stay
-    mirrored. Inside a replica function, `updates, state = tx.update(grads, state, params)`
-    takes this replica's OWN gradients (do not all-reduce them first): it reduce-scatters
+    multiple of N, 1/N per replica; with replicas spanning k devices first cut in k blocks
+    along its last dimension that k divides, each block flattened, padded and cut in N, so
+    1/(N*k) per device); scalars such as step counts stay mirrored. Inside a replica
+    function, `updates, state = tx.update(grads, state, params)` takes this replica's OWN
+    gradients (do not all-reduce them first): it reduce-scatters
     their mean, runs `inner` on this replica's pieces, and all-gathers the updates, which come
     back mirrored and equal to `inner.update(jm.all_reduce("mean", grads), state, params)` on
     the full state.
@@ -162,7 +168,19 @@ def _name(inner: Any) -> str:
 def _pieces(name: str) -> Pieces:
     context = _context.replica_context()
     axis = context.axis_name
-    return Pieces(axis, context.num_replicas, lax.axis_index(axis), name)
+    topology = context.strategy.topology
+    k = 1 if topology.is_emulated else topology.devices_per_replica
+    if k == 1:
+        return Pieces(axis, context.num_replicas, lax.axis_index(axis), name)
+    return Pieces(
+        axis,
+        context.num_replicas,
+        lax.axis_index(axis),
+        name,
+        k=k,
+        mesh=topology.mesh,
+        model_axis_name=topology.model_axis_name,
+    )
 
 
 def _sharded_shapes(params: PyTree) -> set[tuple[int, ...]]:
@@ -174,11 +192,14 @@ def _is_sharded(leaf: Any, shapes: set[tuple[int, ...]]) -> bool:
     return hasattr(leaf, "shape") and hasattr(leaf, "dtype") and tuple(leaf.shape) in shapes
 
 
-def stack(x: jax.Array, n: int) -> jax.Array:
-    """The `[N, k]` pieces of a whole leaf: flattened, padded with zeros, cut in N."""
-    flat = jnp.ravel(x)
-    k = -(-flat.size // n)
-    return jnp.pad(flat, (0, n * k - flat.size)).reshape(n, k)
+def stack(x: jax.Array, n: int, k: int = 1) -> jax.Array:
+    """The `[N, length]` pieces of a whole leaf over N replicas of k devices: flattened, padded
+    with zeros, cut in N (k = 1); cut in k blocks first (k > 1, `_shard_jaxpr.layout`)."""
+    return _shard_jaxpr.stack(x, _shard_jaxpr.layout(np.shape(x), n, k))
+
+
+def _devices_per_replica(topology: Topology) -> int:
+    return 1 if topology.is_emulated else topology.devices_per_replica
 
 
 def _mirrored_on(params: PyTree) -> Topology | None:
@@ -198,17 +219,19 @@ def _mirrored_on(params: PyTree) -> Topology | None:
 
 def _init_placed(inner: Any, params: PyTree, topology: Topology) -> PyTree:
     """The sharded state of N replicas, placed: pieces stacked, the rest mirrored."""
-    n = topology.num_replicas
+    n, k = topology.num_replicas, _devices_per_replica(topology)
     shapes = _sharded_shapes(params)
     leaves, treedef = jax.tree.flatten(jax.eval_shape(inner.init, params))
     sharded = [_is_sharded(leaf, shapes) for leaf in leaves]
 
     def build(params: PyTree) -> list[jax.Array]:
         state = jax.tree.leaves(inner.init(params))
-        return [stack(x, n) if s else x for x, s in zip(state, sharded)]
+        return [stack(x, n, k) if s else x for x, s in zip(state, sharded)]
 
     layouts = [
-        topology.pieces_sharding(-(-leaf.size // n)) if s else topology.mirrored
+        topology.pieces_sharding(_shard_jaxpr.layout(leaf.shape, n, k).length)
+        if s
+        else topology.mirrored
         for leaf, s in zip(leaves, sharded)
     ]
     placed = jax.jit(build, out_shardings=layouts)(params)
@@ -240,7 +263,10 @@ def _update(
     param_leaves, param_def = jax.tree.flatten(params)
 
     grads_in = _scatter_mean(grad_leaves, pieces, bucket_bytes)
-    state_in = [Piece(x.shards, x.shape) if isinstance(x, Sharded) else x for x in state_nodes]
+    state_in = [
+        Piece(x.shards, x.shape, pieces.layout(x.shape)) if isinstance(x, Sharded) else x
+        for x in state_nodes
+    ]
     full_state = [
         jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, Sharded) else jax.typeof(x)
         for x in state_nodes
@@ -271,7 +297,7 @@ def _check_state(state: PyTree, pieces: Pieces) -> None:
     nodes = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, Sharded))
     for path, node in nodes[0]:
         if isinstance(node, Sharded):
-            k = pieces.k(node.size)
+            k = pieces.length(node.shape)
             found = tuple(np.shape(node.shards))
             if found != (k,):
                 raise ValueError(
@@ -319,14 +345,73 @@ def _scatter_mean(leaves: list[Any], pieces: Pieces, bucket_bytes: int | None) -
         out[i] = lax.pmean(leaves[i], axis) if np.size(leaves[i]) else leaves[i]
     for dtype, group in _buffers([leaves[i] for i in split], bucket_bytes):
         indices = [split[j] for j in group]
+        if pieces.k > 1:
+            for i, piece in zip(indices, _scatter_blocks([leaves[i] for i in indices], pieces)):
+                out[i] = piece
+            continue
         stacked = [stack(leaves[i], n) for i in indices]
         buffer = jnp.concatenate(stacked, axis=1).reshape(-1)
         mine = lax.psum_scatter(buffer, axis, scatter_dimension=0, tiled=True)
         mine = mine / jnp.asarray(n, dtype)
         offsets = np.cumsum([0] + [s.shape[1] for s in stacked])
         for i, start, stop in zip(indices, offsets[:-1], offsets[1:]):
-            out[i] = Piece(mine[start:stop], tuple(np.shape(leaves[i])))
+            shape = tuple(np.shape(leaves[i]))
+            out[i] = Piece(mine[start:stop], shape, pieces.layout(shape))
     return out
+
+
+def _block_spec(lay: Layout, pieces: Pieces) -> P:
+    """The spec, over the model axis, of a whole value cut in `lay`'s blocks along its
+    dimension `lay.dim` (replicated when the layout has one block)."""
+    if lay.blocks == 1 or lay.dim is None:
+        return P()
+    return P(*([None] * lay.dim), pieces.model_axis_name)
+
+
+def _piece_spec(lay: Layout, pieces: Pieces) -> P:
+    """The spec, over the model axis, of a piece cut by `lay`: block j's sub-piece on model
+    device j (replicated when the layout has one block)."""
+    return P(pieces.model_axis_name) if lay.blocks > 1 else P()
+
+
+def _on_blocks(fn: Any, pieces: Pieces, in_specs: tuple, out_specs: tuple) -> Any:
+    """`fn` on each model device's own blocks (manual over the model axis too): every cut
+    and collective of the packing is local to a device, none rebuilds a whole leaf."""
+    return jax.shard_map(
+        fn,
+        mesh=pieces.mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names={pieces.model_axis_name},
+        check_vma=False,
+    )
+
+
+def _scatter_blocks(grads: list[Any], pieces: Pieces) -> list[Piece]:
+    """This replica's pieces of the mean of one bucket of gradient leaves, with replicas
+    spanning k > 1 devices: each model device packs its own block of every leaf (a local
+    flatten: the block along the dimension the layout cuts), one reduce-scatter over the
+    replica axis, and keeps its sub-piece (1/(N*k) of each leaf per device)."""
+    n, axis = pieces.n, pieces.axis_name
+    shapes = [tuple(np.shape(g)) for g in grads]
+    layouts = [pieces.layout(shape) for shape in shapes]
+    dtype = jnp.result_type(grads[0])
+
+    def pack(*blocks: Any) -> tuple[Any, ...]:
+        stacked = []
+        for block, lay in zip(blocks, layouts):
+            flat = jnp.ravel(block)  # this device's block: lay.block elements
+            stacked.append(jnp.pad(flat, (0, n * lay.sub - flat.size)).reshape(n, lay.sub))
+        buffer = jnp.concatenate(stacked, axis=1).reshape(-1)
+        mine = lax.psum_scatter(buffer, axis, scatter_dimension=0, tiled=True)
+        mine = mine / jnp.asarray(n, dtype)
+        offsets = np.cumsum([0] + [lay.sub for lay in layouts])
+        return tuple(mine[a:b] for a, b in zip(offsets[:-1], offsets[1:]))
+
+    in_specs = tuple(_block_spec(lay, pieces) for lay in layouts)
+    out_specs = tuple(_piece_spec(lay, pieces) for lay in layouts)
+    mine = _on_blocks(pack, pieces, in_specs, out_specs)(*grads)
+    return [Piece(x, shape, lay) for x, shape, lay in zip(mine, shapes, layouts)]
 
 
 def _gather(outs: list[Any], pieces: Pieces, bucket_bytes: int | None = None) -> list[Any]:
@@ -337,6 +422,10 @@ def _gather(outs: list[Any], pieces: Pieces, bucket_bytes: int | None = None) ->
     sizes = [jax.ShapeDtypeStruct(outs[i].shape, outs[i].local.dtype) for i in split]
     for _, group in _buffers(sizes, bucket_bytes):
         indices = [split[j] for j in group]
+        if pieces.k > 1:
+            for i, x in zip(indices, _gather_blocks([outs[i] for i in indices], pieces)):
+                whole[i] = x
+            continue
         locals_ = [outs[i].local for i in indices]
         buffer = jnp.concatenate(locals_)
         full = lax.all_gather(buffer, axis, tiled=True).reshape(n, buffer.shape[0])
@@ -346,6 +435,31 @@ def _gather(outs: list[Any], pieces: Pieces, bucket_bytes: int | None = None) ->
             flat = full[:, start:stop].reshape(-1)[: piece.size]
             whole[i] = flat.reshape(piece.shape)
     return whole
+
+
+def _gather_blocks(outs: list[Piece], pieces: Pieces) -> list[Any]:
+    """The whole values of one bucket of pieces, with replicas spanning k > 1 devices: each
+    model device gathers its sub-pieces over the replica axis (one all-gather) into its own
+    blocks, laid out over the model axis as the layout cuts them."""
+    n, axis = pieces.n, pieces.axis_name
+    layouts = [piece.layout for piece in outs]
+
+    def unpack(*locals_: Any) -> tuple[Any, ...]:
+        buffer = jnp.concatenate(locals_)
+        full = lax.all_gather(buffer, axis, tiled=True).reshape(n, buffer.shape[0])
+        offsets = np.cumsum([0] + [lay.sub for lay in layouts])
+        blocks = []
+        for lay, a, b in zip(layouts, offsets[:-1], offsets[1:]):
+            flat = full[:, a:b].reshape(-1)[: lay.block]
+            blocks.append(flat.reshape(lay.pre, lay.mid // lay.blocks, lay.post))
+        return tuple(blocks)
+
+    in_specs = tuple(_piece_spec(lay, pieces) for lay in layouts)
+    out_specs = tuple(
+        P(None, pieces.model_axis_name, None) if lay.blocks > 1 else P() for lay in layouts
+    )
+    blocks = _on_blocks(unpack, pieces, in_specs, out_specs)(*[piece.local for piece in outs])
+    return [x.reshape(piece.shape) for x, piece in zip(blocks, outs)]
 
 
 def _new_state(
@@ -364,7 +478,11 @@ def _new_state(
     to_gather = []
     for i, (out, old) in enumerate(zip(outs, inputs)):
         if isinstance(old, Sharded):
-            piece = out if isinstance(out, Piece) else Piece(pieces.take(out), old.shape)
+            lay = pieces.layout(old.shape)
+            if isinstance(out, Piece):
+                piece = pieces.relayout(out, lay)
+            else:
+                piece = Piece(pieces.take(out, lay), old.shape, lay)
             local = pieces.fill_padding(piece).astype(old.dtype)
             new[i] = Sharded(local, old.shape)
         elif isinstance(out, Piece):

@@ -573,3 +573,45 @@ def test_two_processes_of_four_devices_train_like_the_mirrored_update(tmp_path):
         again = jax.tree.leaves(strategy.read((restored["params"], restored["opt"])))
         for a, b in zip(again, [seen[0][f"{backend}/{i}"] for i in range(len(oracle))]):
             np.testing.assert_array_equal(np.asarray(a), b)
+
+
+# --- the layout of the pieces: row-major at k = 1, in device blocks at k > 1 -----------------
+
+LAYOUT_SHAPES = [(7, 3), (13,), (12, 5), (5, 12), (6, 4), (3, 4, 6), (2, 3, 5)]
+
+
+@pytest.mark.parametrize("shape", LAYOUT_SHAPES)
+@pytest.mark.parametrize("n, k", [(8, 1), (4, 1), (4, 2), (2, 4), (3, 2), (1, 4)])
+def test_pieces_in_device_blocks_round_trip_and_mask_exactly_the_padding(shape, n, k):
+    from jmirror import _host_ops, _shard_jaxpr
+    from jmirror._shard_update import stack
+    from jmirror.checkpoint import _sharded
+
+    x = np.arange(1, 1 + int(np.prod(shape)), dtype=np.float32).reshape(shape)
+    lay = _shard_jaxpr.layout(shape, n, k)
+    pieces = np.asarray(stack(jnp.asarray(x), n, k))
+    assert pieces.shape == (n, lay.length)
+    np.testing.assert_array_equal(_sharded.pieces(x, n, k), pieces)  # restore cuts the same
+    np.testing.assert_array_equal(np.asarray(_host_ops.unshard(shape, k)(pieces)), x)
+    assert sorted(pieces[pieces != 0].tolist()) == sorted(x.ravel().tolist())  # each once
+    if lay.blocks == 1:  # k = 1, or no dimension k divides: the row-major cut
+        want = np.pad(x.ravel(), (0, n * lay.sub - x.size)).reshape(n, lay.sub)
+        np.testing.assert_array_equal(pieces, want)
+    for i in range(n):
+        cut = _shard_jaxpr.Pieces("r", n, jnp.int32(i), "test", k=k)
+        np.testing.assert_array_equal(np.asarray(cut.take(jnp.asarray(x))), pieces[i])
+        np.testing.assert_array_equal(np.asarray(cut.valid(lay)), pieces[i] != 0)
+
+
+def test_pieces_in_device_blocks_follow_the_layout_of_a_split_dimension():
+    from jmirror import _shard_jaxpr
+    from jmirror._shard_update import stack
+
+    x = np.arange(24, dtype=np.float32).reshape(4, 6)  # k = 2 cuts the columns: 6 % 2 == 0
+    pieces = np.asarray(stack(jnp.asarray(x), 2, 2))
+    lay = _shard_jaxpr.layout(x.shape, 2, 2)
+    assert (lay.blocks, lay.dim, lay.sub) == (2, 1, 6)
+    # Model device j holds columns 3j..3j+2; replica i's piece is the i-th half of each block.
+    left, right = x[:, :3].ravel(), x[:, 3:].ravel()
+    np.testing.assert_array_equal(pieces[0], np.concatenate([left[:6], right[:6]]))
+    np.testing.assert_array_equal(pieces[1], np.concatenate([left[6:], right[6:]]))

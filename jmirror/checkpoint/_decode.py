@@ -394,7 +394,8 @@ def _place_leaves(
         elif leaf.kind == "python":
             out[i] = _format.PYTHON_TYPES[leaf.python](host.item())  # type: ignore[index]
         elif leaf.kind in ("mirrored", _sharded.KIND) and leaf.sharded:
-            out[i] = _sharded.pieces(host, n)
+            span = 1 if topology.is_emulated else topology.devices_per_replica
+            out[i] = _sharded.pieces(host, n, span)
             placed.append((i, topology.pieces_sharding(out[i].shape[1])))
         elif leaf.kind in ("mirrored", _sharded.KIND):
             path, like = likes[i]

@@ -13,16 +13,17 @@ from typing import Any
 
 import numpy as np
 
+from jmirror import _shard_jaxpr
 from jmirror._values import Sharded
 
 KIND = "sharded"
 
 
-def pieces(host: np.ndarray, n: int) -> np.ndarray:
-    """The `[N, k]` pieces of a whole host array (flattened, zero-padded, cut in N)."""
-    flat = np.ravel(host)
-    k = -(-flat.size // n)
-    return np.pad(flat, (0, n * k - flat.size)).reshape(n, k)
+def pieces(host: np.ndarray, n: int, k: int = 1) -> np.ndarray:
+    """The `[N, length]` pieces of a whole host array over N replicas of k devices, as
+    `jm.shard_update` cuts them (flattened, zero-padded, cut in N; in k blocks first when
+    k > 1: `jmirror._shard_jaxpr.layout`)."""
+    return _shard_jaxpr.stack(host, _shard_jaxpr.layout(np.shape(host), n, k), xp=np)
 
 
 def matches(leaf: Any, target: Any) -> bool | None:
