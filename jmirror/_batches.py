@@ -340,9 +340,7 @@ def _global_size(
     )
 
 
-def _elastic_batch(
-    call: str, size: int, n: int, processes: int, counts: tuple[int, int]
-) -> str:
+def _elastic_batch(call: str, size: int, n: int, processes: int, counts: tuple[int, int]) -> str:
     per_process = max(1, n // processes)
     least, most = counts
     sizes = [c * per_process for c in range(least, most + 1)]

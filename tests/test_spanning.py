@@ -418,8 +418,6 @@ def test_datasets_from_function_and_donation_span_devices():
     np.testing.assert_array_equal(np.asarray(strategy.read(new)), np.ones(4))
 
 
-
-
 @pytest.mark.parametrize("k", SPANS)
 def test_mirrored_outputs_keep_the_layout_from_step_to_step(k):
     """The step's state comes back laid out by the rules (never as XLA left it), equal to
