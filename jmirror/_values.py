@@ -339,8 +339,9 @@ class Sharded:
     The leaf is flattened (row-major), padded with zeros to a multiple of N and cut into N
     equal pieces; with replicas spanning k > 1 devices it is first cut into k blocks along its
     last dimension that k divides, and piece i holds sub-piece i of every block, so that each
-    device holds 1/(N*k) of it (`jmirror._shard_jaxpr`). Outside the replicas `shards` is the stacked pieces (shape `[N, k]`, piece
-    i on device i); inside a replica function it is that replica's own piece (shape `[k]`).
+    device holds 1/(N*k) of it (`jmirror._shard_jaxpr`). Outside the replicas `shards` is the
+    stacked pieces (shape `[N, k]`, piece i on device i); inside a replica function it is that
+    replica's own piece (shape `[k]`).
     `shape` is the whole leaf's shape (static). `strategy.read` gives the whole leaf back.
 
     Args:
