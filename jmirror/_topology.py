@@ -39,6 +39,8 @@ from jmirror._devices import Device
 # `(path, leaf) -> PartitionSpec | None`, or `(regex, PartitionSpec)` pairs.
 LayoutRules = Callable[[Any, Any], "P | None"] | Sequence[tuple[str, P]] | None
 
+_NO_MESH = contextlib.nullcontext()  # reusable: the scope of k = 1, entered on every call
+
 _BAD_SPEC = (
     "{call}: the layout of the mirrored leaf at {path} of shape {shape} is {spec}, which {why}. "
     "A mirrored leaf is replicated over the replica axis {axis!r} and laid out inside a replica "
@@ -393,7 +395,7 @@ class Topology:
         """The context of a strategy's `scope`: with k > 1 `mesh` is the current mesh there
         (`jax.set_mesh`), so that modules with partitioning metadata can be built inside."""
         if self.devices_per_replica == 1:
-            return contextlib.nullcontext()
+            return _NO_MESH
         return jax.set_mesh(self.mesh)
 
     def describe_spanning(self) -> str:
