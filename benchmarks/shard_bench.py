@@ -190,7 +190,7 @@ def _memory(strategy, problem) -> dict[str, Any]:
         compiled = fn.lower(*states[name], *batch).compile()
         out[name] = {
             "state_bytes": _bytes_on_first_device(strategy, states[name][1]),
-            "peak_bytes": _peak(compiled),
+            "peak_bytes": peak_bytes(compiled),
             "collectives": [(c.op, c.bytes) for c in jmt.collectives(compiled)],
         }
     sharded = jax.tree.leaves(states["sharded"][1], is_leaf=lambda x: isinstance(x, jm.Sharded))
@@ -201,7 +201,7 @@ def _memory(strategy, problem) -> dict[str, Any]:
     return out
 
 
-def _peak(compiled) -> int:
+def peak_bytes(compiled) -> int:
     """Per-device bytes a compiled step needs: arguments + outputs + temporaries - aliased."""
     m = compiled.memory_analysis()
     return int(
@@ -223,7 +223,7 @@ def _largest_in_budget(strategy, depth: int, reference: int) -> dict[str, Any]:
         import jax
 
         params = sum(a.size for a in jax.tree.leaves(problem[0]))
-        return _peak(compiled), params
+        return peak_bytes(compiled), params
 
     budget, ref_params = peak("mirrored", reference)
     out: dict[str, Any] = {"budget_bytes": budget, "reference_width": reference}

@@ -313,14 +313,10 @@ def step_times(width: int, depth: int, batch: int, rounds: int, steps: int) -> d
 
 
 def peak_bytes(compiled: Any) -> int:
-    """Per-device bytes a compiled step needs: arguments + outputs + temporaries - aliased."""
-    m = compiled.memory_analysis()
-    return int(
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        + m.temp_size_in_bytes
-        - m.alias_size_in_bytes
-    )
+    """Per-device bytes a compiled step needs (`benchmarks.shard_bench.peak_bytes`)."""
+    from benchmarks import shard_bench
+
+    return shard_bench.peak_bytes(compiled)
 
 
 def _abstract(tree: Any, sharding_of) -> Any:
