@@ -119,8 +119,9 @@ def _shard_map_executable(
 
 
 class Output(NamedTuple):
-    """An entry of `out_paths`: a flat output's path and, when the output replaces an input
-    leaf (a step's new state), that leaf, whose own layout then counts as its metadata."""
+    """An entry of `out_paths`: a flat output's path and what declares its layout, where
+    that is not the output itself: a `jmirror._topology.Declared` (a linen box's names, the
+    metadata of the NNX `Variable` it is written back to), or a leaf whose own layout counts."""
 
     path: tuple
     like: Any = None
@@ -152,9 +153,11 @@ def _with_replica_ids(closed: Any, topology: Topology) -> Callable[..., list[Any
 
     Inside a shard_map manual over the replica axis only (replicas spanning several
     devices), JAX lowers `axis_index` through a nested shard_map that needs a mesh in
-    context when the step is lowered, which `jax.jit` has no way to give; the replica id
-    is an input instead (an iota split over the replicas). Calls of `jax.jit` inside the
-    replica function are evaluated inline. A `with_sharding_constraint` to a bare
+    context when the step is lowered; the replica id is an input instead (an iota split
+    over the replicas), so the step lowers wherever it is lowered. Calls of `jax.jit` inside
+    the replica function are evaluated inline; the bodies of `scan`, `cond` and `while` are
+    not entered, and `jm.replicate` lowers its steps with the mesh in context for them
+    (`Topology.mesh_scope`). A `with_sharding_constraint` to a bare
     `PartitionSpec` (resolved against the mesh in context, `strategy.scope()`) is laid out
     over the strategy's mesh.
     """

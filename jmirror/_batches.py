@@ -314,7 +314,7 @@ def global_batches(
 
 
 def _global_size(
-    call: str, n: int, size: int, remainder: str, topology_processes: int = 1
+    call: str, n: int, size: int, remainder: str, processes: int
 ) -> tuple[int, _Warning | None]:
     """G from the first batch's size, and the warning that "drop" gives when size < G.
 
@@ -329,7 +329,7 @@ def _global_size(
     g = -(-size // n) * n
     counts = process_counts()
     if counts is not None and size != g:
-        raise ValueError(_elastic_batch(call, size, n, topology_processes, counts))
+        raise ValueError(_elastic_batch(call, size, n, processes, counts))
     if remainder != "drop" or size == g:
         return g, None
     return g, _Warning(
@@ -341,6 +341,8 @@ def _global_size(
 
 
 def _elastic_batch(call: str, size: int, n: int, processes: int, counts: tuple[int, int]) -> str:
+    """The error of a first batch of `size` examples that N does not divide, in an elastic
+    run of `counts` = (M, P) processes: the replica counts it may run on and their multiple."""
     per_process = max(1, n // processes)
     least, most = counts
     sizes = [c * per_process for c in range(least, most + 1)]

@@ -97,15 +97,9 @@ class HostOps(CrossReplica):
         self._warn_pmap_layout([leaves[i] for i in todo])
         if todo:
             sources = [leaves[i][1] for i in todo]
+            # Mirrored, laid out inside the replicas by `Topology.layout_spec` (k > 1).
             layouts = [self.topology.leaf_sharding(*likes[i]) for i in todo]
-            # Laid out inside the replicas (k > 1, `Topology.layout_spec`) or all mirrored.
-            laid_out = any(x != self.topology.mirrored for x in layouts)
-            placed = (
-                self._place_mirrored(sources, layouts)
-                if laid_out
-                else self._place_mirrored(sources)
-            )
-            for i, x in zip(todo, placed):
+            for i, x in zip(todo, self._place_mirrored(sources, layouts)):
                 out[i] = x
         return treedef.unflatten(out)
 
@@ -128,10 +122,8 @@ class HostOps(CrossReplica):
             )
             warnings.warn(message, UserWarning, stacklevel=4)
 
-    def _place_mirrored(
-        self, sources: list[Any], layouts: list[Any] | None = None
-    ) -> list[jax.Array]:
-        """Mirrored copies of `sources` that own their buffers.
+    def _place_mirrored(self, sources: list[Any], layouts: list[Any]) -> list[jax.Array]:
+        """Mirrored copies of `sources` that own their buffers, placed with `layouts`.
 
         `device_put` may reuse a source's buffer for the copy on its device (a `jax.Array`
         on one of the devices; on CPU, an aligned numpy array of the canonical dtype), and
@@ -141,7 +133,6 @@ class HostOps(CrossReplica):
         copied on the devices if shared.
         """
         sources = [np.array(x) if isinstance(x, np.ndarray) else x for x in sources]
-        layouts = layouts or [self.topology.mirrored] * len(sources)
         placed = jax.device_put(sources, layouts)
         shared = [j for j, (a, b) in enumerate(zip(sources, placed)) if _shares_memory(a, b)]
         if shared:
@@ -236,16 +227,8 @@ class HostOps(CrossReplica):
 
     def _on_replica(self, x: jax.Array, i: int) -> jax.Array:
         """Replica `i`'s copy of the mirrored `x` (on its device, or laid out on its devices)."""
-        target = self.topology.read_sharding(x, i)
-        devices = self.topology.replica_devices(i)
-        by_device = {shard.device: shard.data for shard in x.addressable_shards}
-        if all(d in by_device for d in devices):  # its own shards: no transfer
-            if len(devices) == 1 and by_device[devices[0]].shape == x.shape:
-                return by_device[devices[0]]
-            if len(devices) > 1:
-                parts = [by_device[d] for d in devices]
-                return jax.make_array_from_single_device_arrays(x.shape, target, parts)
-        return jax.device_put(x, target)
+        copy = self.topology.replica_copy(x, i)  # its own shards: no transfer
+        return copy if copy is not None else jax.device_put(x, self.topology.read_sharding(x, i))
 
     def _gathered(self, stacked: Any) -> jax.Array:
         """The stacked components of a leaf, all on devices[0]."""

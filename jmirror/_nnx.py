@@ -433,7 +433,8 @@ class _Entry:
             if k in roles:
                 value = SyncOnRead(value, roles[k])
             values.append(value)
-            written.append((_leaf_path(found[k][0], variable), _declared(variable, value)))
+            declared = Declared.of(variable, getattr(value, "shape", ()))
+            written.append((_leaf_path(found[k][0], variable), declared))
         self.written = written
         if refs:
             result = jax.tree.map(
@@ -452,13 +453,6 @@ class _Entry:
             where, declared = self.written[path[1].idx]
             return Output(where + tuple(path[2:]), declared if len(path) == 2 else None)
         return tuple(path[1:])
-
-
-def _declared(variable: Any, value: Any) -> Declared:
-    """A written-back value's shape and its Variable's declared layout (flax's
-    `out_sharding` metadata), without the traced value itself."""
-    names = variable.get_metadata().get("out_sharding")
-    return Declared(tuple(getattr(value, "shape", ())), tuple(names) if names else None)
 
 
 def _leaf_path(variable_path: tuple, variable: Any) -> tuple:

@@ -48,16 +48,11 @@ class ProcessHostOps(HostOps):
 
     # --- placing -------------------------------------------------------------------------------
 
-    def _place_mirrored(
-        self, sources: list[Any], layouts: list[Any] | None = None
-    ) -> list[jax.Array]:
+    def _place_mirrored(self, sources: list[Any], layouts: list[Any]) -> list[jax.Array]:
         host = [np.asarray(x) for x in sources]
         with _deadline.bounded("strategy.mirror", self.topology.timeout_s):
             host = multihost_utils.broadcast_one_to_all(host)  # process 0's value, everywhere
-        if layouts is None:
-            mirrored = self.topology.mirrored
-            return [_from_local(x, mirrored, x.shape) for x in host]
-        # Laid out inside the replicas (k > 1): each device takes its piece of the value.
+        # Each device takes its piece of the value (the whole of it, unless laid out, k > 1).
         return [
             jax.make_array_from_callback(x.shape, layout, lambda index, x=x: x[index])
             for x, layout in zip(host, layouts)
@@ -121,7 +116,7 @@ class ProcessHostOps(HostOps):
         timeout = self.topology.timeout_s
         with _deadline.bounded(call, timeout):  # a cheap program may run (and wait) inline
             out = _jit_mirrored(fn, self.topology.mirrored)(x)
-            mine = jax.block_until_ready(self._first_local_copy(out))
+            mine = jax.block_until_ready(self.topology.local_copy(out))
         return mine
 
     def stacked(self, x: Any) -> Any:
@@ -131,14 +126,6 @@ class ProcessHostOps(HostOps):
     def _on_first_device(self, x: jax.Array) -> jax.Array:
         """This process's first replica's copy (on its device, or laid out on its devices)."""
         return self._on_replica(x, self.topology.local_replica_ids[0])
-
-    def _first_local_copy(self, x: jax.Array) -> jax.Array:
-        """The copy of the fully replicated `x` on this process's first device."""
-        first = self.topology.first_local_device
-        for shard in x.addressable_shards:
-            if shard.device == first:
-                return shard.data
-        raise ValueError(f"no copy of this value on {first}: it is not mirrored")
 
     def _components(self, x: Any) -> list[Any] | None:
         if isinstance(x, (PerReplica, SyncOnRead)):

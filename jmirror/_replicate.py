@@ -280,7 +280,6 @@ class Replicated:
         to devices or on others) placed mirrored; NNX objects included (their copies: the
         caller's objects are written back as before)."""
         topology = strategy.topology
-        mirrored = topology.mirrored
         dynamic = [i for i in range(len(args)) if i not in self._static]
         tree = ([args[i] for i in dynamic], kwargs)
         treedef = jax.tree_util.tree_structure(tree, is_leaf=is_distributed)
@@ -294,9 +293,8 @@ class Replicated:
                 and not x.is_deleted()
                 and (not x.committed or x.sharding.device_set != devices)
             ):
-                sharding = mirrored
-                if topology.devices_per_replica > 1:  # laid out as the step lays it out
-                    sharding = topology.leaf_sharding(path[2:], like, repr(self))
+                # Mirrored, laid out as the step lays it out (k > 1).
+                sharding = topology.leaf_sharding(path[2:], like, repr(self))
                 x, moved = jax.device_put(x, sharding), True
             placed.append(x)
         if not moved:

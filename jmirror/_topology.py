@@ -296,17 +296,37 @@ class Topology:
         """The layout of the mirrored leaf `leaf` at `path` (`layout_spec`)."""
         return self.mirrored_sharding(self.layout_spec(path, leaf, call))
 
+    def replica_copy(self, x: jax.Array, replica: int) -> jax.Array | None:
+        """Replica `replica`'s whole copy of the mirrored leaf `x`, made of its own shards (no
+        transfer) and laid out as `read_sharding` says; None where this process does not hold
+        them."""
+        devices = self.replica_devices(replica)
+        by_device = {shard.device: shard.data for shard in x.addressable_shards}
+        if not all(d in by_device for d in devices):
+            return None
+        if len(devices) == 1:
+            data = by_device[devices[0]]
+            return data if data.shape == x.shape else None
+        parts = [by_device[d] for d in devices]
+        sharding = self.read_sharding(x, replica)
+        return jax.make_array_from_single_device_arrays(x.shape, sharding, parts)
+
     def local_copy(self, x: jax.Array) -> jax.Array:
         """This process's whole copy of the mirrored leaf `x`, without a transfer: the shard
-        of one device when `x` is replicated inside a replica, else the shards of this
-        process's first replica as one array laid out over its devices (`read_sharding`)."""
+        on its first device when `x` is replicated inside a replica, else its first replica's
+        copy (`replica_copy`)."""
+        copy = None
         if x.sharding.is_fully_replicated:
-            return x.addressable_shards[0].data
-        replica = self.local_replica_ids[0]
-        sharding = self.read_sharding(x, replica)
-        by_device = {shard.device: shard.data for shard in x.addressable_shards}
-        parts = [by_device[d] for d in self.replica_devices(replica)]
-        return jax.make_array_from_single_device_arrays(x.shape, sharding, parts)
+            first = self.first_local_device
+            copy = next((s.data for s in x.addressable_shards if s.device == first), None)
+        elif not self.is_emulated:
+            copy = self.replica_copy(x, self.local_replica_ids[0])
+        if copy is None:
+            raise ValueError(
+                f"no whole copy of this value on process {self.process_index}'s devices: it is "
+                "not mirrored"
+            )
+        return copy
 
     def stacked_sharding(self, spec: P | None = None) -> Sharding:
         """The layout of a per-replica stack whose components are laid out by `spec` inside
@@ -496,6 +516,12 @@ class Declared:
     shape: tuple[int, ...]
     sharding_names: tuple | None
 
+    @classmethod
+    def of(cls, box: Any, shape: Sequence[int]) -> Declared:
+        """What `box` (a linen metadata box, an NNX `Variable`) declares of a leaf of `shape`."""
+        names = _metadata_names(box)
+        return cls(tuple(shape), tuple(names) if names else None)
+
 
 def declared_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list:
     """`(path, leaf, like)` for every leaf of `tree` in flattening order (with `is_leaf`):
@@ -514,8 +540,8 @@ def declared_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> 
             continue
         inner = jax.tree_util.tree_flatten_with_path(node, is_leaf=is_leaf)[0]
         for p, leaf in inner:
-            names = tuple(_metadata_names(node)) if len(inner) == 1 else None
-            found.append((path + p, leaf, Declared(tuple(np.shape(leaf)), names)))
+            like = Declared.of(node if len(inner) == 1 else None, np.shape(leaf))
+            found.append((path + p, leaf, like))
     return found
 
 
