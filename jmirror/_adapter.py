@@ -31,7 +31,14 @@ flat output in the variant's result, what that output stands for as the layout r
 several devices (`Topology.layout_spec`) this is how state written back by an adapter comes
 back laid out by its own metadata and the rules matched against its argument path.
 
-`jm.replicate` (`jmirror._replicate.Replicated`) knows its adapters only through this
+An adapter may also police the leaves of its own node types: `leaf_policy(node_type)`
+returns, for a pytree node type of its kind (an `eqx.Module` subclass), the predicate of the
+leaves inside it that are traced (`eqx.is_array`: the rest stay static, as
+`eqx.filter_jit` partitions them), or None for the types it does not own. Leaves under no
+policed node follow `jax.jit`'s rule (`jmirror._arguments`).
+
+Adapters are registered (`register`) by the modules that own them, in the order they are
+asked; `jm.replicate` (`jmirror._replicate.Replicated`) knows them only through this
 interface: it compiles one step per variant and counts their compilations as its own.
 """
 
@@ -41,6 +48,9 @@ import dataclasses
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
+import jax
+
+from jmirror._arguments import is_array, is_traced, leaf_policies
 from jmirror._mirrored_state import Traced
 
 
@@ -66,7 +76,8 @@ class Adapted:
 
 
 class Adapter(Protocol):
-    """One kind of argument that a replicated call runs through a variant of its function."""
+    """One kind of argument that a replicated call runs through a variant of its function,
+    or whose nodes it polices."""
 
     def adapt(self, args: tuple, kwargs: dict, static_argnums: tuple[int, ...]) -> Adapted | None:
         """The call's `Adapted`, or None when it holds nothing of this kind."""
@@ -75,3 +86,63 @@ class Adapter(Protocol):
     def check_plain(self, name: str, in_treedef: Any) -> None:
         """Refuses, at trace time, a call that holds this kind where `adapt` did not look."""
         ...
+
+    def leaf_policy(self, node_type: type) -> Callable[[Any], bool] | None:
+        """Returns the predicate of traced leaves inside nodes of `node_type`, or None."""
+        ...
+
+
+ADAPTERS: list[Adapter] = []
+_POLICIES: dict[type, Callable[[Any], bool] | None] = {}
+
+
+def register(adapter: Adapter) -> None:
+    """Adds `adapter` to those every replicated call asks (once)."""
+    if adapter not in ADAPTERS:
+        ADAPTERS.append(adapter)
+        _POLICIES.clear()
+
+
+def adapt(args: tuple, kwargs: dict, static_argnums: tuple[int, ...]) -> Adapted | None:
+    """Returns the `Adapted` of the first adapter that takes the call, or None."""
+    for adapter in ADAPTERS:
+        adapted = adapter.adapt(args, kwargs, static_argnums)
+        if adapted is not None:
+            return adapted
+    return None
+
+
+def check_plain(name: str, in_treedef: Any) -> None:
+    """Refuses, at trace time, a call no adapter took that holds what one must see."""
+    for adapter in ADAPTERS:
+        adapter.check_plain(name, in_treedef)
+
+
+def leaf_policy(node_type: type) -> Callable[[Any], bool] | None:
+    """Returns the predicate of traced leaves inside nodes of `node_type` (an adapter's), or
+    None: `jax.jit`'s rule."""
+    try:
+        return _POLICIES[node_type]
+    except KeyError:
+        pass
+    found = None
+    for adapter in ADAPTERS:
+        found = adapter.leaf_policy(node_type)
+        if found is not None:
+            break
+    _POLICIES[node_type] = found
+    return found
+
+
+def static_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[bool]:
+    """Returns, per leaf of `tree` (flattened with `is_leaf`), whether it is static: not an
+    array inside a policed node (an `eqx.Module`), not traceable by `jax.jit` elsewhere.
+    Leaves that `is_leaf` stops at count as traced."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_leaf)
+    policies = leaf_policies(treedef, leaf_policy)
+    return [
+        False
+        if is_leaf is not None and is_leaf(x)
+        else (not is_array(x) if policy is not None else not is_traced(x))
+        for x, policy in zip(leaves, policies)
+    ]

@@ -237,6 +237,25 @@ class Donation:
             _explain_donated(call, args, kwargs, self.argnums)
         return True
 
+    def check_prepared(self, call: object, prepared: Any) -> bool:
+        """Returns whether a prepared call (`jmirror._arguments.Prepared`) donates; if it
+        does, refuses what would crash jaxlib (as `check`), from the call's flat leaves.
+
+        Raises:
+          ValueError: a donated leaf is deleted (donated to an earlier call) or is passed
+            twice in this call, naming its path (`call` names the function).
+        """
+        if not self.argnums:
+            return False
+        donated = list(prepared.donated)
+        concrete = _all_concrete(donated)
+        if not (self._always or self._policy(donated, concrete)):
+            return False
+        if not _safe(donated, concrete, [list(prepared.others)], {}, ()):
+            args, kwargs = prepared.plan.rebuild(prepared.donated, prepared.others)
+            _explain_donated(call, args, kwargs, self.argnums)
+        return True
+
     def _donated(self, per_arg: list[list[Any]]) -> list[Any]:
         n = len(per_arg)
         if len(self.argnums) == 1:

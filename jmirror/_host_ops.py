@@ -21,6 +21,7 @@ import numpy as np
 
 from jmirror import _shard_jaxpr
 from jmirror._cross_replica import REDUCERS, CrossReplica
+from jmirror._adapter import static_leaves
 from jmirror._topology import Topology, declared_leaves
 from jmirror._values import (
     Aggregation,
@@ -73,7 +74,11 @@ class HostOps(CrossReplica):
         likes = [(path, like) for path, _, like in declared]
         out: list[Any] = [None] * len(leaves)
         todo = []
+        static = static_leaves(tree, is_leaf=is_distributed)
         for i, (path, leaf) in enumerate(leaves):
+            if static[i]:  # a function, a flag, an equinox module's number: kept as it is
+                out[i] = leaf
+                continue
             if isinstance(leaf, PerReplica):
                 raise TypeError(
                     f"strategy.mirror got a PerReplica at path {jax.tree_util.keystr(path)!r}; "

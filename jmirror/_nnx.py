@@ -178,6 +178,10 @@ class NnxAdapter:
     def check_plain(self, name: str, in_treedef: Any) -> None:
         _check_nested(name, in_treedef)
 
+    def leaf_policy(self, node_type: type) -> None:
+        """Returns None: an NNX object's leaves follow `jax.jit`'s rule."""
+        return None
+
 
 ADAPTER = NnxAdapter()
 

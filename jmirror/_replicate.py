@@ -1,70 +1,60 @@
-"""`jm.replicate`: compiling a replica function for every device of a strategy.
+"""`jm.replicate`: a replica function compiled for every device of a strategy.
 
-For each input signature it
+A call runs in three parts:
 
-1. traces the replica function into a jaxpr under `jax.pmap` semantics and proves which
-   outputs are identical on every replica (`jmirror._tracing`);
-2. runs that jaxpr with the strategy's backend (`jmirror._backends`) inside one `jax.jit`
-   (whose C++ dispatch makes repeated calls cheap): identical outputs come back mirrored,
-   the others as `PerReplica`, `SyncOnRead` outputs as `SyncOnRead`.
+1. **prepare**: an adapter may take the call (`jmirror._adapter`: NNX objects run through a
+   variant of the function); the arguments are split into a `Plan` (structure and static
+   values, the compilation key) and traced leaves (`jmirror._arguments`); leaves not yet on
+   the strategy's devices are placed there (`jmirror._placement`); the donation is decided
+   and checked (`jmirror._dispatch.Donation`).
+2. **step**: the call waits for room in the bound on steps in flight and runs one
+   `jax.jit` of the step's body (`jmirror._step.Body`), whose C++ dispatch makes repeated
+   calls cheap; the step's token is tracked.
+3. **finish**: the adapter writes state back; after a call that compiled (JAX reported a
+   compilation inside it: `jmirror._compilations`), the warnings about its arguments
+   (`jmirror._call_warnings`).
 
-Each call goes through the strategy's dispatch policy (`jmirror._dispatch`): donated arguments
-are checked, the call waits for room in the bound on steps in flight, and the step is tracked
-by a scalar token the compiled step returns beside its result. What a call does in Python does
-not grow with the tree: the donation policy is decided once per input signature, the donated
-check is C-level passes, and the warnings about arguments (host batches, pmap-layout arrays,
-retracing) look at the arguments only when a call compiled.
+What a call does in Python does not grow with the tree beyond C-level passes over its
+leaves: one flatten, a set of types, a set of sharding ids.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
-import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
 import jax.core
-import jax.numpy as jnp
-import numpy as np
 
-from jmirror import _context, _dispatch, _mirrored_state, _nnx
-from jmirror._adapter import Adapted, Adapter
-from jmirror._backends import Output, executable
+from jmirror import _adapter, _context, _dispatch, _equinox, _nnx
+from jmirror._adapter import Adapted
+from jmirror._arguments import Arguments, Prepared
+from jmirror._compilations import Counter
+from jmirror._call_warnings import CallWarnings
 from jmirror._context import Runner
 from jmirror._interrupts import HELD
-from jmirror._mirrored_state import MirroredStateWarning, Traced
+from jmirror._placement import Placement
 from jmirror._process_ops import globalize
-from jmirror._shim import compiled_count
-from jmirror._topology import Declared, declared_leaves
-from jmirror._tracing import (
-    FORCED,
-    SHARDED,
-    SPLIT,
-    STORAGE,
-    ReplicaCall,
-    flatten_slots,
-    trace_and_prove,
-)
-from jmirror._values import PerReplica, Sharded, SyncOnRead, is_distributed
+from jmirror._step import Body
+from jmirror._topology import Topology
 
-# More input signatures than this compiled by one replicated function earn a warning.
-_RETRACE_WARNING_AT = 8
-# The kinds of argument that run through a variant of the replica function.
-ADAPTERS: tuple[Adapter, ...] = (_nnx.ADAPTER,)
+_adapter.register(_nnx.ADAPTER)
+_adapter.register(_equinox.ADAPTER)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class _Step:
     """One replica function compiled: the user's own, or an adapter's variant of it. Two
     `jax.jit`s of each (with the requested donation, and without it where the donation
     policy skips it): `jitted` returns the result and an in-flight token, `lowerable` (for
-    `.lower()`) the result only."""
+    `.lower()`) the result only. `settled`: a call of it ran without compiling (an adapter's
+    fresh state needs no settling any more)."""
 
     jitted: dict[bool, Any]
     lowerable: dict[bool, Any]
+    settled: bool = False
 
 
 class Replicated:
@@ -80,79 +70,41 @@ class Replicated:
         strategy: Runner | None,
         donate_argnums: tuple[int, ...],
         static_argnums: tuple[int, ...],
+        static_argnames: tuple[str, ...] = (),
         per_replica: Any = None,
     ):
         self._fn = fn
         self._strategy = strategy
-        self._donate = donate_argnums
-        self._static = static_argnums
         self._per_replica = per_replica
         self._min_args = max(static_argnums) + 1 if static_argnums else 0
-        # The input signatures traced by calls, plain or under an outer transformation
-        # (never by .lower()): what `num_compilations` counts.
-        self._signatures: set[tuple] = set()
-        # Those of plain calls only: what the retracing warning counts.
-        self._plain_signatures: set[tuple] = set()
+        self._arguments = Arguments(
+            repr(self), static_argnums, static_argnames, donate_argnums, _adapter.leaf_policy
+        )
+        self._warnings = CallWarnings(repr(self))
         # The last strategy called on and its `Donation` of `donate_argnums`.
         self._donation: tuple[Any, _dispatch.Donation] | None = None
-        self._warned: set[str] = set()
-        # While calls keep compiling (or keep passing arrays not placed yet), state not yet
-        # mirrored (on one device, on the host) is placed mirrored before the call: the next
-        # call, with the mirrored state the first wrote back or returned, finds the step
-        # compiled.
-        self._placing = True
-        # One jax.jit around the whole step: its C++ dispatch flattens the arguments
-        # (PerReplica and SyncOnRead are pytree nodes), checks the signature and runs the
-        # cached program. The strategy is a static argument.
-        self._own = self._compile(fn, None, None)
+        self._placements: dict[Topology, Placement] = {}
+        self._compilations = Counter()
+        self._own = self._compile(fn, None)
         # The variants of `fn` that adapters ask for (`jmirror._adapter`), by key.
         self._variants: dict[Hashable, _Step] = {}
         functools.update_wrapper(self, fn)
 
-    def _compile(
-        self, fn: Callable[..., Any], variant: Hashable, check: Callable[[Traced], None] | None
-    ) -> _Step:
-        """The step of replica function `fn`: the user's own when `variant` is None, else an
-        adapter's variant, whose result `check` looks at (`Adapted.check`)."""
-        static = (0,) + tuple(i + 1 for i in self._static)
-        donate = tuple(i + 1 for i in self._donate)
+    def _compile(self, fn: Callable[..., Any], check: Callable[..., None] | None) -> _Step:
+        """Returns the `_Step` of replica function `fn` (`check`: an adapter's)."""
+        body = Body(fn, repr(self), check, self._per_replica, self._warnings.mirrored_state)
+        donate = (1,)
 
-        def entry(strategy: Runner, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-            self._signatures.add((variant, *self._signature(args, kwargs)))
-            return self._step(fn, check, True, strategy, *args, **kwargs)
-
-        def entry_result(strategy: Runner, *args: Any, **kwargs: Any) -> Any:
-            return self._step(fn, check, False, strategy, *args, **kwargs)[0]
-
-        def jitted(entry: Callable[..., Any]) -> dict[bool, Any]:
+        def jitted(with_token: bool) -> dict[bool, Any]:
+            entry = functools.partial(body, with_token)
+            if not with_token:
+                entry = _result_only(entry)
             return {
-                True: jax.jit(entry, static_argnums=static, donate_argnums=donate),
-                False: jax.jit(entry, static_argnums=static),
+                True: jax.jit(entry, static_argnums=(0,), donate_argnums=donate),
+                False: jax.jit(entry, static_argnums=(0,)),
             }
 
-        return _Step(jitted(entry), jitted(entry_result))
-
-    def _adapt(self, args: tuple, kwargs: dict) -> tuple[_Step, Adapted | None]:
-        """The step that runs this call, and the adapter's `Adapted` when one took it."""
-        for adapter in ADAPTERS:
-            adapted = adapter.adapt(args, kwargs, self._static)
-            if adapted is not None:
-                step = self._variants.get(adapted.variant)
-                if step is None:
-                    fn = adapted.make(self._fn, repr(self))
-                    step = self._compile(fn, adapted.variant, adapted.check)
-                    self._variants[adapted.variant] = step
-                return step, adapted
-        return self._own, None
-
-    def _donation_on(self, strategy: Runner) -> _dispatch.Donation:
-        """The donation of `donate_argnums` under `strategy`'s policy (kept for the next call)."""
-        last = self._donation
-        if last is not None and last[0] is strategy:
-            return last[1]
-        donation = _dispatch.Donation(strategy.dispatch, self._donate)
-        self._donation = (strategy, donation)
-        return donation
+        return _Step(jitted(True), jitted(False))
 
     def __repr__(self) -> str:
         name = getattr(self._fn, "__qualname__", repr(self._fn))
@@ -169,176 +121,89 @@ class Replicated:
         # A keyboard interrupt waits for the call: a step that returned has donated nothing
         # in vain, and an NNX object is never left half written back.
         with HELD:
+            strategy = self._check_call(args)
             step, adapted = self._adapt(args, kwargs)
-            result = self._run(step, adapted, args, kwargs)
+            if adapted is not None and not step.settled:
+                adapted.settle(functools.partial(_first_component, strategy.topology))
+            prepared, donate = self._prepare(strategy, args, kwargs)
+            result = self._run(strategy, step, prepared, donate)
             return result if adapted is None else adapted.finish(result)
 
-    def _run(self, step: _Step, adapted: Adapted | None, args: tuple, kwargs: dict) -> Any:
-        strategy = self._check_call(args)
-        if strategy.topology.process_count > 1:
-            args, kwargs = self._globalize(strategy, args, kwargs)
-        given = args, kwargs  # what the warnings about arguments look at
-        if strategy.topology.process_count == 1 and self._placing:
-            if adapted is not None:
-                adapted.settle(functools.partial(_first_component, strategy.topology))
-            args, kwargs = self._place_state(strategy, args, kwargs)
-        donate = self._donation_on(strategy).check(self, args, kwargs)
+    def _adapt(self, args: tuple, kwargs: dict) -> tuple[_Step, Adapted | None]:
+        """Returns the step that runs this call, and the adapter's `Adapted` when one took it."""
+        adapted = _adapter.adapt(args, kwargs, self._arguments.static_argnums)
+        if adapted is None:
+            return self._own, None
+        step = self._variants.get(adapted.variant)
+        if step is None:
+            fn = adapted.make(self._fn, repr(self))
+            step = self._variants[adapted.variant] = self._compile(fn, adapted.check)
+        return step, adapted
+
+    def _prepare(self, strategy: Runner, args: tuple, kwargs: dict) -> tuple[Prepared, bool]:
+        """Splits, places and checks a call's arguments; returns them and whether it donates."""
+        topology = strategy.topology
+        if topology.process_count > 1:
+            args, kwargs = self._globalize(topology, args, kwargs)
+        prepared, leaves, types = self._arguments.prepare(strategy, args, kwargs)
+        placement = self._placements.get(topology)
+        if placement is None:
+            placement = self._placements[topology] = Placement(topology)
+        layout = prepared.plan.layout
+        where = prepared.plan.positions.where
+        placed = placement.place(repr(self), layout, leaves, types, prepared.tree, where)
+        if placed is not None:
+            # What needed placing may be a pmap leftover or a host batch: say so.
+            self._warnings.of_arguments(*self._warning_args(strategy, prepared))
+            prepared = prepared.with_leaves(placed)
+        donate = self._donation_on(strategy).check_prepared(self, prepared)
+        return prepared, donate
+
+    def _run(self, strategy: Runner, step: _Step, prepared: Prepared, donate: bool) -> Any:
+        """Runs the step within the bound on steps in flight; warns after it compiled."""
         strategy.dispatch.wait_for_room()
         jitted = step.jitted[donate]
-        compiled = self._compiled(jitted)
-        with strategy.dispatch.bounded(self):  # a cheap step may run (and wait) inline
+        before = self._compilations.count
+        counting = self._compilations.counting()
+        with strategy.dispatch.bounded(self), strategy.topology.mesh_scope(), counting:
+            # With replicas spanning devices the mesh is in context while the step is traced
+            # and lowered: `axis_index` inside a scan, cond or while body lowers through it.
             try:
-                result, token = self._dispatch(strategy, jitted, args, kwargs)
+                result, token = jitted(prepared.plan, prepared.donated, prepared.others)
             except Exception:
                 # Name pmap leftovers and host batches before JAX's own error about them.
-                self._warn_of_arguments(strategy, *given)
+                self._warnings.of_arguments(*self._warning_args(strategy, prepared))
                 raise
         if isinstance(token, jax.core.Tracer):
             # Traced by the caller's own transformation (jit, grad, vmap, scan, ...): JAX
             # dispatches it, so there is nothing to bound and no compilation of ours to count.
             return result
         strategy.dispatch.track(token, self)
-        compiled_now = self._compiled(jitted) != compiled
-        # Placing goes on while calls compile, or keep passing values it places (a numpy
-        # array every call): those then find the step compiled for mirrored arrays.
-        self._placing = compiled_now or args is not given[0] or kwargs is not given[1]
-        if compiled_now:
-            self._check_new_signature(strategy, *given)
+        if self._compilations.count != before:
+            self._warnings.after_compile(*self._warning_args(strategy, prepared))
+        else:
+            step.settled = True
         return result
 
-    def _dispatch(self, strategy: Runner, jitted: Any, args: tuple, kwargs: dict) -> Any:
-        # With replicas spanning devices the strategy's mesh is in context while the step is
-        # traced and lowered: `axis_index` inside a scan, cond or while body lowers through it.
-        with strategy.topology.mesh_scope():
-            try:
-                return jitted(strategy, *args, **kwargs)
-            except ValueError:
-                # jax.jit refuses arrays committed to other devices; move them (rare), retry.
-                placed = self._place(strategy, args, kwargs)
-                if placed is None:
-                    raise
-                args, kwargs = placed
-                return jitted(strategy, *args, **kwargs)
+    def _warning_args(self, strategy: Runner, prepared: Prepared) -> tuple:
+        positions = prepared.plan.positions
+        return strategy.num_replicas, strategy.topology, prepared.given, positions.where
 
-    def _compiled(self, jitted: Any) -> tuple[int | None, int]:
-        """What changes when a call compiles: the jit's cache entries, the signatures traced."""
-        return compiled_count(jitted), len(self._signatures)
+    def _donation_on(self, strategy: Runner) -> _dispatch.Donation:
+        """Returns the donation of `donate_argnums` under `strategy`'s policy (kept)."""
+        last = self._donation
+        if last is not None and last[0] is strategy:
+            return last[1]
+        donation = _dispatch.Donation(strategy.dispatch, self._arguments.donate_argnums)
+        self._donation = (strategy, donation)
+        return donation
 
-    def _globalize(self, strategy: Runner, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """With several processes: per-replica arguments of this process's components, global."""
-        topology = strategy.topology
-        args = tuple(a if i in self._static else globalize(topology, a) for i, a in enumerate(args))
+    def _globalize(self, topology: Topology, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Makes per-replica arguments of this process's components global (several
+        processes)."""
+        static = self._arguments.static_argnums
+        args = tuple(a if i in static else globalize(topology, a) for i, a in enumerate(args))
         return args, globalize(topology, kwargs)
-
-    def _check_new_signature(self, strategy: Runner, args: tuple, kwargs: dict) -> None:
-        """After a call that compiled: the warnings about its arguments, and of a step that
-        keeps retracing."""
-        self._warn_of_arguments(strategy, args, kwargs)
-        self._plain_signatures.add(self._signature(args, kwargs))
-        if len(self._plain_signatures) > _RETRACE_WARNING_AT:
-            seen: dict[str, set[tuple]] = {}
-            for signature in self._plain_signatures:
-                for where, shape, dtype in signature[2]:
-                    seen.setdefault(where, set()).add((shape, dtype))
-            changing = [(p, sorted(s)) for p, s in seen.items() if len(s) > 1]
-            shown = "; ".join(
-                f"{p}: " + ", ".join(f"{shape} {dtype}" for shape, dtype in s[:4])
-                for p, s in changing[:5]
-            )
-            message = _RETRACING.format(
-                fn=self,
-                k=len(self._plain_signatures),
-                changing=shown or _STRUCTURE_CHANGES,
-            )
-            self._warn_once("retrace", message)
-
-    def _warn_of_arguments(self, strategy: Runner, args: tuple, kwargs: dict) -> None:
-        """Warns of host batches broadcast every call and of pmap-layout arrays passed as
-        plain arguments (once each per function)."""
-        dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
-        nodes = jax.tree_util.tree_flatten_with_path((dynamic, kwargs), is_leaf=is_distributed)[0]
-        n = strategy.num_replicas
-        topology = strategy.topology
-        for path, node in nodes:
-            if isinstance(node, np.ndarray) and node.ndim and node.shape[0] == n:
-                where = _argument_path(path, self._static)
-                message = _HOST_BATCH.format(fn=self, shape=node.shape, path=where, n=n)
-                self._warn_once("host batch", message)
-            elif isinstance(node, jax.Array) and topology.is_pmap_layout(node):
-                where = _argument_path(path, self._static)
-                message = _PMAP_LAYOUT.format(fn=self, shape=node.shape, path=where, n=n)
-                self._warn_once("pmap layout", message)
-
-    def _warn_once(self, kind: str, message: str) -> None:
-        if kind not in self._warned:
-            self._warned.add(kind)
-            warnings.warn(message, UserWarning, stacklevel=_caller_level())
-
-    def _place_state(self, strategy: Runner, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """The arguments with every array leaf outside `PerReplica` / `SyncOnRead` values that
-        is not yet placed on the strategy's devices (a numpy array, an array not committed
-        to devices or on others) placed mirrored; NNX objects included (their copies: the
-        caller's objects are written back as before)."""
-        topology = strategy.topology
-        dynamic = [i for i in range(len(args)) if i not in self._static]
-        tree = ([args[i] for i in dynamic], kwargs)
-        treedef = jax.tree_util.tree_structure(tree, is_leaf=is_distributed)
-        placed, moved = [], False
-        devices = topology.device_set
-        for path, x, like in declared_leaves(tree, is_leaf=is_distributed):
-            if isinstance(x, jax.core.Tracer):
-                return args, kwargs  # traced by the caller's own transformation: JAX places
-            if type(x) is np.ndarray or (
-                isinstance(x, jax.Array)
-                and not x.is_deleted()
-                and (not x.committed or x.sharding.device_set != devices)
-            ):
-                # Mirrored, laid out as the step lays it out (k > 1).
-                sharding = topology.leaf_sharding(path[2:], like, repr(self))
-                x, moved = jax.device_put(x, sharding), True
-            placed.append(x)
-        if not moved:
-            return args, kwargs
-        new_dynamic, new_kwargs = treedef.unflatten(placed)
-        new_args = list(args)
-        for i, a in zip(dynamic, new_dynamic):
-            new_args[i] = a
-        return tuple(new_args), new_kwargs
-
-    def _place(self, strategy: Runner, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        """Arguments with arrays on other devices moved onto the strategy's; None if none are."""
-        moved = []
-        topology = strategy.topology
-
-        def place(x: Any, sharding: Any) -> Any:
-            if isinstance(x, jax.Array) and not topology.is_placed(x):
-                moved.append(x)
-                return jax.device_put(x, sharding)
-            return x
-
-        def split(v: Any) -> Any:
-            if jnp.shape(v)[:1] != (topology.num_replicas,):
-                raise self._bad_split(strategy, args, kwargs, v)
-            if isinstance(v, jax.Array) and not v.sharding.is_equivalent_to(
-                topology.stacked, v.ndim
-            ):
-                # Stacked over these devices in another order (another strategy's batch):
-                # slice i goes to this strategy's replica i.
-                moved.append(v)
-                return jax.device_put(v, topology.stacked)
-            return place(v, topology.stacked)
-
-        def node(x: Any) -> Any:
-            if is_distributed(x):
-                return jax.tree.map(split, x)
-            return place(x, topology.mirrored)
-
-        new_args = tuple(
-            a if i in self._static else jax.tree.map(node, a, is_leaf=is_distributed)
-            for i, a in enumerate(args)
-        )
-        new_kwargs = jax.tree.map(node, kwargs, is_leaf=is_distributed)
-        return (new_args, new_kwargs) if moved else None
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """Returns the `jax.stages.Lowered` of the step for these arguments.
@@ -349,17 +214,18 @@ class Replicated:
             >>> isinstance(step.lower(jnp.ones(3)), jax.stages.Lowered)
             True
         """
-        step, _ = self._adapt(args, kwargs)
         strategy = self._check_call(args)
-        lowerable = step.lowerable[self._donation_on(strategy).donates(args)]
+        step, _ = self._adapt(args, kwargs)
+        prepared, _ = self._prepare(strategy, args, kwargs)
+        donates = self._donation_on(strategy).donates(args)
         with strategy.topology.mesh_scope():
-            return lowerable.lower(strategy, *args, **kwargs)
+            return step.lowerable[donates].lower(prepared.plan, prepared.donated, prepared.others)
 
     @property
     def num_compilations(self) -> int:
-        """How many input signatures calls have compiled so far (`.lower()` and calls traced
-        by an outer transformation do not count)."""
-        return len(self._signatures)
+        """Returns how many input signatures calls have compiled so far (`.lower()` and calls
+        traced by an outer transformation do not count)."""
+        return self._compilations.count
 
     def _check_call(self, args: tuple) -> Any:
         if _context.in_replica_context() or _context.merge_context() is not None:
@@ -369,232 +235,31 @@ class Replicated:
             )
         if len(args) < self._min_args:
             raise ValueError(
-                f"{self!r} has static_argnums={self._static}, but was called with "
-                f"{len(args)} positional argument(s); pass the static arguments positionally."
+                f"{self!r} has static_argnums={self._arguments.static_argnums}, but was called "
+                f"with {len(args)} positional argument(s); pass the static arguments "
+                "positionally."
             )
         if self._strategy is not None:
             return self._strategy
         return _context.current_strategy()
 
-    # --- tracing: once per input signature, inside jax.jit -------------------------------------
 
-    def _signature(self, args: tuple, kwargs: dict) -> tuple:
-        """The static arguments, the tree structure (static pytree fields included), and each
-        argument leaf's path, shape and dtype."""
-        statics = tuple(args[i] for i in self._static)
-        dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
-        leaves, treedef = jax.tree_util.tree_flatten_with_path((dynamic, kwargs))
-        return (
-            statics,
-            treedef,
-            tuple(
-                (_argument_path(p, self._static), jnp.shape(x), str(jnp.result_type(x)))
-                for p, x in leaves
-            ),
-        )
+def _result_only(entry: Callable[..., Any]) -> Callable[..., Any]:
+    """Returns `entry` without its token (what `.lower()` compiles)."""
 
-    def _step(
-        self,
-        fn: Callable[..., Any],
-        check: Callable[[Traced], None] | None,
-        with_token: bool,
-        strategy: Runner,
-        *args: Any,
-        **kwargs: Any,
-    ) -> tuple[Any, jax.Array | None]:
-        """The traced step: the result, and (`with_token`) a scalar for the in-flight bound.
+    def result(*args: Any) -> Any:
+        return entry(*args)[0]
 
-        The token is an output of the same program, ready when every output is: waiting on it
-        waits for the step, and keeping it keeps no large output alive. A step with no array
-        output (none at all, or only float0 gradients) gets one too, for `.lower()` as well.
-        """
-        statics = tuple(args[i] for i in self._static)
-        dynamic = tuple(a for i, a in enumerate(args) if i not in self._static)
-        top, treedef = jax.tree_util.tree_flatten((dynamic, kwargs), is_leaf=is_distributed)
-        if check is None:  # what no adapter took: refuse what one would have had to
-            for adapter in ADAPTERS:
-                adapter.check_plain(repr(self), treedef)
-        flat, slots = flatten_slots(top, inputs=True)
-        split = [slot.kind in (SPLIT, SHARDED) for slot in slots for _ in range(slot.size)]
-        avals = []
-        for leaf, s in zip(flat, split):
-            aval = jax.typeof(leaf)
-            shape = aval.shape
-            if s:
-                if not shape or shape[0] != strategy.num_replicas:
-                    raise self._bad_split(strategy, args, kwargs, leaf)
-                shape = shape[1:]
-            avals.append(jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type))
-        call = ReplicaCall(
-            fn,
-            repr(self),
-            strategy,
-            treedef,
-            tuple(slots),
-            statics,
-            self._static,
-            len(args),
-            tuple(split),
-        )
-        step = trace_and_prove(call, avals)
-        out_split = step.out_split
-        needs_token = with_token or all(
-            aval.dtype == jax.dtypes.float0 for aval in step.closed.out_avals
-        )
-        backend = executable(strategy.backend, strategy.topology)
-        out_paths = None
-        if strategy.topology.devices_per_replica > 1:  # mirrored outputs laid out by the rules
-            out_paths = self._out_paths(fn, step)
-        run = backend(strategy.topology, step.closed, split, out_split, needs_token, out_paths)
-        outs = run(*flat)
-        built, pos = [], 0
-        for slot in step.out_slots:
-            leaves = outs[pos : pos + slot.size]
-            if slot.kind == STORAGE:
-                built.append(SyncOnRead(slot.treedef.unflatten(leaves), slot.aggregation))
-            elif slot.kind == FORCED:
-                built.append(PerReplica(slot.treedef.unflatten(leaves)))
-            elif slot.kind == SHARDED:
-                built.append(Sharded(leaves[0], slot.aggregation))
-            else:
-                built.append(PerReplica(leaves[0]) if out_split[pos] else leaves[0])
-            pos += slot.size
-        result = step.out_treedef.unflatten(built)
-        forced = frozenset(id(b) for b, s in zip(built, step.out_slots) if s.kind == FORCED)
-        self._check_state(check, (dynamic, kwargs), result, forced)
-        return result, (outs[-1] if needs_token else None)
-
-    @staticmethod
-    def _out_paths(fn: Callable[..., Any], step: Any) -> list[Any]:
-        """What each flat output of `step` stands for as the layout rules see it
-        (`jmirror._backends.Output`): its path in the result, with a linen box's metadata
-        or, through an adapter's variant (`output_path`), the state it is written back to."""
-        avals, starts, pos = step.closed.out_avals, [], 0
-        for slot in step.out_slots:
-            starts.append(pos)
-            pos += slot.size
-        shapes = [jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype) for i in starts]
-        top = step.out_treedef.unflatten(shapes)
-        output_path = getattr(fn, "output_path", None)  # an adapter's variant (_adapter)
-        out_paths = []
-        for (path, _, like), slot in zip(declared_leaves(top), step.out_slots):
-            entry = output_path(path) if output_path is not None else path
-            if isinstance(like, Declared) and not isinstance(entry, Output):
-                entry = Output(path, like)
-            out_paths.extend([entry] * slot.size)
-        return out_paths
-
-    def _check_state(
-        self, check: Callable[[Traced], None] | None, inputs: tuple, result: Any, forced: Any
-    ) -> None:
-        """Mirrored state stays mirrored (`jmirror._mirrored_state`): at trace time, before
-        anything runs or is donated, the adapter's check of its variant, or for the user's
-        own function the check of returned dataclass state and the warning of plain state."""
-        traced = Traced(
-            repr(self),
-            inputs,
-            result,
-            forced,
-            self._per_replica,
-            lambda path: _argument_path(path, self._static),
-        )
-        if check is not None:
-            check(traced)
-            return
-        diverged = _mirrored_state.check_returned(traced)
-        if diverged and "mirrored state" not in self._warned:
-            self._warned.add("mirrored state")
-            message = _mirrored_state.warning(repr(self), diverged)
-            warnings.warn(message, MirroredStateWarning, stacklevel=_caller_level())
-
-    def _bad_split(self, strategy: Runner, args: tuple, kwargs: dict, leaf: Any) -> ValueError:
-        path = "<unknown>"
-        for p, candidate in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
-            if candidate is leaf:
-                path = ("args" if p[0].idx == 0 else "kwargs") + jax.tree_util.keystr(p[1:])
-        found = f"{self!r} got a per-replica leaf of shape {tuple(jnp.shape(leaf))} at {path}"
-        if path.endswith(".shards"):  # a jm.shard_update state made for another N
-            return ValueError(
-                f"{self!r} got a jm.Sharded state leaf at {path} whose pieces have shape "
-                f"{tuple(jnp.shape(leaf))}, cut for another replica count; the strategy has "
-                f"{strategy.num_replicas} replicas. Restore the state through jmirror.checkpoint "
-                "(which re-shards it onto any replica count), or call tx.init on this strategy."
-            )
-        if strategy.topology.is_stacked_elsewhere(leaf):
-            # Placed per replica by another strategy: a notebook cell re-run after the
-            # strategy was created again, say.
-            return ValueError(
-                f"{found}, placed per replica over the {len(leaf.sharding.device_set)} "
-                "device(s) of another strategy: it came from that strategy's "
-                "distribute_dataset (or one of its steps), not from this strategy's "
-                f"({strategy.num_replicas} replicas). A "
-                "batch belongs to the strategy that placed it: after creating the strategy "
-                "again (as re-running a notebook cell does), call the new strategy's "
-                "distribute_dataset again."
-            )
-        return ValueError(
-            f"{found}; a "
-            f"PerReplica / SyncOnRead leaf needs a leading axis of size {strategy.num_replicas} "
-            "(the number of replicas), one slice per replica. Reshape the global batch to "
-            "(num_replicas, per_replica_batch, ...) or use strategy.distribute_dataset, which "
-            "does this for you."
-        )
+    return result
 
 
-_HOST_BATCH = (
-    "{fn} got a numpy array of shape {shape} at {path}, whose leading axis equals the {n} "
-    "replicas, as a plain argument: it is transferred whole to every device on every call, and "
-    "every replica sees all of it. If it is a per-replica batch (such as flax's "
-    "common_utils.shard output), wrap it as jm.PerReplica(batch) or let "
-    "strategy.distribute_dataset place the batches; if it is state, place it once with "
-    "strategy.mirror(x) and pass the mirrored value."
-)
-_PMAP_LAYOUT = (
-    "{fn} got a jax.Array of shape {shape} at {path} laid out the jax.pmap way (its leading "
-    "axis of {n} split over the strategy's {n} devices, as flax.jax_utils.prefetch_to_device "
-    "and jax_utils.replicate return it) as a plain argument: it is broadcast whole, so every "
-    "replica sees all {n} slices (a replicated state keeps its extra leading axis). If it is a "
-    "per-replica batch, wrap it as jm.PerReplica(x), and each replica sees its own slice "
-    "(strategy.distribute_dataset places batches that way); if it is replicated state, mirror "
-    "it once with strategy.mirror(jax_utils.unreplicate(x)) and pass the mirrored value."
-)
-_RETRACING = (
-    "{fn} has compiled {k} input signatures: every new shape, dtype or tree structure of its "
-    "arguments compiles the step again. Arguments that keep changing: {changing}. Pad batches "
-    "to fixed shapes (strategy.distribute_dataset(..., remainder='pad') keeps every batch's "
-    "shape), and pass Python values that change as static_argnums only when few."
-)
+def _first_component(topology: Topology, value: Any) -> jax.Array:
+    """Returns per-replica components of `value`: `value` on replica 0, zero elsewhere."""
+    import jax.numpy as jnp
 
-
-_STRUCTURE_CHANGES = (
-    "(the tree structure changes: a static pytree field, such as a flax struct.field("
-    "pytree_node=False) or an NNX model's train()/eval() mode, that differs between calls)"
-)
-
-
-def _first_component(topology: Any, value: Any) -> jax.Array:
-    """Per-replica components of `value`: `value` on replica 0, zero on the others."""
     value = jnp.asarray(value)
     stacked = jnp.zeros((topology.num_replicas, *value.shape), value.dtype).at[0].set(value)
     return jax.device_put(stacked, topology.stacked)
-
-
-def _caller_level() -> int:
-    """The `stacklevel` of the first frame outside this module: the caller's."""
-    frame, level = inspect.currentframe(), 0
-    while frame is not None and frame.f_code.co_filename == __file__:
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _argument_path(path: tuple, static: Sequence[int]) -> str:
-    """`args[i]...` / `kwargs[...]` for a path into `((dynamic args), kwargs)`."""
-    first, rest = path[0], path[1:]
-    if first.idx == 1:
-        return "kwargs" + jax.tree_util.keystr(rest)
-    i = rest[0].idx
-    dynamic = [j for j in range(i + len(static) + 1) if j not in static]
-    return f"args[{dynamic[i]}]" + jax.tree_util.keystr(rest[1:])
 
 
 def _argnums(name: str, value: int | Sequence[int]) -> tuple[int, ...]:
@@ -605,12 +270,23 @@ def _argnums(name: str, value: int | Sequence[int]) -> tuple[int, ...]:
     return values
 
 
+def _argnames(value: str | Sequence[str]) -> tuple[str, ...]:
+    values = (value,) if isinstance(value, str) else tuple(value)
+    for v in values:
+        if not isinstance(v, str) or not v.isidentifier():
+            raise TypeError(
+                f"jm.replicate(static_argnames=...) expects argument names, got {value!r}."
+            )
+    return values
+
+
 def replicate(
     fn: Callable[..., Any] | None = None,
     *,
     strategy: Runner | None = None,
     donate_argnums: int | Sequence[int] = (),
     static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
     per_replica: Any = None,
 ) -> Any:
     """Compiles a replica function to run on every device of a strategy.
@@ -643,6 +319,7 @@ def replicate(
         donates exactly these arguments. A donated argument is deleted by the call: passing
         it again is a `ValueError`.
       static_argnums: positional arguments that are static (hashed, not traced).
+      static_argnames: keyword arguments that are static, as `jax.jit`'s.
       per_replica: state kept per replica on purpose. State that enters mirrored and would
         leave not proven mirrored (an NNX `Variable` written back, a field of a returned
         `TrainState` or other dataclass) is a `jm.MirroredStateError` raised by the first
@@ -687,6 +364,7 @@ def replicate(
             strategy=strategy,
             donate_argnums=donate_argnums,
             static_argnums=static_argnums,
+            static_argnames=static_argnames,
             per_replica=per_replica,
         )
     if not callable(fn):
@@ -698,4 +376,5 @@ def replicate(
             f"jm.replicate got argument(s) {sorted(set(static) & set(donate))} in both "
             "static_argnums and donate_argnums; a static argument has no buffer to donate."
         )
-    return Replicated(fn, strategy, donate, static, per_replica)
+    names = _argnames(static_argnames)
+    return Replicated(fn, strategy, donate, static, names, per_replica)

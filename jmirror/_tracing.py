@@ -11,12 +11,16 @@ answers at all (every marked value then varies, which is always safe). The resul
 
 Arguments and results cross the trace as flat leaves, grouped in *slots*: one slot per
 top-level leaf of the argument (or result) tree, where a `PerReplica` or `SyncOnRead` node is
-one slot holding its own leaves.
+one slot holding its own leaves, and a static leaf (a function, a string, an equinox module's
+flag) a slot holding its value and no leaf. `build_result` puts a step's flat outputs back
+into the result's structure; a static output comes back as the same Python object, carried
+out of `jax.jit` in the output structure itself (`StaticOut`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import re
 from collections.abc import Callable, Sequence
@@ -34,40 +38,81 @@ from jmirror._values import PerReplica, Sharded, SyncOnRead, held_values, is_dis
 MAX_ROUNDS = 4
 _UNBOUND_AXIS = re.compile(r"unbound axis name: (\S+?)\.?(\s|$)")
 
-# Kinds of a top-level input slot.
-SPLIT, BROADCAST = "split", "broadcast"
-# Kinds of a top-level output slot.
-AUTO, FORCED, STORAGE = "auto", "per_replica", "sync_on_read"
-# A `Sharded` node (`jm.shard_update`), input or output; its `aggregation` holds the shape.
-SHARDED = "sharded"
+
+class SlotKind(enum.Enum):
+    """What a top-level leaf of an input or output tree is."""
+
+    SPLIT = "split"  # input: each replica gets its own slice (PerReplica, SyncOnRead)
+    BROADCAST = "broadcast"  # input: every replica gets the whole value
+    AUTO = "auto"  # output: mirrored where proven identical, else per replica
+    FORCED = "per_replica"  # output: returned as `jm.PerReplica` by the function itself
+    STORAGE = "sync_on_read"  # output: a `SyncOnRead`
+    SHARDED = "sharded"  # input or output: a `Sharded` node (`jm.shard_update`)
+    STATIC = "static"  # input or output: a static leaf, no flat leaf
+
+
+SPLIT, BROADCAST = SlotKind.SPLIT, SlotKind.BROADCAST
+AUTO, FORCED, STORAGE = SlotKind.AUTO, SlotKind.FORCED, SlotKind.STORAGE
+SHARDED, STATIC = SlotKind.SHARDED, SlotKind.STATIC
 
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
-    """One top-level leaf of an input or output tree: a plain leaf or a distributed node."""
+    """One top-level leaf of an input or output tree: a plain leaf, a distributed node or a
+    static value.
 
-    kind: str  # inputs: SPLIT / BROADCAST; outputs: AUTO / FORCED / STORAGE
-    treedef: Any = None  # for distributed nodes: the structure inside the node
-    aggregation: Any = None  # for SyncOnRead nodes
-    size: int = 1  # number of flat leaves
+    Attributes:
+      kind: the `SlotKind`.
+      treedef: for distributed nodes, the structure inside the node.
+      aggregation: for `SyncOnRead` nodes, their aggregation.
+      shape: for `Sharded` nodes, the whole leaf's shape.
+      value: for static slots, the value.
+      size: the number of flat leaves.
+    """
+
+    kind: SlotKind
+    treedef: Any = None
+    aggregation: Any = None
+    shape: tuple[int, ...] = ()
+    value: Any = None
+    size: int = 1
 
 
-def flatten_slots(top: Sequence[Any], inputs: bool) -> tuple[list[Any], list[Slot]]:
-    """Flat leaves and slots of top-level nodes, opening distributed nodes one level."""
+class StaticOut:
+    """A static output of a compiled step: no leaves, the value in the structure, so that it
+    leaves `jax.jit` as the same Python object (unflattening gives the value itself)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+jax.tree_util.register_pytree_node(StaticOut, lambda s: ((), s.value), lambda value, _: value)
+
+
+def flatten_slots(
+    top: Sequence[Any], inputs: bool, static: Sequence[bool] | None = None
+) -> tuple[list[Any], list[Slot]]:
+    """Returns the flat leaves and slots of top-level nodes, opening distributed nodes one
+    level; `static[i]` marks top-level leaf i static (no flat leaf)."""
     flat: list[Any] = []
     slots: list[Slot] = []
-    for node in top:
+    for i, node in enumerate(top):
+        if static is not None and static[i]:
+            slots.append(Slot(STATIC, value=node, size=0))
+            continue
         if isinstance(node, Sharded):
-            slots.append(Slot(SHARDED, None, node.shape))
+            slots.append(Slot(SHARDED, shape=node.shape))
             flat.append(node.shards)
             continue
         if isinstance(node, SyncOnRead):
             leaves, inner = jax.tree_util.tree_flatten(node.value)
             kind = SPLIT if inputs else STORAGE
-            slots.append(Slot(kind, inner, node.aggregation, len(leaves)))
+            slots.append(Slot(kind, inner, node.aggregation, size=len(leaves)))
         elif isinstance(node, PerReplica):
             leaves, inner = jax.tree_util.tree_flatten(held_values(node))
-            slots.append(Slot(SPLIT if inputs else FORCED, inner, None, len(leaves)))
+            slots.append(Slot(SPLIT if inputs else FORCED, inner, size=len(leaves)))
         else:
             leaves = [node]
             slots.append(Slot(BROADCAST if inputs else AUTO))
@@ -84,6 +129,7 @@ class ReplicaCall:
       strategy: the strategy running it (the replica context's `strategy`).
       in_treedef: the structure of `((dynamic args), kwargs)`, distributed nodes as leaves.
       in_slots: a slot per leaf of `in_treedef`.
+      out_static: which top-level leaves of a result are static (`jmirror._arguments`).
       statics: the values of the static arguments; `static_argnums`: their positions.
       num_args: the number of positional arguments.
       split: for each flat input leaf, whether each replica sees its own slice.
@@ -98,6 +144,7 @@ class ReplicaCall:
     static_argnums: tuple[int, ...]
     num_args: int
     split: tuple[bool, ...]
+    out_static: Callable[[Any, list[Any]], list[bool]]
 
 
 @dataclasses.dataclass
@@ -186,8 +233,10 @@ def _run_replica(call: ReplicaCall, round_: _Round, *flat: Any) -> list[jax.Arra
     for slot in call.in_slots:
         leaves = flat[pos : pos + slot.size]
         pos += slot.size
-        if slot.kind == SHARDED:
-            top.append(Sharded(leaves[0], slot.aggregation))
+        if slot.kind == STATIC:
+            top.append(slot.value)
+        elif slot.kind == SHARDED:
+            top.append(Sharded(leaves[0], slot.shape))
         elif slot.kind == SPLIT and slot.aggregation is not None:
             top.append(SyncOnRead(slot.treedef.unflatten(leaves), slot.aggregation))
         elif slot.kind == SPLIT:
@@ -207,9 +256,31 @@ def _run_replica(call: ReplicaCall, round_: _Round, *flat: Any) -> list[jax.Arra
     finally:
         _context.exit_replica()
     out_top, round_.out_treedef = jax.tree_util.tree_flatten(result, is_leaf=is_distributed)
-    out_flat, out_slots = flatten_slots(out_top, inputs=False)
+    static = call.out_static(round_.out_treedef, out_top)
+    out_flat, out_slots = flatten_slots(out_top, inputs=False, static=static)
     round_.out_slots = tuple(out_slots)
     return [jnp.asarray(x) for x in out_flat]
+
+
+def build_result(step: ProvenStep, outs: Sequence[Any]) -> Any:
+    """Returns the result of a step from its flat outputs (`outs`, the run's): per-replica
+    leaves as `PerReplica`, sync-on-read ones as `SyncOnRead`, `Sharded` nodes rebuilt,
+    static values as `StaticOut`."""
+    built, pos = [], 0
+    for slot in step.out_slots:
+        leaves = outs[pos : pos + slot.size]
+        if slot.kind == STATIC:
+            built.append(StaticOut(slot.value))
+        elif slot.kind == STORAGE:
+            built.append(SyncOnRead(slot.treedef.unflatten(leaves), slot.aggregation))
+        elif slot.kind == FORCED:
+            built.append(PerReplica(slot.treedef.unflatten(leaves)))
+        elif slot.kind == SHARDED:
+            built.append(Sharded(leaves[0], slot.shape))
+        else:
+            built.append(PerReplica(leaves[0]) if step.out_split[pos] else leaves[0])
+        pos += slot.size
+    return step.out_treedef.unflatten(built), built
 
 
 def _unbound_axis(call: ReplicaCall, error: NameError) -> Exception:

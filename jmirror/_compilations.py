@@ -1,0 +1,60 @@
+"""Counts the XLA compilations each replicated function's calls cause.
+
+JAX reports every backend compilation through `jax.monitoring` (the event
+`/jax/core/compile/backend_compile_duration`, on the thread that compiles, inside the call
+that needed it). A replicated call marks itself as the thread's current call while it runs
+its `jax.jit`; the one listener, registered the first time a counter is made, adds each
+compilation to the current call's counter. Nothing is recorded at trace time, a call traced
+by the caller's own transformation compiles nothing of its own, and `.lower()` compiles
+nothing: neither counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+_current = threading.local()
+_registered = False
+_lock = threading.Lock()
+
+
+class Counter:
+    """The number of compilations of one replicated function's calls."""
+
+    __slots__ = ("count",)
+
+    def __init__(self):
+        self.count = 0
+        _register()
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Counts the compilations inside the block as this counter's."""
+        outer = getattr(_current, "counter", None)
+        _current.counter = self
+        try:
+            yield
+        finally:
+            _current.counter = outer
+
+
+def _listen(event: str, duration: float, **kwargs: Any) -> None:
+    if event == BACKEND_COMPILE_EVENT:
+        counter = getattr(_current, "counter", None)
+        if counter is not None:
+            counter.count += 1
+
+
+def _register() -> None:
+    global _registered
+    with _lock:
+        if not _registered:
+            jax.monitoring.register_event_duration_secs_listener(_listen)
+            _registered = True

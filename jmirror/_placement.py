@@ -1,0 +1,232 @@
+"""Places a replicated call's array leaves where its step runs them, before the call.
+
+A leaf is *in place* when it is a `jax.Array` laid out over the strategy's own mesh (any
+layout there: the step's program moves it inside the mesh) or, on one device, committed to
+that device. Every other array leaf is placed before the call, as the same value:
+
+- a numpy array, an array not committed to devices, an array committed to other devices or
+  laid out on another mesh over the same devices (a user's `NamedSharding(Mesh(devices,
+  ("data",)), P("data"))`, a mirrored leaf of a strategy with another `devices_per_replica`);
+- a leaf inside a `PerReplica` / `SyncOnRead` / `Sharded` node goes to the stacked layout
+  (slice i on replica i), after its leading axis is checked against the replica count;
+- any other leaf goes to its mirrored layout (`Topology.leaf_sharding`: its own metadata or
+  the layout rules inside a replica, replicated over the replicas).
+
+Deciding costs two C-level passes per call (each array's sharding, then a set of their
+ids) and a set comparison: shardings met once are remembered by identity, and the arrays a
+step returns share their shardings. Tracers (a call inside the caller's own `jit`, `grad`,
+`vmap`) are left to JAX.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jmirror._arguments import Layout
+from jmirror._topology import Topology, declared_leaves
+
+# Shardings remembered per placement before the memory starts again.
+_REMEMBERED = 256
+
+
+class Placement:
+    """The placement of call arguments on one topology (see the module docstring)."""
+
+    def __init__(self, topology: Topology):
+        self._topology = topology
+        # Inside replicas spanning devices (or under layout rules) a mirrored leaf is in place
+        # only in its own layout (`Topology.leaf_sharding`), committed to its devices.
+        self._laid_out = topology.devices_per_replica > 1 or topology.layout is not None
+        # id(sharding) -> the sharding (kept alive so that its id is not reused).
+        self._in_place: dict[int, Any] = {id(None): None}
+        # Laid out: (id(sharding), id(expected)) -> both, for pairs found equal; the expected
+        # layouts of each structure by id(layout) -> (layout, expected).
+        self._pairs: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self._expected: dict[int, tuple[Layout, list[Any]]] = {}
+
+    def place(
+        self,
+        name: str,
+        layout: Layout,
+        leaves: list[Any],
+        types: set[type],
+        tree: Any,
+        where: Callable[[Any], str],
+    ) -> list[Any] | None:
+        """Returns `leaves` with every leaf that is not in place placed, or None when all are.
+
+        Args:
+          name: how errors name the replicated function.
+          layout: the structure's `Layout` (which leaves are split over the replicas).
+          leaves: the flat leaves of `tree`, statics included.
+          types: the set of the leaves' types.
+          tree: `(donated args, other args, kwargs)`, for the layout rules' paths.
+          where: names a key path into `tree` for messages (`Positions.where`).
+
+        Raises:
+          ValueError: a leaf of a distributed value whose leading axis is not the replica
+            count (a `PerReplica` made for another strategy).
+        """
+        if _traced(types):
+            return None
+        expected = self._expected_of(name, layout, leaves, tree) if self._laid_out else None
+        if np.ndarray not in types:
+            # Leaves without a sharding (Python numbers, statics) give None: in place.
+            shardings = list(map(getattr, leaves, _REPEAT_SHARDING, _REPEAT_NONE))
+            if expected is not None:
+                if self._all_laid_out(leaves, shardings, expected):
+                    return None
+            elif set(map(id, shardings)) <= self._in_place.keys():
+                return None
+            elif all(map(self._learn, shardings)):
+                return None
+        return self._place_all(name, layout, leaves, tree, where, expected)
+
+    def _learn(self, sharding: Any) -> bool:
+        """Returns whether arrays laid out by `sharding` are in place (remembering it if so)."""
+        if id(sharding) in self._in_place:
+            return True
+        if not self.in_place(sharding):
+            return False
+        if len(self._in_place) >= _REMEMBERED:
+            self._in_place = {id(None): None}
+        self._in_place[id(sharding)] = sharding
+        return True
+
+    def in_place(self, sharding: Any) -> bool:
+        """Returns whether an array laid out by `sharding` is on the strategy's mesh."""
+        topology = self._topology
+        if sharding.device_set != topology.device_set:
+            return False
+        if len(topology.device_set) == 1:
+            return True
+        return isinstance(sharding, NamedSharding) and sharding.mesh == topology.mesh
+
+    def _expected_of(self, name: str, layout: Layout, leaves: list[Any], tree: Any) -> list[Any]:
+        """Returns each leaf's own mirrored layout (None: split leaves and non-arrays)."""
+        known = self._expected.get(id(layout))
+        if known is not None:
+            return known[1]
+        topology = self._topology
+        expected = []
+        for (path, x, like), split in zip(declared_leaves(tree), layout.split):
+            if split or not isinstance(x, (jax.Array, np.ndarray)):
+                expected.append(None)
+            else:
+                expected.append(topology.leaf_sharding(path[2:], like, name))
+        self._expected[id(layout)] = (layout, expected)
+        return expected
+
+    def _all_laid_out(self, leaves: list[Any], shardings: list[Any], expected: list[Any]) -> bool:
+        """Returns whether every array is committed in its expected layout."""
+        if not all(map(getattr, leaves, _REPEAT_COMMITTED, _REPEAT_TRUE)):
+            return False
+        pairs = self._pairs
+        if set(zip(map(id, shardings), map(id, expected))) <= pairs.keys():
+            return True
+        for actual, wanted in zip(shardings, expected):
+            if (id(actual), id(wanted)) in pairs:
+                continue
+            if not (self._learn(actual) if wanted is None else actual == wanted):
+                return False
+            if len(pairs) >= _REMEMBERED:
+                pairs.clear()
+            pairs[(id(actual), id(wanted))] = (actual, wanted)
+        return True
+
+    def _place_all(
+        self,
+        name: str,
+        layout: Layout,
+        leaves: list[Any],
+        tree: Any,
+        where: Callable[[Any], str],
+        expected: list[Any] | None,
+    ) -> list[Any]:
+        topology = self._topology
+        found = None
+        placed = []
+        for i, (x, split) in enumerate(zip(leaves, layout.split)):
+            wanted = None if expected is None else expected[i]
+            if not self._needs_place(x, wanted):
+                placed.append(x)
+            elif split:
+                if found is None:
+                    found = declared_leaves(tree)
+                placed.append(self._place_split(name, x, where(found[i][0])))
+            else:
+                placed.append(jax.device_put(x, wanted or topology.mirrored))
+        return placed
+
+    def _needs_place(self, x: Any, wanted: Any) -> bool:
+        if isinstance(x, np.ndarray):
+            return True
+        if not isinstance(x, jax.Array) or x.is_deleted():
+            return False  # a number, a static leaf; a deleted array is the donation check's
+        if wanted is not None:
+            return not x.committed or x.sharding != wanted
+        return not self._learn(x.sharding)
+
+    def _place_split(self, name: str, x: Any, path: str) -> Any:
+        topology = self._topology
+        if np.shape(x)[:1] != (topology.num_replicas,):
+            raise split_error(name, topology, path, x)
+        return jax.device_put(x, topology.stacked)
+
+
+def split_error(name: str, topology: Topology, path: str | None, leaf: Any) -> ValueError:
+    """Returns the error of a per-replica leaf whose leading axis is not the replica count."""
+    n = topology.num_replicas
+    shape = tuple(np.shape(leaf))
+    where = f" at {path}" if path else ""
+    if path is not None and path.endswith(".shards"):  # a jm.shard_update state for another N
+        return ValueError(
+            f"{name} got a jm.Sharded state leaf{where} whose pieces have shape {shape}, cut "
+            f"for another replica count; the strategy has {n} replicas. Restore the state "
+            "through jmirror.checkpoint (which re-shards it onto any replica count), or call "
+            "tx.init on this strategy."
+        )
+    found = f"{name} got a per-replica leaf of shape {shape}{where}"
+    if isinstance(leaf, jax.Array) and topology.is_stacked_elsewhere(leaf):
+        # Placed per replica by another strategy: a notebook cell re-run after the strategy
+        # was created again, say.
+        return ValueError(
+            f"{found}, placed per replica over the {len(leaf.sharding.device_set)} device(s) "
+            "of another strategy: it came from that strategy's distribute_dataset (or one of "
+            f"its steps), not from this strategy's ({n} replicas). A batch belongs to the "
+            "strategy that placed it: after creating the strategy again (as re-running a "
+            "notebook cell does), call the new strategy's distribute_dataset again."
+        )
+    return ValueError(
+        f"{found}; a PerReplica / SyncOnRead leaf needs a leading axis of size {n} (the number "
+        "of replicas), one slice per replica. Reshape the global batch to (num_replicas, "
+        "per_replica_batch, ...) or use strategy.distribute_dataset, which does this for you."
+    )
+
+
+_REPEAT_SHARDING = itertools.repeat("sharding")
+_REPEAT_NONE = itertools.repeat(None)
+_REPEAT_COMMITTED = itertools.repeat("committed")
+_REPEAT_TRUE = itertools.repeat(True)
+_TRACER_TYPES: set[type] = set()
+_NOT_TRACER_TYPES: set[type] = set()
+
+
+def _traced(types: set[type]) -> bool:
+    """Returns whether a leaf of one of `types` is a tracer (the caller's transformation)."""
+    if types <= _NOT_TRACER_TYPES:
+        return False
+    for t in types:
+        if t in _TRACER_TYPES:
+            return True
+        if issubclass(t, jax.core.Tracer):
+            _TRACER_TYPES.add(t)
+            return True
+        _NOT_TRACER_TYPES.add(t)
+    return False
