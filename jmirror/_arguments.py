@@ -29,6 +29,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import numpy as np
 
 from jmirror._values import PerReplica, Sharded, SyncOnRead

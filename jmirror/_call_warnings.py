@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.core
 import numpy as np
 
 from jmirror._mirrored_state import MirroredStateWarning

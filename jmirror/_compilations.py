@@ -45,7 +45,7 @@ class Counter:
             _current.counter = outer
 
 
-def _listen(event: str, duration: float, **kwargs: Any) -> None:
+def _listen(event: str, duration_secs: float, **kwargs: Any) -> None:
     if event == BACKEND_COMPILE_EVENT:
         counter = getattr(_current, "counter", None)
         if counter is not None:

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmirror import _shard_jaxpr
-from jmirror._cross_replica import REDUCERS, CrossReplica
 from jmirror._adapter import static_leaves
+from jmirror._cross_replica import REDUCERS, CrossReplica
 from jmirror._topology import Topology, declared_leaves
 from jmirror._values import (
     Aggregation,

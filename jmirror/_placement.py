@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.core
 import numpy as np
 from jax.sharding import NamedSharding
 

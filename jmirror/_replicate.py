@@ -31,8 +31,8 @@ import jax.core
 from jmirror import _adapter, _context, _dispatch, _equinox, _nnx
 from jmirror._adapter import Adapted
 from jmirror._arguments import Arguments, Prepared
-from jmirror._compilations import Counter
 from jmirror._call_warnings import CallWarnings
+from jmirror._compilations import Counter
 from jmirror._context import Runner
 from jmirror._interrupts import HELD
 from jmirror._placement import Placement

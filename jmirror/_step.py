@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.core
 
 from jmirror import _adapter, _mirrored_state
 from jmirror._arguments import Plan, is_array, is_traced, leaf_policies
