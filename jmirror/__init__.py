@@ -11,6 +11,7 @@ from jmirror._context import merge_call as merge_call
 from jmirror._context import num_replicas as num_replicas
 from jmirror._context import replica_context as replica_context
 from jmirror._context import replica_id as replica_id
+from jmirror._context import replica_key as replica_key
 from jmirror._context import sync as sync
 from jmirror._input import InputContext as InputContext
 from jmirror._mirrored_state import MirroredStateError as MirroredStateError  # SPEC 11, round 4
@@ -52,6 +53,7 @@ __all__ = [
     "num_replicas",
     "replica_context",
     "replica_id",
+    "replica_key",
     "replicate",
     "shard_update",
     "sync",

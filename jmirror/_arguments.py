@@ -242,10 +242,11 @@ def check_hashable(
 def unhashable_message(name: str, where: str, value: Any) -> str:
     """Returns the message of an unhashable static value at `where`."""
     return (
-        f"{name} got a {type(value).__name__} at {where}, which is not an array, so it is "
-        "static (part of the compilation key, as a static argument of jax.jit is), but it "
-        "cannot be hashed. Make it hashable (a tuple instead of a list, a frozen dataclass), "
-        "or close over it in the replicated function instead of passing it."
+        f"{name}: the argument at {where} is a {type(value).__name__}, which is not an array, "
+        "so it is static (part of the compilation key, as a static argument of jax.jit is), "
+        "but it cannot be hashed. Make it hashable (define __hash__ and __eq__, or use a "
+        "frozen dataclass or a tuple), or close over it in the replicated function instead "
+        "of passing it."
     )
 
 

@@ -13,11 +13,16 @@ so `sys.modules` tells.
 
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Any
 
+import jax
+
+from jmirror import _mirrored_state
 from jmirror._adapter import Adapted
 from jmirror._arguments import is_array
+from jmirror._mirrored_state import StateKind, Traced
 
 
 def _equinox() -> Any:
@@ -50,3 +55,79 @@ class EquinoxAdapter:
 
 
 ADAPTER = EquinoxAdapter()
+
+
+# --- state under the mirrored-state rule ------------------------------------------------------
+
+
+def _is_state(x: Any) -> bool:
+    """Returns whether `x` is equinox state: an `eqx.Module` or an `eqx.nn.State`."""
+    eqx = _equinox()
+    return eqx is not None and isinstance(x, (eqx.Module, eqx.nn.State))
+
+
+def _cause(traced: Traced, state: Any, path: tuple) -> str | None:
+    """Returns the fix for a diverged leaf of returned equinox state: a BatchNorm without
+    the strategy's axis (naming the layer and both fixes), else unreduced gradients."""
+    eqx = _equinox()
+    axis = traced.axis_name
+    for where, norm in _batch_norms(traced.inputs):
+        if not _has_axis(norm.axis_name, axis):
+            own = norm.axis_name
+            return (
+                f"The eqx.nn.BatchNorm at {traced.argument_path(where)} has "
+                f"axis_name={own!r}, without the strategy's axis {axis!r}, so its statistics "
+                "are over one replica's batch and drift apart per replica: build it with "
+                f"axis_name=({_first(own)!r}, {axis!r}) (its vmap axis and the replica "
+                "axis), or convert the model once with model = jm.sync_batch_norm(model, "
+                "strategy), which returns a new model with the strategy's axis added to every "
+                "BatchNorm. The statistics are then over the global batch."
+            )
+    if eqx is not None and isinstance(state, eqx.Module):
+        return _mirrored_state.GRADIENTS
+    return None
+
+
+def _batch_norms(tree: Any) -> list[tuple[tuple, Any]]:
+    """Returns `(path, layer)` for every `eqx.nn.BatchNorm` in `tree`."""
+    eqx = _equinox()
+    if eqx is None:
+        return []
+    norm = eqx.nn.BatchNorm
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, norm))[0]
+    return [(p, x) for p, x in flat if isinstance(x, norm)]
+
+
+def _has_axis(axis_name: Any, axis: str | None) -> bool:
+    names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    return axis is None or axis in names
+
+
+def _first(axis_name: Any) -> Any:
+    if isinstance(axis_name, (tuple, list)) and len(axis_name) == 1:
+        return axis_name[0]
+    return axis_name
+
+
+_mirrored_state.register_state_kind(StateKind(_is_state, _cause))
+
+
+# --- jm.sync_batch_norm --------------------------------------------------------------------------
+
+
+def sync_batch_norm(model: Any, axis: str) -> Any:
+    """Returns a new equinox model whose every `eqx.nn.BatchNorm` has `axis` added to its
+    `axis_name` (its own axis, the `vmap` one, is kept first)."""
+    eqx = _equinox()
+    norm = eqx.nn.BatchNorm
+
+    def convert(x: Any) -> Any:
+        if not isinstance(x, norm) or _has_axis(x.axis_name, axis):
+            return x
+        own = x.axis_name if isinstance(x.axis_name, (tuple, list)) else (x.axis_name,)
+        converted = copy.copy(x)
+        # `axis_name` is a static field of a frozen module: set on the copy only.
+        object.__setattr__(converted, "axis_name", (*own, axis))
+        return converted
+
+    return jax.tree.map(convert, model, is_leaf=lambda x: isinstance(x, norm))

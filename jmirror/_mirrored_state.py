@@ -133,7 +133,9 @@ def _message(name: str, diverged: Sequence[Diverged], verb: str, refused: bool) 
     shown = ", ".join(f"{d.path} ({d.what})" for d in diverged[:_SHOWN])
     more = f", and {count - _SHOWN} more" if count > _SHOWN else ""
     causes = [c for c in _FIXES if any(d.cause == c for d in diverged)]
-    fixes = " ".join(_FIXES[c] for c in causes)
+    # A cause that is not a known key is a fix of its own (a library's, with its names).
+    causes += list(dict.fromkeys(d.cause for d in diverged if d.cause and d.cause not in _FIXES))
+    fixes = " ".join(_FIXES.get(c, c) for c in causes)
     if not causes or any(d.cause is None for d in diverged):
         fixes = f"{fixes} {_OTHERWISE}".strip()
     leaves = "1 state leaf" if count == 1 else f"{count} state leaves"
@@ -191,10 +193,43 @@ class Traced:
     forced: frozenset[int]
     per_replica: Any
     argument_path: Callable[[tuple], str]
+    axis_name: str | None = None
 
     def diverged(self, x: Any) -> bool:
         """Whether result node `x` is per replica by the proof (not declared so)."""
         return type(x) is PerReplica and id(x) not in self.forced
+
+
+@dataclasses.dataclass(frozen=True)
+class StateKind:
+    """A library's kind of state that, returned not proven mirrored, is refused (as a
+    dataclass state is), not only warned of; registered by the module owning the library.
+
+    Attributes:
+      is_state: whether a returned object (or an item of a returned container) is state.
+      cause: the fix for a diverged leaf of such state: a key of the known causes
+        (`GRADIENTS`, ...), a sentence of its own, or None; given the check's `Traced`, the
+        state and the leaf's path inside it.
+    """
+
+    is_state: Callable[[Any], bool]
+    cause: Callable[[Traced, Any, tuple], str | None]
+
+
+STATE_KINDS: list[StateKind] = []
+
+
+def register_state_kind(kind: StateKind) -> None:
+    """Makes returned state of `kind` refused by `check_returned`."""
+    if kind not in STATE_KINDS:
+        STATE_KINDS.append(kind)
+
+
+def _state_kind(x: Any) -> StateKind | None:
+    for kind in STATE_KINDS:
+        if kind.is_state(x):
+            return kind
+    return None
 
 
 def check_returned(traced: Traced) -> list[Diverged]:
@@ -223,10 +258,15 @@ def check_returned(traced: Traced) -> list[Diverged]:
             ]
             if not split:
                 break
-            if dataclasses.is_dataclass(out):
+            state_kind = _state_kind(out)
+            if state_kind is not None or dataclasses.is_dataclass(out):
                 kind = type(out).__name__
                 refused += [
-                    Diverged(f"{where}{jax.tree_util.keystr(p)}", f"a {kind} field", _cause(p))
+                    Diverged(
+                        f"{where}{jax.tree_util.keystr(p)}",
+                        f"a {kind} field",
+                        (state_kind.cause(traced, out, p) if state_kind else None) or _cause(p),
+                    )
                     for p in split
                 ]
             else:
@@ -294,7 +334,11 @@ def _same_leaves(a: Any, b: Any) -> bool:
 
 def _aval(x: Any) -> tuple:
     """A leaf's shape and dtype as one replica sees it (a traced `PerReplica` output is
-    stacked: its leading axis is the replicas')."""
+    stacked: its leading axis is the replicas'); a static leaf is its type."""
+    if type(x) is not PerReplica and not (
+        hasattr(x, "dtype") or isinstance(x, (int, float, complex))
+    ):
+        return ("static", type(x))
     if type(x) is PerReplica:
         return jax.numpy.shape(x.values)[1:], jax.numpy.result_type(x.values)
     return jax.numpy.shape(x), jax.numpy.result_type(x)

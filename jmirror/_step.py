@@ -41,6 +41,7 @@ from jmirror._tracing import (
     STATIC,
     ProvenStep,
     ReplicaCall,
+    StaticOut,
     build_result,
     flatten_slots,
     trace_and_prove,
@@ -114,10 +115,15 @@ class Body:
         outs = run(*flat)
         result, built = build_result(step, outs)
         forced = frozenset(id(b) for b, s in zip(built, step.out_slots) if s.kind == FORCED)
-        self._check_state((dynamic, kwargs), result, forced, static_argnums)
+        # The check sees the result as the function returned it: static values as they are.
+        seen = [b.value if isinstance(b, StaticOut) else b for b in built]
+        returned = step.out_treedef.unflatten(seen)
+        self._check_state((dynamic, kwargs), returned, forced, static_argnums, strategy.axis_name)
         return result, (outs[-1] if needs_token else None)
 
-    def _check_state(self, inputs: tuple, result: Any, forced: Any, static: tuple) -> None:
+    def _check_state(
+        self, inputs: tuple, result: Any, forced: Any, static: tuple, axis_name: str
+    ) -> None:
         """Refuses (or warns of) mirrored state that would lose its mirroring."""
         traced = Traced(
             self.name,
@@ -126,6 +132,7 @@ class Body:
             forced,
             self.per_replica,
             lambda path: argument_path(path, static),
+            axis_name,
         )
         if self.check is not None:
             self.check(traced)

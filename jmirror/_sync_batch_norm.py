@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from typing import Protocol, TypeVar
 
+from jmirror import _equinox
 from jmirror._context import current_strategy
 
 Module = TypeVar("Module")
@@ -64,8 +65,12 @@ def sync_batch_norm(module: Module, strategy: HasAxisName | None = None) -> Modu
       strategy: the `MirroredStrategy` whose `axis_name` to use; `None`: the current
         strategy (`jm.get_strategy()`).
 
+    An equinox model (`eqx.Module`) is immutable: a new model is returned, in which every
+    `eqx.nn.BatchNorm` has the strategy's axis name added to its `axis_name` (its `vmap`
+    axis stays first: `("batch", strategy.axis_name)`).
+
     Returns:
-      `module` itself, converted.
+      `module` itself, converted (a new model for equinox).
 
     Raises:
       TypeError: for a flax linen module (linen takes `axis_name` in its definition:
@@ -82,6 +87,9 @@ def sync_batch_norm(module: Module, strategy: HasAxisName | None = None) -> Modu
         >>> model.layers[1].axis_name == jm.get_strategy().axis_name
         True
     """
+    if _equinox.is_module(module):  # immutable: a new model
+        axis_name = (current_strategy() if strategy is None else strategy).axis_name
+        return _equinox.sync_batch_norm(module, axis_name)
     nnx = sys.modules.get("flax.nnx")
     if nnx is None or not nnx.graph.is_graph_node(module):
         linen = sys.modules.get("flax.linen")

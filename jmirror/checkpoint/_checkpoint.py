@@ -6,8 +6,11 @@ import os
 import pathlib
 from typing import Any
 
+import jax
+
+from jmirror._adapter import static_leaves
 from jmirror._strategy import MirroredStrategy, get_strategy
-from jmirror._values import PyTree
+from jmirror._values import PyTree, is_distributed
 from jmirror.checkpoint import _decode, _encode, _format, _integrity, _processes, _storage
 
 
@@ -136,13 +139,25 @@ def encode(
     Every process of `group` calls it (it may hold collectives); only the writer gets the
     arrays, the others an empty dict.
     """
-    encoded = _encode.encode(state, strategy, keep=group.is_writer)
+    # Static leaves (an equinox module's functions and flags) are not written.
+    encoded = _encode.encode(without_statics(state), strategy, keep=group.is_writer)
     doc = _format.document(encoded.tree, encoded.arrays, encoded.num_replicas, process_data)
     return doc, encoded.arrays
 
 
 def read(path: pathlib.Path, target: PyTree, strategy: MirroredStrategy, call: str) -> PyTree:
-    """The state in the checkpoint at `path`, checked against `target` and placed."""
+    """Returns the state in the checkpoint at `path`, checked against `target` and placed;
+    `target`'s static leaves (not written) come back as they are in `target`."""
+    full_target = target
+    if target is not None:
+        target = without_statics(target)
+    restored = _read(path, target, strategy, call)
+    if full_target is not None and target is not full_target:
+        return with_statics(restored, full_target)
+    return restored
+
+
+def _read(path: pathlib.Path, target: PyTree, strategy: MirroredStrategy, call: str) -> PyTree:
     try:
         doc, saved_n, tree, specs = _read_tree(path, call)
         if target is not None:
@@ -153,6 +168,28 @@ def read(path: pathlib.Path, target: PyTree, strategy: MirroredStrategy, call: s
     except _format.CorruptCheckpointError as error:
         raise with_fix(error, path, call) from error
     return _decode.place(tree, arrays, strategy, target, saved_n, call)
+
+
+def without_statics(tree: PyTree) -> PyTree:
+    """Returns `tree` with its static leaves (`jmirror._adapter.static_leaves`) as None, or
+    `tree` itself when it has none."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_distributed)
+    static = static_leaves(tree, is_leaf=is_distributed)
+    if not any(static):
+        return tree
+    return treedef.unflatten([None if s else x for x, s in zip(leaves, static)])
+
+
+def with_statics(restored: PyTree, target: PyTree) -> PyTree:
+    """Returns `restored` (restored into `without_statics(target)`) with `target`'s statics."""
+    leaves, treedef = jax.tree_util.tree_flatten(target, is_leaf=_none_or_distributed)
+    static = static_leaves(target, is_leaf=_none_or_distributed)
+    got = jax.tree_util.tree_leaves(restored, is_leaf=_none_or_distributed)
+    return treedef.unflatten([t if s else r for t, r, s in zip(leaves, got, static)])
+
+
+def _none_or_distributed(x: Any) -> bool:
+    return x is None or is_distributed(x)
 
 
 def with_fix(error: _format.CorruptCheckpointError, path: pathlib.Path, call: str) -> Exception:

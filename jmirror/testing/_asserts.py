@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmirror._adapter import static_leaves
 from jmirror._strategy import MirroredStrategy, get_strategy
 from jmirror._values import PerReplica, PyTree, is_distributed
 
@@ -24,8 +25,11 @@ def _host(x: Any) -> np.ndarray:
 
 
 def _paths(tree: PyTree) -> list[tuple[str, Any]]:
+    """Returns `(path, leaf)` for every leaf of `tree` that is not static (an equinox
+    module's functions and flags are no replica's value)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_distributed)
-    return [(jax.tree_util.keystr(p) or "<root>", leaf) for p, leaf in flat]
+    static = static_leaves(tree, is_leaf=is_distributed)
+    return [(jax.tree_util.keystr(p) or "<root>", x) for (p, x), s in zip(flat, static) if not s]
 
 
 def assert_mirrored(tree: PyTree, strategy: MirroredStrategy | None = None) -> None:
@@ -87,7 +91,7 @@ def assert_replicas_equal(
     parts = strategy.local_results(value)
     first = jax.tree.leaves(parts[0])
     for i, part in enumerate(parts[1:], start=1):
-        for (path, a), b in zip(_paths(parts[0]), jax.tree.leaves(part)):
+        for (path, a), (_, b) in zip(_paths(parts[0]), _paths(part)):
             a, b = _host(a), _host(b)
             if not np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True):
                 raise AssertionError(

@@ -1,0 +1,403 @@
+"""equinox modules in replicated functions: static leaves, the usual step, state, keys.
+
+Oracles: `eqx.filter_jit` on one device over the same global batches, NumPy, and
+`jax.random.fold_in` for the per-replica keys.
+"""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmirror as jm
+import jmirror.testing as jmt
+
+
+def _data(n, steps, per_replica=4, features=4, out=2, seed=0):
+    rng = np.random.RandomState(seed)
+    xs = rng.randn(steps, n * per_replica, features).astype(np.float32)
+    ys = rng.randn(steps, n * per_replica, out).astype(np.float32)
+    return xs, ys
+
+
+def _split(n, x):
+    return jm.PerReplica(x.reshape(n, -1, *x.shape[1:]))
+
+
+def _loss(model, x, y):
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def _mlp(seed=0):
+    return eqx.nn.MLP(4, 2, 16, 2, activation=jax.nn.tanh, key=jax.random.key(seed))
+
+
+def _usual_step(tx):
+    def step(model, opt_state, x, y):
+        loss, grads = eqx.filter_value_and_grad(_loss)(model, x, y)
+        grads = jm.all_reduce("mean", grads)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, jm.all_reduce("mean", loss)
+
+    return step
+
+
+def _one_device(model, opt_state, tx, xs, ys):
+    @eqx.filter_jit
+    def step(model, opt_state, x, y):
+        loss, grads = eqx.filter_value_and_grad(_loss)(model, x, y)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    losses = []
+    for x, y in zip(xs, ys):
+        model, opt_state, loss = step(model, opt_state, x, y)
+        losses.append(float(loss))
+    return model, losses
+
+
+def _arrays(model):
+    return jax.tree.leaves(eqx.filter(model, eqx.is_array))
+
+
+def test_usual_step_equals_one_device_with_one_compile(strategy, n):
+    tx = optax.adam(1e-2)
+    model = _mlp()
+    opt_state = tx.init(eqx.filter(model, eqx.is_array))
+    xs, ys = _data(n, steps=4)
+    want_model, want_losses = _one_device(model, opt_state, tx, xs, ys)
+
+    step = jm.replicate(_usual_step(tx), strategy=strategy)
+    m, o = strategy.mirror(model), strategy.mirror(opt_state)
+    losses = []
+    for x, y in zip(xs, ys):
+        m, o, loss = step(m, o, _split(n, x), _split(n, y))
+        losses.append(float(strategy.read(loss)))
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for a, b in zip(_arrays(m), _arrays(want_model)):
+        np.testing.assert_allclose(
+            np.asarray(strategy.read(a)), np.asarray(b), rtol=1e-5, atol=1e-6
+        )
+    assert step.num_compilations == 1
+    # Static leaves come back as the same Python objects.
+    assert m.activation is model.activation and m.final_activation is model.final_activation
+    jmt.assert_mirrored(eqx.filter(m, eqx.is_array), strategy)
+
+
+class _Scaled(eqx.Module):
+    weight: jax.Array
+    scale: float  # a Python number inside a module: static
+    name: str = "scaled"
+
+    def __call__(self, x):
+        return x * self.weight * self.scale
+
+
+def test_numbers_inside_modules_are_static_and_outside_traced(strategy, n):
+    traced_types = []
+
+    def fn(module, lr, x):
+        traced_types.append((type(module.scale), isinstance(lr, jax.core.Tracer)))
+        return module(x) * lr
+
+    step = jm.replicate(fn, strategy=strategy)
+    module = _Scaled(jnp.ones(3), 2.0)
+    x = jnp.arange(3.0)
+    out = step(module, 0.5, x)
+    np.testing.assert_allclose(strategy.read(out), np.arange(3.0) * 2.0 * 0.5)
+    assert traced_types[-1] == (float, True)
+    step(module, 0.25, x)  # a new learning rate: traced, no new compilation
+    assert step.num_compilations == 1
+    step(_Scaled(jnp.ones(3), 3.0), 0.25, x)  # a new static value: one more
+    assert step.num_compilations == 2
+
+
+def test_non_array_leaves_outside_modules_are_static(strategy):
+    def fn(x, activation, mode, tx):
+        y = activation(x)
+        return y * 2 if mode == "double" else y
+
+    step = jm.replicate(fn, strategy=strategy)
+    tx = optax.sgd(0.1)
+    out = step(jnp.arange(3.0), jnp.tanh, "double", tx)
+    np.testing.assert_allclose(strategy.read(out), np.tanh(np.arange(3.0)) * 2, rtol=1e-6)
+    out = step(jnp.arange(3.0), jnp.tanh, "single", tx)
+    np.testing.assert_allclose(strategy.read(out), np.tanh(np.arange(3.0)), rtol=1e-6)
+    assert step.num_compilations == 2
+
+
+def test_static_argnames(strategy):
+    step = jm.replicate(lambda x, *, power: x**power, strategy=strategy, static_argnames="power")
+    np.testing.assert_allclose(strategy.read(step(jnp.arange(3.0), power=2)), [0, 1, 4])
+    np.testing.assert_allclose(strategy.read(step(jnp.arange(3.0), power=2)), [0, 1, 4])
+    np.testing.assert_allclose(strategy.read(step(jnp.arange(3.0), power=3)), [0, 1, 8])
+    assert step.num_compilations == 2
+
+
+class _Unhashable:
+    __hash__ = None  # type: ignore[assignment]
+
+    def __eq__(self, other):
+        return self is other
+
+
+def test_unhashable_static_leaf_is_a_type_error_naming_the_path(strategy):
+    step = jm.replicate(lambda x, cfg: x, strategy=strategy)
+    with pytest.raises(TypeError, match=r"args\[1\]\['cfg'\].*_Unhashable.*hashable"):
+        step(jnp.ones(2), {"cfg": _Unhashable()})
+
+
+def test_mirror_read_and_per_replica_of_a_module(strategy, n):
+    model = _mlp()
+    mirrored = strategy.mirror(model)
+    assert isinstance(mirrored, eqx.nn.MLP) and mirrored.activation is model.activation
+    jmt.assert_mirrored(mirrored, strategy)
+    back = strategy.read(mirrored)
+    for a, b in zip(_arrays(back), _arrays(model)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    @jm.replicate(strategy=strategy, per_replica=lambda path, leaf: True)
+    def perturb(model):
+        return jax.tree.map(lambda w: w + jm.replica_id() if eqx.is_array(w) else w, model)
+
+    per = perturb(mirrored)
+    components = strategy.local_results(per)
+    assert len(components) == len(_local_ids(strategy))
+    np.testing.assert_allclose(
+        np.asarray(components[-1].layers[0].weight),
+        np.asarray(model.layers[0].weight) + strategy.num_replicas - 1,
+    )
+    if n > 1:
+        with pytest.raises(AssertionError):
+            jmt.assert_replicas_equal(per, strategy)
+
+
+def test_replica_key_is_fold_in_of_the_replica_id(strategy, n):
+    key = jax.random.key(3)
+
+    @jm.replicate(strategy=strategy)
+    def draw(key):
+        return jax.random.normal(jm.replica_key(key), (2,)), jax.random.normal(key, (2,))
+
+    own, same = draw(strategy.mirror(key))
+    own = np.stack([np.asarray(c) for c in strategy.local_results(own)])
+    for i, row in zip(_local_ids(strategy), own):
+        want = jax.random.normal(jax.random.fold_in(key, i), (2,))
+        np.testing.assert_allclose(row, np.asarray(want), rtol=1e-6)
+    np.testing.assert_allclose(strategy.read(same), jax.random.normal(key, (2,)), rtol=1e-6)
+
+
+def test_replica_key_takes_raw_keys(strategy):
+    key = jax.random.PRNGKey(5)
+    out = jm.replicate(lambda k: jm.replica_key(k), strategy=strategy)(key)
+    first = strategy.local_results(out)[0]
+    want = jax.random.fold_in(key, _local_ids(strategy)[0])
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(want))
+
+
+def test_replica_key_outside_a_replica_function_is_a_runtime_error():
+    with pytest.raises(RuntimeError):
+        jm.replica_key(jax.random.key(0))
+
+
+def test_dropout_with_replica_key_draws_per_replica(strategy, n):
+    dropout = eqx.nn.Dropout(0.5)
+
+    @jm.replicate(strategy=strategy)
+    def apply(dropout, x, key):
+        return dropout(x, key=jm.replica_key(key))
+
+    out = apply(dropout, jnp.ones(64), strategy.mirror(jax.random.key(0)))
+    components = [np.asarray(c) for c in strategy.local_results(out)]
+    for i, c in zip(_local_ids(strategy), components):
+        want = dropout(jnp.ones(64), key=jax.random.fold_in(jax.random.key(0), i))
+        np.testing.assert_array_equal(c, np.asarray(want))
+
+
+def test_inference_mode_compiles_once_more(strategy):
+    model = eqx.nn.Sequential([eqx.nn.Linear(3, 3, key=jax.random.key(0)), eqx.nn.Dropout(0.5)])
+    step = jm.replicate(lambda m, x, key: m(x, key=key), strategy=strategy)
+    key = strategy.mirror(jax.random.key(1))
+    x = jnp.ones(3)
+    step(model, x, key)
+    step(model, x, key)
+    inference = eqx.nn.inference_mode(model)
+    out = step(inference, x, key)
+    step(inference, x, key)
+    np.testing.assert_allclose(strategy.read(out), inference(x, key=jax.random.key(1)), rtol=1e-6)
+    assert step.num_compilations == 2
+
+
+def _batch_norm_model(axis_name):
+    class Net(eqx.Module):
+        linear: eqx.nn.Linear
+        norm: eqx.nn.BatchNorm
+
+        def __init__(self, axis_name, key):
+            self.linear = eqx.nn.Linear(4, 3, key=key)
+            self.norm = eqx.nn.BatchNorm(3, axis_name=axis_name, mode="batch")
+
+        def __call__(self, x, state):
+            return self.norm(self.linear(x), state)
+
+    model, state = eqx.nn.make_with_state(Net)(axis_name, jax.random.key(0))
+    return model, state
+
+
+def _bn_step(model, state, x):
+    def loss(model, state):
+        y, state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
+            x, state
+        )
+        return jnp.mean(y**2), state
+
+    (value, state), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model, state)
+    return jm.all_reduce("mean", grads), state, jm.all_reduce("mean", value)
+
+
+def test_batch_norm_state_without_the_replica_axis_is_refused_naming_both_fixes(strategy, n):
+    if n == 1:
+        pytest.skip("one replica: nothing diverges")
+    model, state = _batch_norm_model("batch")
+    x = jm.PerReplica(np.random.RandomState(0).randn(n, 4, 4).astype(np.float32))
+    step = jm.replicate(_bn_step, strategy=strategy)
+    with pytest.raises(jm.MirroredStateError) as info:
+        step(model, strategy.mirror(state), x)
+    message = str(info.value)
+    assert "BatchNorm" in message
+    assert f'axis_name=("batch", {strategy.axis_name!r})' in message.replace("'batch'", '"batch"')
+    assert "jm.sync_batch_norm" in message
+
+
+@pytest.mark.parametrize("fix", ["axis_name", "sync_batch_norm"])
+def test_batch_norm_fixes_equal_one_device(strategy, n, fix):
+    if fix == "axis_name":
+        model, state = _batch_norm_model(("batch", strategy.axis_name))
+    else:
+        model, state = _batch_norm_model("batch")
+        converted = jm.sync_batch_norm(model, strategy)
+        assert converted is not model  # equinox modules are immutable: a new model
+        assert converted.norm.axis_name == ("batch", strategy.axis_name)
+        model = converted
+    one_model, one_state = _batch_norm_model("batch")
+    rng = np.random.RandomState(0)
+    xs = rng.randn(3, n * 4, 4).astype(np.float32)
+    step = jm.replicate(_bn_step, strategy=strategy)
+    state = strategy.mirror(state)
+    for x in xs:
+        grads, state, loss = step(model, state, _split(n, x))
+        want_grads, one_state, want_loss = eqx.filter_jit(_one_bn_step)(one_model, one_state, x)
+        np.testing.assert_allclose(strategy.read(loss), want_loss, rtol=1e-5)
+    jmt.assert_mirrored(state, strategy)
+    for a, b in zip(jax.tree.leaves(strategy.read(state)), jax.tree.leaves(one_state)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def _one_bn_step(model, state, x):
+    def loss(model, state):
+        y, state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
+            x, state
+        )
+        return jnp.mean(y**2), state
+
+    (value, state), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model, state)
+    return grads, state, value
+
+
+def test_returned_module_not_mirrored_is_refused(strategy, n):
+    if n == 1:
+        pytest.skip("one replica: nothing diverges")
+    tx = optax.sgd(0.1)
+    model = _mlp()
+    opt_state = tx.init(eqx.filter(model, eqx.is_array))
+
+    def forgot(model, opt_state, x, y):  # no all_reduce of the gradients
+        grads = eqx.filter_grad(_loss)(model, x, y)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state
+
+    xs, ys = _data(n, 1)
+    with pytest.raises(jm.MirroredStateError, match=r"layers"):
+        jm.replicate(forgot, strategy=strategy)(
+            strategy.mirror(model), strategy.mirror(opt_state), _split(n, xs[0]), _split(n, ys[0])
+        )
+
+
+def test_checkpoint_of_a_module_restores_into_a_target(strategy, tmp_path):
+    model = strategy.mirror(_mlp(1))
+    jm.checkpoint.save(tmp_path / "ckpt", model)
+    target = _mlp(2)
+    restored = jm.checkpoint.restore(tmp_path / "ckpt", target=target)
+    assert isinstance(restored, eqx.nn.MLP) and restored.activation is target.activation
+    for a, b in zip(_arrays(restored), _arrays(_mlp(1))):
+        np.testing.assert_array_equal(np.asarray(strategy.read(a)), np.asarray(b))
+
+
+def test_shard_update_on_a_module(strategy, n):
+    tx = optax.adam(1e-2)
+    sharded = jm.shard_update(tx)
+    model = _mlp()
+    params = eqx.filter(model, eqx.is_array)
+    want_model, want_losses = _one_device(model, tx.init(params), tx, *_data(n, 3))
+
+    def step(model, opt_state, x, y):
+        loss, grads = eqx.filter_value_and_grad(_loss)(model, x, y)
+        updates, opt_state = sharded.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, jm.all_reduce("mean", loss)
+
+    step = jm.replicate(step, strategy=strategy)
+    m = strategy.mirror(model)
+    o = strategy.run(sharded.init, args=(eqx.filter(m, eqx.is_array),))
+    losses = []
+    for x, y in zip(*_data(n, 3)):
+        m, o, loss = step(m, o, _split(n, x), _split(n, y))
+        losses.append(float(strategy.read(loss)))
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+
+
+def test_arrays_from_another_mesh_are_placed_as_the_same_value(strategy, n):
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices[::-1]), ("data",))
+    x = jax.device_put(jnp.arange(8.0 * n), NamedSharding(mesh, P("data")))
+    one = jax.device_put(jnp.arange(3.0), devices[-1])
+    step = jm.replicate(lambda x, y: (x * 2, y + 1), strategy=strategy)
+    a, b = step(x, one)
+    np.testing.assert_array_equal(np.asarray(strategy.read(a)), np.arange(8.0 * n) * 2)
+    np.testing.assert_array_equal(np.asarray(strategy.read(b)), np.arange(3.0) + 1)
+    mirrored = strategy.mirror(x)
+    np.testing.assert_array_equal(np.asarray(strategy.read(mirrored)), np.arange(8.0 * n))
+    batch = jm.PerReplica(
+        jax.device_put(jnp.arange(2.0 * n).reshape(n, 2), NamedSharding(mesh, P("data")))
+    )
+    out = jm.replicate(lambda b: b * 1, strategy=strategy)(batch)
+    got = np.stack([np.asarray(c) for c in strategy.local_results(out)])
+    np.testing.assert_array_equal(got, np.arange(2.0 * n).reshape(n, 2)[list(_local_ids(strategy))])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    depth: int
+
+
+def test_hashable_config_objects_are_static(strategy):
+    calls = []
+
+    def fn(x, cfg):
+        calls.append(cfg)
+        return x * cfg.depth
+
+    step = jm.replicate(fn, strategy=strategy)
+    np.testing.assert_allclose(strategy.read(step(jnp.ones(2), _Config(3))), [3, 3])
+    step(jnp.ones(2), _Config(3))
+    assert step.num_compilations == 1
+
+
+def _local_ids(strategy):
+    return list(strategy.topology.local_replica_ids)
