@@ -335,12 +335,10 @@ def _same_leaves(a: Any, b: Any) -> bool:
 def _aval(x: Any) -> tuple:
     """A leaf's shape and dtype as one replica sees it (a traced `PerReplica` output is
     stacked: its leading axis is the replicas'); a static leaf is its type."""
-    if type(x) is not PerReplica and not (
-        hasattr(x, "dtype") or isinstance(x, (int, float, complex))
-    ):
-        return ("static", type(x))
     if type(x) is PerReplica:
         return jax.numpy.shape(x.values)[1:], jax.numpy.result_type(x.values)
+    if not (hasattr(x, "dtype") or isinstance(x, (int, float, complex))):
+        return ("static", type(x))
     return jax.numpy.shape(x), jax.numpy.result_type(x)
 
 
