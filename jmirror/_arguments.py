@@ -44,10 +44,15 @@ _TRACED: set[type] = {*_NUMBERS, np.ndarray}
 _STATIC: set[type] = set()
 
 
+# What stands for an array: arrays, tracers, numpy scalars, and array shapes (an abstract
+# target, `jax.eval_shape`'s).
+_ARRAYS = (jax.Array, np.ndarray, np.generic, jax.core.Tracer, jax.ShapeDtypeStruct)
+
+
 def is_array(x: Any) -> bool:
     """Returns whether `x` is an array leaf: a `jax.Array` (tracers included), an
-    `np.ndarray` or a numpy scalar."""
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
+    `np.ndarray`, a numpy scalar or a `jax.ShapeDtypeStruct`."""
+    return isinstance(x, _ARRAYS)
 
 
 def is_traced(x: Any) -> bool:
@@ -60,7 +65,7 @@ def _traced_type(t: type) -> bool:
         return True
     if t in _STATIC:
         return False
-    traced = issubclass(t, (jax.Array, np.ndarray, np.generic, jax.core.Tracer, *_NUMBERS))
+    traced = issubclass(t, (*_ARRAYS, *_NUMBERS))
     (_TRACED if traced else _STATIC).add(t)
     return traced
 
