@@ -121,7 +121,7 @@ class Source:
                     resume.check_movable(self._call, it)
                     control.in_source = True
                     try:
-                        it.set_state(resume.state.value())
+                        cast(Any, it).set_state(resume.state.value())
                     finally:
                         control.in_source = False
                     index = resume.skip

@@ -422,7 +422,7 @@ class DistributedIterator:
                 self._check_shares(value.share)
             return True
         self.close()
-        if mine == FAILED:
+        if isinstance(value, BaseException):  # this process's own error (FAILED)
             raise value
         failed = [i for i, state in enumerate(states) if state == FAILED]
         step = self._steps
