@@ -30,22 +30,33 @@ Choices the spec leaves open:
 - `remainder="pad"` yields `PaddedBatch(batch, mask)`, a namedtuple: it unpacks and is a
   pytree like a plain pair, and `element["image"]` or `element.keys()` on it is a `TypeError`
   that says to unpack it.
-- Position: iterators of `distribute_dataset` count the source batches up to and including
-  the last one they returned (`.position`, a JSON-able dict). `start=` skips that many source
-  batches on the first pass: the first is looked at only for its leading size (it sets G, for
-  this run's N), the others are not even converted. A source shorter than the position is a
-  `ValueError`. Batches are counted, never examples, so a position stays valid on another
-  replica count when the global batch size does not change.
-  `distribute_datasets_from_function` has no position: its `.position` is an
-  `AttributeError`.
+- Position: iterators count the source batches up to and including the last one they
+  returned (steps, for `distribute_datasets_from_function`) and record G and how the data
+  was split over processes (`.position`, a JSON-able dict). When the source's iterator has
+  `get_state()` and `set_state()` (see `jmirror._source_state`), the position also holds its
+  state as of that batch, and `start=` gives it to the new iterator's `set_state`: nothing
+  is read again. Otherwise `start=` pulls and skips that many source batches on the first
+  pass, neither converting nor placing them (only a position without G, or with a G this
+  run's N does not divide, has the first looked at for its leading size). A source shorter
+  than the position is a `ValueError`. Batches are counted, never examples, so a position
+  stays valid on another replica count when the global batch size does not change.
 - Several processes: each process iterates its own source (its rows of each global batch,
-  or its own pipeline's elements). Uneven input never hangs: before each step the processes
-  agree whether every one of them has a batch (see `jmirror._prefetch`), so when one
-  process's source ends first every process's pass ends at that same step, with a
-  `UserWarning` naming the processes that ran short and those whose batches go unused; when
-  one process's source raises, that process gets its error and the others a `RuntimeError`
-  naming it, at the same step. Positions are per process (each counts its own source's
-  batches). One process agrees with nobody and pays nothing for it.
+  its share with `process_local=True`, or its own pipeline's elements). Uneven input never
+  hangs: before each step the processes agree whether every one of them has a batch (see
+  `jmirror._prefetch`), so when one process's source ends first every process's pass ends
+  at that same step, with a `UserWarning` naming the processes that ran short and those
+  whose batches go unused; when one process's source raises, that process gets its error
+  and the others a `RuntimeError` naming it, at the same step. Positions are per process
+  (each counts its own source's batches). One process agrees with nobody and pays nothing
+  for it.
+- Process-local shares: each process's source yields its G/P rows of each global batch;
+  this process's replicas (a contiguous block of the N, in process order) receive them
+  with `jax.make_array_from_process_local_data`, so no process reads or holds another's
+  rows. A short share is padded at its end (under "pad": the mask is False there, at the
+  end of that process's block); under "drop" it is placed like the others and marked, and
+  the processes' agreement drops that step on every process alike (it still counts in the
+  position). On the first step the processes also agree on their shares' size: different
+  sizes would make different global batches, a `ValueError` naming each process's.
 """
 
 from __future__ import annotations
@@ -66,10 +77,8 @@ from jmirror import _deadline
 from jmirror._batches import (
     DATASET_CALL,
     FUNCTION_CALL,
-    Source,
     dealt_batches,
     global_batches,
-    open_source,
     shares_of,
 )
 from jmirror._prefetch import (
@@ -80,6 +89,7 @@ from jmirror._prefetch import (
     DistributedIterator,
     Position,
 )
+from jmirror._source import Source, open_source
 from jmirror._source_state import read_public
 from jmirror._topology import Topology
 

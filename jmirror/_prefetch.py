@@ -34,7 +34,14 @@ process that failed (`FAILED` elsewhere), or stopping, with a `UserWarning` nami
 processes that ran short when others still had batches. The question is asked in the
 consumer's thread, where the steps are dispatched, never in the prefetch thread: collectives
 issued from two threads at once may pair differently on each process. One process has no
-`agree` and asks nothing.
+`agree` and asks nothing. With process-local shares (see `jmirror._input`) a process may
+answer `SHORT` (a batch whose share is incomplete under `remainder="drop"`): when every
+process has a batch and any is `SHORT`, every process drops that step; on a pass's first
+step the processes also agree on their shares' size.
+
+Positions: each batch travels with the `Position` the consumer stands at once it has
+received it, the source's own state included (taken in the thread that pulled the batch),
+so `.position` never counts or holds a batch only prefetched.
 """
 
 from __future__ import annotations
@@ -291,8 +298,8 @@ class DistributedIterator:
 
     Supports `next()`, `close()` and `with`. The prefetch thread stops on `close()`, on
     exhaustion, on an error, and when the iterator is garbage collected; none of these waits
-    for a source blocked in its `next()` (see `jmirror._prefetch`). Iterators of
-    `strategy.distribute_dataset` also have `position`.
+    for a source blocked in its `next()` (see `jmirror._prefetch`). Every iterator has
+    `position`.
 
     Example:
         >>> import numpy as np, jmirror as jm
