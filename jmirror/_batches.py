@@ -366,7 +366,6 @@ def _split_batches(
     first: int | None = None  # the first batch's size, when it set G
     skip = resume.skip if resume is not None else 0
     drop_everywhere = local and remainder == "drop"
-    first_share = local
     what = "share" if local else "batch"
     for index, batch, state in pulled:
         if index < skip:  # received before: looked at only to learn G
@@ -415,9 +414,7 @@ def _split_batches(
             value = PerReplica(treedef.unflatten(placed))
         else:
             value = PaddedBatch(PerReplica(treedef.unflatten(placed[:-1])), PerReplica(placed[-1]))
-        share = rows if first_share else None
-        first_share = False
-        yield _Positioned(value, position, incomplete and drop_everywhere, share)
+        yield _Positioned(value, position, incomplete and drop_everywhere, rows if local else None)
 
 
 def _too_large(

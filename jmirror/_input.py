@@ -439,9 +439,7 @@ def _check_start(call: str, start: Any) -> Position | None:
     g = start.get("global_batch_size")
     if g is not None:
         g = _count(call, start, "global_batch_size", "the global batch size")
-    processes = start.get("processes", 1)
-    if processes != 1:
-        processes = _count(call, start, "processes", "the process count")
+    processes = _count(call, {"processes": 1, **start}, "processes", "the process count", 1)
     process_local = start.get("process_local", False)
     if not isinstance(process_local, bool):
         raise ValueError(
@@ -452,17 +450,17 @@ def _check_start(call: str, start: Any) -> Position | None:
     return Position(
         batches,
         g or None,
-        processes or 1,
+        processes,
         process_local,
         None if state is None else read_public(call, state),
     )
 
 
-def _count(call: str, start: Mapping[str, Any], key: str, meaning: str) -> int:
+def _count(call: str, start: Mapping[str, Any], key: str, meaning: str, least: int = 0) -> int:
     value = start.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ValueError(
-            f"{call}(start=...): the position's {key!r} must be an int >= 0 ({meaning}), got "
+            f"{call}(start=...): the position's {key!r} must be an int >= {least} ({meaning}), got "
             f"{value!r}. Pass `.position` unchanged (a JSON round trip keeps it valid)."
         )
     return value

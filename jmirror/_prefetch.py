@@ -107,7 +107,8 @@ class _Positioned:
 
     Across processes: `incomplete` marks a process-local share that `remainder="drop"` drops
     on every process if any process's is incomplete; `share` is the rows of this process's
-    share of G, set on a pass's first batch, which every process must agree on.
+    share of G (process-local input only), which the processes compare on the first step
+    they use.
     """
 
     value: Any
@@ -333,6 +334,7 @@ class DistributedIterator:
             _Prefetcher(elements, prefetch, low_priority, control, source) if prefetch > 0 else None
         )
         self._done = False
+        self._agreed = False  # whether the processes' shares were found equal
         self._position = position
         # The finalizer holds the thread's state, never `self`: dropping the iterator stops it.
         self._finalizer = weakref.finalize(self, _shutdown, elements, self._prefetcher, control)
@@ -425,8 +427,9 @@ class DistributedIterator:
         if all(state in (HAS_BATCH, SHORT) for state in states):
             if SHORT in states:
                 return False
-            if isinstance(value, _Positioned) and value.share is not None:
-                self._check_shares(value.share)
+            if isinstance(value, _Positioned) and value.share is not None and not self._agreed:
+                self._check_shares(value.share)  # once, on the first step used
+                self._agreed = True
             return True
         self.close()
         if isinstance(value, BaseException):  # this process's own error (FAILED)

@@ -137,3 +137,11 @@ def test_positions_travel_through_a_checkpoint_manager_per_process(seen):
     two, _ = seen
     for process in two:
         assert process["manager_data"] == process["manager_position"]
+
+
+def test_shares_of_different_sizes_are_refused_on_every_process(seen):
+    two, _ = seen
+    for process in two:
+        got = process["mismatch"]
+        assert got["batches"] == [] and got["error"].startswith("ValueError")
+        assert "process 0: 8, process 1: 4 rows" in got["error"]

@@ -282,3 +282,26 @@ def test_a_position_records_the_global_batch_size_and_reads_no_batch_to_learn_it
     old = {"format": "jmirror.input", "version": 1, "batches": 1}
     rest = [_host(e) for e in s.distribute_dataset(batches, remainder="drop", start=old)]
     _equal(rest, [_host(e) for e in s.distribute_dataset(batches[1:], remainder="drop")])
+
+
+V2 = {"format": "jmirror.input", "version": 2, "batches": 1, "global_batch_size": 8}
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"source_state": {"pickle": "x"}}, "'source_state' must be"),
+        ({"source_state": {"bytes": "not base64!"}}, "'source_state' must be"),
+        ({"processes": 0}, "'processes' must be an int >= 1"),
+        ({"process_local": "yes"}, "'process_local' must be a bool"),
+        ({"global_batch_size": -8}, "'global_batch_size' must be an int >= 0"),
+    ],
+)
+def test_a_damaged_position_is_a_value_error_naming_the_entry(s, change, match):
+    with pytest.raises(ValueError, match=match):
+        s.distribute_dataset([], start=dict(V2, **change))
+
+
+def test_process_local_must_be_a_bool(s):
+    with pytest.raises(TypeError, match=r"process_local=\.\.\.\) expects True"):
+        s.distribute_dataset([], process_local=1)

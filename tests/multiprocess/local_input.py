@@ -168,6 +168,11 @@ if mode == "two":
         strategy.distribute_dataset(elastic, remainder="drop", process_local=True), K
     )
 
+    # Shares of different sizes would make different global batches: refused everywhere.
+    rows = 8 if me == 0 else 4
+    mismatched = [{"x": np.zeros((rows, 2), np.float32), "y": np.zeros(rows, np.int32)}] * 2
+    results["mismatch"] = run(strategy.distribute_dataset(mismatched, process_local=True))
+
     # distribute_datasets_from_function: per-process pipelines, resumed by count.
     def dataset_fn(ctx):
         return [np.full((2,), 10 * ctx.input_pipeline_id + i, np.float32) for i in range(16)]
