@@ -12,8 +12,11 @@ Three measurements, on XLA:CPU host devices:
       float32) delivered to 8 devices through `strategy.distribute_dataset(prefetch=2)`,
       against grain's own `grain.experimental.device_put(ds, sharding, device_buffer_size=2)`
       (its CPU buffer at grain's default, 4) of the same pipeline; each batch waited for on
-      the devices. The two alternate, ROUNDS rounds of STEPS batches; the median of the
-      per-round ratios (target >= 0.9).
+      the devices. Also jmirror with its prefetch thread left at normal priority: on XLA:CPU
+      host devices it runs at niceness 19 (see jmirror/_prefetch.py), and so do the threads
+      grain starts from it, which a machine loaded by other programs starves; on
+      accelerators it keeps its priority. The three rotate, ROUNDS rounds of STEPS batches;
+      the median of the per-round ratios (target >= 0.9).
   (3) resume: seconds from `distribute_dataset(pipeline, start=position)` to the first batch on
       the devices, with a position at batch 10 and at batch 10^5 (alternating, ROUNDS each);
       the ratio of the medians (target <= 1.5). The position at batch 10 is taken by
@@ -47,6 +50,7 @@ import grain  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jmirror as jm  # noqa: E402
+from jmirror import _prefetch as jm_prefetch  # noqa: E402
 
 BATCH, DIM = 256, 1024
 ROUNDS, STEPS = 7, 200
@@ -125,44 +129,71 @@ def measure_rate(strategy, rounds: int, steps: int) -> None:
         strategy.topology.mesh, jax.sharding.PartitionSpec(strategy.topology.axis_name)
     )
 
-    def jmirror_rate() -> float:
-        data = strategy.distribute_dataset(
-            pipeline(rows, BATCH, Counted()), remainder="drop", prefetch=2
-        )
-        start = time.perf_counter()
+    def timed(batches) -> tuple[float, float]:
+        """Batches/s over `batches`, each waited for on the devices, and the CPU ms the
+        process (all its threads) spent per batch."""
+        start, cpu = time.perf_counter(), time.process_time()
         count = 0
-        for batch in data:
+        for batch in batches:
             jax.block_until_ready(batch)
             count += 1
-        return count / (time.perf_counter() - start)
+        return count / (time.perf_counter() - start), (time.process_time() - cpu) / count * 1e3
 
-    def grain_rate() -> float:
-        ds = grain.experimental.device_put(
-            pipeline(rows, BATCH, Counted()), sharding, device_buffer_size=2
+    def jmirror_rate() -> tuple[float, float]:
+        return timed(
+            strategy.distribute_dataset(
+                pipeline(rows, BATCH, Counted()), remainder="drop", prefetch=2
+            )
         )
-        start = time.perf_counter()
-        count = 0
-        for batch in ds:
-            jax.block_until_ready(batch)
-            count += 1
-        return count / (time.perf_counter() - start)
 
-    jmirror_rate(), grain_rate()  # warm up
-    ratios, ours, theirs = [], [], []
+    def jmirror_normal_priority_rate() -> tuple[float, float]:
+        lower_priority = jm_prefetch._lower_priority
+        jm_prefetch._lower_priority = lambda: None
+        try:
+            return jmirror_rate()
+        finally:
+            jm_prefetch._lower_priority = lower_priority
+
+    def grain_rate() -> tuple[float, float]:
+        return timed(
+            grain.experimental.device_put(
+                pipeline(rows, BATCH, Counted()), sharding, device_buffer_size=2
+            )
+        )
+
+    runs = [jmirror_rate, jmirror_normal_priority_rate, grain_rate]
+    for run in runs:  # warm up
+        run()
+    rates: dict[str, list[float]] = {run.__name__: [] for run in runs}
+    cpu: dict[str, list[float]] = {run.__name__: [] for run in runs}
     for r in range(rounds):
-        pair = (jmirror_rate, grain_rate) if r % 2 == 0 else (grain_rate, jmirror_rate)
-        got = {fn.__name__: fn() for fn in pair}
-        ours.append(got["jmirror_rate"])
-        theirs.append(got["grain_rate"])
-        ratios.append(ours[-1] / theirs[-1])
-        print(f"(2) round {r}: distribute_dataset {ours[-1]:.1f}, device_put {theirs[-1]:.1f}")
-    ratio = statistics.median(ratios)
+        k = r % len(runs)
+        for run in runs[k:] + runs[:k]:  # rotating, so that none always runs first
+            rate, ms = run()
+            rates[run.__name__].append(rate)
+            cpu[run.__name__].append(ms)
+        print(f"(2) round {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()))
+    med = {name: statistics.median(v) for name, v in rates.items()}
+    ms = {name: statistics.median(v) for name, v in cpu.items()}
     print(
         f"(2) batches/s of {BATCH} x {DIM} float32 to {strategy.num_replicas} devices, median of "
-        f"{rounds} x {steps}: distribute_dataset {statistics.median(ours):.1f}, grain "
-        f"device_put {statistics.median(theirs):.1f}; per-round ratio {ratio:.3f} (target "
-        f">= 0.9: {'met' if ratio >= 0.9 else 'NOT met'})"
+        f"{rounds} x {steps}: distribute_dataset {med['jmirror_rate']:.1f} (prefetch thread at "
+        f"niceness 19, as on host devices), {med['jmirror_normal_priority_rate']:.1f} (at "
+        f"normal priority, as on accelerators); grain device_put {med['grain_rate']:.1f}"
     )
+    print(
+        f"(2) CPU ms per batch (all threads, median): distribute_dataset "
+        f"{ms['jmirror_rate']:.2f}, at normal priority {ms['jmirror_normal_priority_rate']:.2f}, "
+        f"grain device_put {ms['grain_rate']:.2f}"
+    )
+    for name in ("jmirror_rate", "jmirror_normal_priority_rate"):
+        ratio = statistics.median(
+            a / b for a, b in zip(rates[name], rates["grain_rate"], strict=True)
+        )
+        print(
+            f"(2) {name} / grain_rate: {ratio:.3f} median of per-round ratios (target >= 0.9: "
+            f"{'met' if ratio >= 0.9 else 'NOT met'})"
+        )
 
 
 def measure_resume(strategy, rounds: int) -> None:

@@ -395,13 +395,7 @@ def _split_batches(
             if remainder == "drop" and not drop_everywhere:
                 continue
             if remainder == "error":
-                raise ValueError(
-                    f"{call}(remainder='error'): {what} {index} has {size} examples, fewer "
-                    f"than the {rows} of {'a share of ' if local else ''}the global batch "
-                    f"size G={g} ({g // n} per replica on N={n} replicas). Use "
-                    f"remainder='pad' to pad it (with a mask), remainder='drop' to skip it, "
-                    f"or make every {what} hold exactly {rows} examples."
-                )
+                raise ValueError(_incomplete(call, index, size, rows, g, n, shares))
             leaves = [_pad(x, rows) for x in leaves]
         mask = None
         if remainder == "pad":
@@ -415,6 +409,23 @@ def _split_batches(
         else:
             value = PaddedBatch(PerReplica(treedef.unflatten(placed[:-1])), PerReplica(placed[-1]))
         yield _Positioned(value, position, incomplete and drop_everywhere, rows if local else None)
+
+
+def _incomplete(call: str, index: int, size: int, rows: int, g: int, n: int, shares: Shares) -> str:
+    fixes = (
+        "Use remainder='pad' to pad it (with a mask), remainder='drop' to skip it, or make "
+        f"every {'share' if shares.is_local else 'batch'} hold exactly {rows} examples."
+    )
+    if shares.is_local:
+        return (
+            f"{call}(remainder='error', process_local=True): share {index} has {size} "
+            f"examples, fewer than its {rows} of the global batch size G={g} ({g // n} per "
+            f"replica on N={n} replicas, {shares.processes} processes). {fixes}"
+        )
+    return (
+        f"{call}(remainder='error'): batch {index} has {size} examples, fewer than the global "
+        f"batch size G={g} ({g // n} per replica on N={n} replicas). {fixes}"
+    )
 
 
 def _too_large(
