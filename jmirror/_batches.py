@@ -440,7 +440,7 @@ def _too_large(
     n: int,
 ) -> str:
     if first is None:
-        origin = "the position's"
+        origin = "as the position given as start= recorded it"
     elif shares.is_local:
         origin = (
             f"the first share's {first} rows rounded up to a multiple of this process's "
