@@ -10,10 +10,10 @@ elements into one batch instead. See `jmirror._input` for the choices the contra
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
-import threading
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -21,96 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmirror._cluster_config import process_counts
-from jmirror._prefetch import Control, _Positioned, _Warning
+from jmirror._prefetch import Control, Position, _Positioned, _Warning
 from jmirror._shim import put_rows
+from jmirror._source import Resume, Source
+from jmirror._source_state import SourceState
 from jmirror._topology import Topology
 from jmirror._values import PerReplica, PyTree
 
 DATASET_CALL = "strategy.distribute_dataset"
 FUNCTION_CALL = "strategy.distribute_datasets_from_function"
-
-# --- the source ----------------------------------------------------------------------------------
-
-
-class Source:
-    """Opens one pass over a dataset: calls a callable source, iterates an iterable one.
-
-    Every call into the source's own code runs with `control.in_source` set, so that clean-up
-    knows not to wait for it, and no call is made once `control.stopped` is set.
-    """
-
-    def __init__(self, call: str, open_fn: Callable[[], Any], given: Any):
-        self._call = call
-        self._open_fn = open_fn
-        self._given = given  # the caller's object: never closed by jmirror
-        self._lock = threading.Lock()
-
-    def describe(self) -> str:
-        """The source as warnings name it: its qualified name, or its type and id."""
-        name = getattr(self._given, "__qualname__", None)
-        if not isinstance(name, str):
-            name = f"{type(self._given).__qualname__} object at {id(self._given):#x}"
-        return f"{self._call}'s source {name}"
-
-    def pull(self, control: Control) -> Generator[Any, None, None]:
-        """Yields the source's elements for one pass, until it ends or `control` stops it."""
-        stopped = control.stopped
-        if stopped.is_set():
-            return
-        control.in_source = True
-        try:
-            it = self._open()
-        finally:
-            control.in_source = False
-        shared = it is self._given  # a one-shot iterator shared by every pass: never closed
-        try:
-            while not stopped.is_set():
-                control.in_source = True
-                try:
-                    if shared:
-                        with self._lock:
-                            element = next(it)
-                    else:
-                        element = next(it)
-                except StopIteration:
-                    return
-                finally:
-                    control.in_source = False
-                if stopped.is_set():
-                    return
-                yield element
-        finally:
-            close = None if shared else getattr(it, "close", None)
-            if callable(close):
-                control.in_source = True
-                try:
-                    close()
-                finally:
-                    control.in_source = False
-
-    def _open(self) -> Iterator[Any]:
-        result = self._open_fn()
-        try:
-            return iter(result)
-        except TypeError:
-            raise TypeError(
-                f"{self._call}: the dataset function returned {type(result).__name__}, which is "
-                "not iterable; return an iterable of batches (a list, a generator, a data "
-                "loader)."
-            ) from None
-
-
-def open_source(call: str, dataset: Any) -> Source:
-    if isinstance(dataset, Iterable):
-        return Source(call, lambda: dataset, dataset)
-    if callable(dataset):
-        return Source(call, dataset, dataset)
-    raise TypeError(
-        f"{call} expects an iterable of batches or a zero-argument callable returning one, got "
-        f"{type(dataset).__name__}. Pass a list, a generator, a data loader, or a function "
-        "that returns one per epoch."
-    )
-
 
 # --- placing batches -----------------------------------------------------------------------------
 
@@ -302,36 +221,105 @@ class PaddedBatch(NamedTuple):
         raise _PairError(f"element.{name}: {_PAIR_FIX}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Shares:
+    """How a pass's batches are split across processes.
+
+    A global source (`processes == 1`): every batch is the global batch, G rows over the N
+    replicas. Process-local: each process's source yields its share, G/P rows in process
+    order, which this process's `unit` replicas (a contiguous block of the N) receive.
+    """
+
+    processes: int = 1
+    unit: int = 1  # the replicas that receive one source batch's rows
+
+    @property
+    def is_local(self) -> bool:
+        return self.processes > 1
+
+
+def shares_of(call: str, topology: Topology, process_local: bool) -> Shares:
+    """The split of `distribute_dataset(..., process_local=...)` on `topology`, checked."""
+    n, processes = topology.num_replicas, topology.process_count
+    if not process_local or processes == 1:
+        return Shares(1, n)
+    unit = topology.num_local_replicas
+    first = topology.process_index * unit
+    if unit * processes != n or topology.local_replica_ids != tuple(range(first, first + unit)):
+        raise ValueError(
+            f"{call}(process_local=True): process {topology.process_index}'s replicas are "
+            f"{list(topology.local_replica_ids)} of N={n}, but process-local shares need each "
+            f"of the {processes} processes to hold the same number of replicas, as one "
+            "contiguous block in process order (process p's share is rows [p G/P, (p + 1) "
+            "G/P) of the global batch). Build the strategy over every process's devices in "
+            "process order (jm.MultiWorkerMirroredStrategy does), or pass global batches."
+        )
+    return Shares(processes, unit)
+
+
 def global_batches(
-    topology: Topology, source: Source, remainder: str, control: Control, skip: int
+    topology: Topology,
+    source: Source,
+    remainder: str,
+    control: Control,
+    start: Position | None,
+    shares: Shares,
 ) -> Iterator[Any]:
     """Yields placed global batches (`PerReplica`, or `PaddedBatch` for "pad"), positioned."""
-    pulled = source.pull(control)
+    g = 0
+    if (
+        start is not None
+        and start.global_batch_size
+        and start.global_batch_size % topology.num_replicas == 0
+    ):
+        g = start.global_batch_size  # known: no batch is read to learn it
+    resume = None
+    if start is not None and start.batches:
+        resume = Resume(
+            start.batches,
+            start.state,
+            peek_first=not g,
+            saved=start.processes if start.process_local else 1,
+            current=shares.processes,
+        )
+    pulled = source.pull(control, resume)
     try:
-        yield from _split_batches(topology, pulled, remainder, control, skip)
+        yield from _split_batches(topology, pulled, remainder, resume, shares, g)
     finally:
         pulled.close()
 
 
 def _global_size(
-    call: str, n: int, size: int, remainder: str, processes: int
+    call: str, n: int, size: int, remainder: str, processes: int, shares: Shares
 ) -> tuple[int, _Warning | None]:
-    """G from the first batch's size, and the warning that "drop" gives when size < G.
+    """G from the first batch's size (the first share's, for process-local input), and the
+    warning that "drop" gives when that size is below G's.
 
     In a run that `jmirror.launch --min-processes` may continue on fewer processes, a first
     batch that N does not divide is a `ValueError` (SPEC 10, round 4 notes): padding or
     dropping would change the global batch from one start to the next."""
+    what = "first share" if shares.is_local else "first batch"
     if size == 0:
         raise ValueError(
-            f"{call}: the first batch has 0 examples, so there is no global batch size "
-            "to infer; the first batch sets G. Skip empty batches in the source."
+            f"{call}: the {what} has 0 examples, so there is no global batch size "
+            f"to infer; the {what} sets G. Skip empty batches in the source."
         )
-    g = -(-size // n) * n
+    unit = shares.unit
+    rows = -(-size // unit) * unit
+    g = rows * shares.processes
     counts = process_counts()
-    if counts is not None and size != g:
-        raise ValueError(_elastic_batch(call, size, n, processes, counts))
-    if remainder != "drop" or size == g:
+    if counts is not None and size != rows:
+        raise ValueError(_elastic_batch(call, size * shares.processes, n, processes, counts))
+    if remainder != "drop" or size == rows:
         return g, None
+    if shares.is_local:
+        return g, _Warning(
+            f"{call}(remainder='drop', process_local=True): the first share has {size} rows, "
+            f"not a multiple of this process's {unit} replicas, so each share of the global "
+            f"batch size G={g} holds {rows} rows and every share of {size} rows is incomplete: "
+            f"every such batch will be dropped. Use a per-process batch size divisible by "
+            f"{unit}, or remainder='pad'."
+        )
     return g, _Warning(
         f"{call}(remainder='drop'): the first batch has {size} examples, not a "
         f"multiple of the {n} replicas, so the global batch size is G={g} and every "
@@ -359,90 +347,163 @@ def _elastic_batch(call: str, size: int, n: int, processes: int, counts: tuple[i
 
 def _split_batches(
     topology: Topology,
-    pulled: Iterator[Any],
+    pulled: Iterator[tuple[int, Any, SourceState | None]],
     remainder: str,
-    control: Control,
-    skip: int,
+    resume: Resume | None,
+    shares: Shares,
+    g: int,
 ) -> Iterator[Any]:
-    """Splits and places each batch; the first `skip` are only counted (the first sets G)."""
+    """Splits and places each batch (each share, for process-local input), positioned.
+
+    `g` is G when the position gave it (0: the first batch read sets it). An element before
+    `resume.skip` is only looked at for its leading size (the first one, to set G)."""
     call = DATASET_CALL
     n = topology.num_replicas
     processes = topology.process_count
-    g = 0
-    first = 0
-    index = -1
-    for index, batch in enumerate(pulled):
-        if index < skip:  # received before: neither converted nor placed
-            if index == 0:
-                flat, _ = _flatten(batch)
-                first = _leading_size(call, batch, index, flat)
-                g, warning = _global_size(call, n, first, remainder, processes)
-                if warning is not None:
-                    yield warning
-            continue
-        flat, treedef = _flatten(batch)
-        where = f"batch {index}"
-        leaves = [_as_array(call, where, batch, x, i, "batch") for i, x in enumerate(flat)]
-        size = _leading_size(call, batch, index, leaves)
-        if index == 0:
-            first = size
-            g, warning = _global_size(call, n, size, remainder, processes)
+    local = shares.is_local
+    unit = shares.unit  # replicas per source batch
+    position = Position(0, g or None, processes, local)
+    first: int | None = None  # the first batch's size, when it set G
+    skip = resume.skip if resume is not None else 0
+    drop_everywhere = local and remainder == "drop"
+    what = "share" if local else "batch"
+    for index, batch, state in pulled:
+        if index < skip:  # received before: looked at only to learn G
+            flat, _ = _flatten(batch)
+            first = _leading_size(call, batch, index, flat)
+            g, warning = _global_size(call, n, first, remainder, processes, shares)
             if warning is not None:
                 yield warning
-        if size > g:
-            raise ValueError(
-                f"{call}: batch {index} has {size} examples, more than the global batch size "
-                f"G={g} (the first batch's {first} examples rounded up to a multiple of N={n} "
-                "replicas). Every batch may hold at most G examples (only smaller, incomplete "
-                "batches are allowed); make the first batch the largest, or re-batch the source."
-            )
-        mask = None
-        if size < g:
-            if remainder == "drop":
+            continue
+        flat, treedef = _flatten(batch)
+        where = f"{what} {index}"
+        leaves = [_as_array(call, where, batch, x, i, "batch") for i, x in enumerate(flat)]
+        size = _leading_size(call, batch, index, leaves)
+        if not g:
+            first = size
+            g, warning = _global_size(call, n, size, remainder, processes, shares)
+            if warning is not None:
+                yield warning
+        rows = g // shares.processes
+        position = dataclasses.replace(
+            position, batches=index + 1, global_batch_size=g, state=state
+        )
+        if size > rows:
+            raise ValueError(_too_large(call, what, index, size, rows, g, first, shares, n))
+        incomplete = size < rows
+        if incomplete:
+            if remainder == "drop" and not drop_everywhere:
                 continue
             if remainder == "error":
-                raise ValueError(
-                    f"{call}(remainder='error'): batch {index} has {size} examples, fewer than "
-                    f"the global batch size G={g} ({g // n} per replica on N={n} replicas). Use "
-                    "remainder='pad' to pad it (with a mask), remainder='drop' to skip it, or "
-                    f"make every batch hold exactly {g} examples."
-                )
-            leaves = [_pad(x, g) for x in leaves]
+                raise ValueError(_incomplete(call, index, size, rows, g, n, shares))
+            leaves = [_pad(x, rows) for x in leaves]
+        mask = None
         if remainder == "pad":
-            mask = (np.arange(g) < size).reshape(n, g // n)
-        arrays = [x.reshape((n, g // n) + tuple(x.shape[1:])) for x in leaves]
+            mask = (np.arange(rows) < size).reshape(unit, rows // unit)
+        arrays = [x.reshape((unit, rows // unit) + tuple(x.shape[1:])) for x in leaves]
+        if mask is not None:
+            arrays.append(mask)
+        placed = _place_local(topology, arrays) if local else _place(topology, arrays)
         if mask is None:
-            placed = _place(topology, arrays)
-            yield _Positioned(PerReplica(treedef.unflatten(placed)), index + 1)
+            value = PerReplica(treedef.unflatten(placed))
         else:
-            placed = _place(topology, arrays + [mask])
-            pair = PaddedBatch(PerReplica(treedef.unflatten(placed[:-1])), PerReplica(placed[-1]))
-            yield _Positioned(pair, index + 1)
-    if index + 1 < skip and not control.stopped.is_set():
-        raise ValueError(
-            f"{call}(start=...): the position says {skip} batches were received, but the source "
-            f"has only {index + 1}. Resume with a source that yields the same batches as the "
-            "one the position was taken from."
+            value = PaddedBatch(PerReplica(treedef.unflatten(placed[:-1])), PerReplica(placed[-1]))
+        yield _Positioned(value, position, incomplete and drop_everywhere, rows if local else None)
+
+
+def _incomplete(call: str, index: int, size: int, rows: int, g: int, n: int, shares: Shares) -> str:
+    fixes = (
+        "Use remainder='pad' to pad it (with a mask), remainder='drop' to skip it, or make "
+        f"every {'share' if shares.is_local else 'batch'} hold exactly {rows} examples."
+    )
+    if shares.is_local:
+        return (
+            f"{call}(remainder='error', process_local=True): share {index} has {size} "
+            f"examples, fewer than its {rows} of the global batch size G={g} ({g // n} per "
+            f"replica on N={n} replicas, {shares.processes} processes). {fixes}"
         )
+    return (
+        f"{call}(remainder='error'): batch {index} has {size} examples, fewer than the global "
+        f"batch size G={g} ({g // n} per replica on N={n} replicas). {fixes}"
+    )
 
 
-def dealt_batches(topology: Topology, source: Source, control: Control) -> Iterator[Any]:
+def _too_large(
+    call: str,
+    what: str,
+    index: int,
+    size: int,
+    rows: int,
+    g: int,
+    first: int | None,
+    shares: Shares,
+    n: int,
+) -> str:
+    if first is None:
+        origin = "as the position given as start= recorded it"
+    elif shares.is_local:
+        origin = (
+            f"the first share's {first} rows rounded up to a multiple of this process's "
+            f"{shares.unit} replicas, times {shares.processes} processes"
+        )
+    else:
+        origin = f"the first batch's {first} examples rounded up to a multiple of N={n} replicas"
+    limit = f"{rows} rows per share of G={g}" if shares.is_local else f"G={g}"
+    return (
+        f"{call}: {what} {index} has {size} examples, more than the global batch size allows "
+        f"({limit}: {origin}). Every {what} may hold at most that many examples (only smaller, "
+        f"incomplete ones are allowed); make the first {what} the largest, or re-batch the "
+        "source."
+    )
+
+
+def _place_local(topology: Topology, arrays: list[Any]) -> list[jax.Array]:
+    """This process's rows `(n_local, ...)` of each global `(N, ...)` array, placed on its own
+    replicas; no other process's rows are read. Each host array is copied first: on CPU, JAX
+    may place an aligned host buffer without copying it, and a loader may refill it."""
+    n = topology.num_replicas
+    return [
+        jax.make_array_from_process_local_data(
+            topology.stacked, np.array(x) if isinstance(x, np.ndarray) else x, (n,) + x.shape[1:]
+        )
+        for x in arrays
+    ]
+
+
+def dealt_batches(
+    topology: Topology, source: Source, control: Control, start: Position | None
+) -> Iterator[Any]:
     """Yields placed `PerReplica` batches, dealing N consecutive elements to replicas 0..N-1.
 
     With several processes each process's pipeline deals its own `num_local_replicas`
-    elements per step to its own replicas.
+    elements per step to its own replicas. Positions count steps; a resumed pass skips
+    `num_local_replicas` elements per step received (or gives the pipeline its state).
     """
     n = topology.num_local_replicas
+    processes = topology.process_count
+    resume = None
+    if start is not None and start.batches:
+        resume = Resume(
+            start.batches * n,
+            start.state,
+            every=n,
+            saved=start.processes,
+            current=processes,
+            unit="steps",
+        )
+    step = start.batches if start is not None else 0
+    position = Position(step, None, processes, processes > 1)
     group: list[Any] = []
-    step = 0
-    pulled = source.pull(control)
+    pulled = source.pull(control, resume)
     try:
-        for element in pulled:
+        for _, element, state in pulled:
             group.append(element)
             if len(group) == n:
-                yield _stack_group(topology, group, step)
-                group = []
+                stacked = _stack_group(topology, group, step)
                 step += 1
+                position = dataclasses.replace(position, batches=step, state=state)
+                yield _Positioned(stacked, position)
+                group = []
     finally:
         pulled.close()
     if group and not control.stopped.is_set():

@@ -30,22 +30,33 @@ Choices the spec leaves open:
 - `remainder="pad"` yields `PaddedBatch(batch, mask)`, a namedtuple: it unpacks and is a
   pytree like a plain pair, and `element["image"]` or `element.keys()` on it is a `TypeError`
   that says to unpack it.
-- Position: iterators of `distribute_dataset` count the source batches up to and including
-  the last one they returned (`.position`, a JSON-able dict). `start=` skips that many source
-  batches on the first pass: the first is looked at only for its leading size (it sets G, for
-  this run's N), the others are not even converted. A source shorter than the position is a
-  `ValueError`. Batches are counted, never examples, so a position stays valid on another
-  replica count when the global batch size does not change.
-  `distribute_datasets_from_function` has no position: its `.position` is an
-  `AttributeError`.
+- Position: iterators count the source batches up to and including the last one they
+  returned (steps, for `distribute_datasets_from_function`) and record G and how the data
+  was split over processes (`.position`, a JSON-able dict). When the source's iterator has
+  `get_state()` and `set_state()` (see `jmirror._source_state`), the position also holds its
+  state as of that batch, and `start=` gives it to the new iterator's `set_state`: nothing
+  is read again. Otherwise `start=` pulls and skips that many source batches on the first
+  pass, neither converting nor placing them (only a position without G, or with a G this
+  run's N does not divide, has the first looked at for its leading size). A source shorter
+  than the position is a `ValueError`. Batches are counted, never examples, so a position
+  stays valid on another replica count when the global batch size does not change.
 - Several processes: each process iterates its own source (its rows of each global batch,
-  or its own pipeline's elements). Uneven input never hangs: before each step the processes
-  agree whether every one of them has a batch (see `jmirror._prefetch`), so when one
-  process's source ends first every process's pass ends at that same step, with a
-  `UserWarning` naming the processes that ran short and those whose batches go unused; when
-  one process's source raises, that process gets its error and the others a `RuntimeError`
-  naming it, at the same step. Positions are per process (each counts its own source's
-  batches). One process agrees with nobody and pays nothing for it.
+  its share with `process_local=True`, or its own pipeline's elements). Uneven input never
+  hangs: before each step the processes agree whether every one of them has a batch (see
+  `jmirror._prefetch`), so when one process's source ends first every process's pass ends
+  at that same step, with a `UserWarning` naming the processes that ran short and those
+  whose batches go unused; when one process's source raises, that process gets its error
+  and the others a `RuntimeError` naming it, at the same step. Positions are per process
+  (each counts its own source's batches). One process agrees with nobody and pays nothing
+  for it.
+- Process-local shares: each process's source yields its G/P rows of each global batch;
+  this process's replicas (a contiguous block of the N, in process order) receive them
+  with `jax.make_array_from_process_local_data`, so no process reads or holds another's
+  rows. A short share is padded at its end (under "pad": the mask is False there, at the
+  end of that process's block); under "drop" it is placed like the others and marked, and
+  the processes' agreement drops that step on every process alike (it still counts in the
+  position). On the first step the processes also agree on their shares' size: different
+  sizes would make different global batches, a `ValueError` naming each process's.
 """
 
 from __future__ import annotations
@@ -66,19 +77,20 @@ from jmirror import _deadline
 from jmirror._batches import (
     DATASET_CALL,
     FUNCTION_CALL,
-    Source,
     dealt_batches,
     global_batches,
-    open_source,
+    shares_of,
 )
 from jmirror._prefetch import (
     POSITION_FORMAT,
-    POSITION_VERSION,
+    POSITION_VERSIONS,
     Agree,
     Control,
     DistributedIterator,
-    position_dict,
+    Position,
 )
+from jmirror._source import Source, open_source
+from jmirror._source_state import read_public
 from jmirror._topology import Topology
 
 _REMAINDERS = ("pad", "drop", "error")
@@ -182,21 +194,23 @@ class DistributedDataset:
 
     def __init__(
         self,
-        open_elements: Callable[[Control, int], Iterator[Any]],
+        open_elements: Callable[[Control, Position | None], Iterator[Any]],
         prefetch: int,
         call: str,
         topology: Topology,
         *,
-        start: int | None = None,
+        start: Position | None = None,
+        process_local: bool = False,
         source: str = "the source",
         agree: Agree | None = None,
     ):
-        # open_elements(control, skip) opens one pass; `start` is None for streams without a
-        # position, else the number of batches the first pass skips (later passes skip none).
+        # open_elements(control, start) opens one pass, resumed at `start` (the first pass
+        # only; later passes start at their beginning).
         self._open_elements = open_elements
         self._prefetch = prefetch
         self._call = call
         self._start = start
+        self._fresh = Position(0, None, topology.process_count, process_local)
         self._source = source
         # On host devices the step's compute shares the cores: see jmirror._prefetch.
         self._low_priority = topology.devices[0].platform == "cpu"
@@ -205,15 +219,14 @@ class DistributedDataset:
 
     def __iter__(self) -> DistributedIterator:
         control = Control()
-        start = self._start
-        if start is not None:
-            self._start = 0  # `start` applies to the first pass only
+        start, self._start = self._start, None  # `start` applies to the first pass only
         iterator = DistributedIterator(
-            self._open_elements(control, start or 0),
+            self._open_elements(control, start),
             self._prefetch,
             self._low_priority,
             control,
-            position=start,
+            position=start or self._fresh,
+            call=self._call,
             source=self._source,
             agree=self._agree,
         )
@@ -296,6 +309,7 @@ def distribute_dataset(
     remainder: str = "pad",
     prefetch: int = 2,
     start: Mapping[str, Any] | None = None,
+    process_local: bool = False,
 ) -> DistributedDataset:
     """Splits each global batch of `dataset` into per-replica shards on the devices.
 
@@ -304,36 +318,50 @@ def distribute_dataset(
       dataset: an iterable of global batches (pytrees of array-likes with one common leading
         batch size), or a zero-argument callable returning one, called again per pass. A
         leaf is a numpy array, a `jax.Array` or a list of numbers (nested lists of the same
-        length for more dimensions); tuples and dicts are containers.
+        length for more dimensions); tuples and dicts are containers. With `process_local`,
+        an iterable of this process's shares of the global batches instead.
       remainder: what to do with an incomplete batch (fewer than G examples, where G is the
         first batch's size rounded up to a multiple of N): `"pad"` pads it with zeros and
-        yields `(batch, mask)` for every batch; `"drop"` skips it; `"error"` raises.
+        yields `(batch, mask)` for every batch; `"drop"` skips it; `"error"` raises. With
+        `process_local`, it applies to each share (G/P rows): a short share is padded at its
+        end, or dropped on every process alike.
       prefetch: how many batches a background thread keeps on the devices ahead of the
         consumer; 0 runs synchronously, without a thread.
       start: `None`, or the `.position` of an iterator of an earlier dataset over the same
         batches (JSON round trips keep it valid): the first pass then yields exactly the
-        batches that iterator had not returned, skipping the others without converting or
-        placing them. `dataset` may be a new object (in a new process) yielding the same
-        batches: a callable or a re-iterable. Later passes start at their beginning.
+        batches that iterator had not returned. A source whose iterator has `get_state()`
+        and `set_state()` (grain's, or any) is given the saved state and reads nothing
+        again; any other one is read that far, the batches received skipped without being
+        converted or placed. `dataset` may be a new object (in a new process) yielding the
+        same batches: a callable or a re-iterable. Later passes start at their beginning.
+      process_local: with several processes, whether each process's `dataset` yields only
+        its own share of each global batch: G/P rows, in process order (what grain's
+        `ShardByJaxProcess` with a per-process batch of G/P yields). One global batch is
+        assembled from the shares without any process reading another's rows. With one
+        process it is a global source.
 
     Returns:
       A `DistributedDataset` yielding `jm.PerReplica` batches (leaves of shape
       `(N, G/N, ...)`), or `(batch, mask)` pairs for `"pad"`, with `mask` a `PerReplica` of
       bools of shape `(N, G/N)`, True exactly on the real examples. Its iterators have
-      `.position`. With several processes each process passes its own source of global
-      batches and places its own rows; a pass ends on every process at the step where the
-      first process's source ends (a `UserWarning` names it when others had more).
+      `.position`. With several processes each process passes its own source (of global
+      batches, or of its shares with `process_local`) and places its own rows; a pass ends
+      on every process at the step where the first process's source ends (a `UserWarning`
+      names it when others had more).
 
     Raises:
       RuntimeError: with several processes, while iterating, when another process's source
         raised (every process stops at that step).
-      ValueError: for an invalid `remainder`, `prefetch < 0` or `start`; while iterating, for
-        a batch larger than G, leaves of different leading sizes, an incomplete batch with
-        `"error"`, a 64-bit integer leaf whose values do not fit 32 bits while 64-bit types
-        are off, or a source shorter than `start`.
+      ValueError: for an invalid `remainder`, `prefetch < 0` or `start`; for
+        `process_local` over replicas that are not one block per process; while iterating,
+        for a batch (share) larger than G (G/P), leaves of different leading sizes, an
+        incomplete batch with `"error"`, a 64-bit integer leaf whose values do not fit 32
+        bits while 64-bit types are off, a source shorter than `start`, processes whose
+        first shares differ, or, before the first batch, a saved source state of a
+        process-local source on another process count that the source cannot move to.
       TypeError: when `dataset` is neither iterable nor callable, `prefetch` is not an int,
-        or `start` is not a position dict; while iterating, for a leaf that is not numbers
-        (strings, datetimes, objects, ragged lists).
+        `process_local` not a bool, or `start` is not a position dict; while iterating, for
+        a leaf that is not numbers (strings, datetimes, objects, ragged lists).
 
     Example:
         >>> import numpy as np, jmirror as jm
@@ -359,53 +387,91 @@ def distribute_dataset(
             "or 'error' (raise on an incomplete batch)."
         )
     prefetch = _check_prefetch(_DATASET_CALL, prefetch)
-    skip = _check_start(start)
+    if not isinstance(process_local, bool):
+        raise TypeError(
+            f"{_DATASET_CALL}(process_local=...) expects True (each process's source yields "
+            "its share of each global batch) or False (global batches), got "
+            f"{process_local!r} of type {type(process_local).__name__}."
+        )
+    position = _check_start(_DATASET_CALL, start)
+    shares = shares_of(_DATASET_CALL, topology, process_local)
     source = open_source(_DATASET_CALL, dataset)
     return DistributedDataset(
-        lambda control, skip: global_batches(topology, source, remainder, control, skip),
+        lambda control, start: global_batches(topology, source, remainder, control, start, shares),
         prefetch,
         _DATASET_CALL,
         topology,
-        start=skip,
+        start=position,
+        process_local=shares.is_local,
         source=source.describe(),
         agree=_agreement(topology),
     )
 
 
-def _check_start(start: Any) -> int:
-    """The number of batches a valid `start` position says were received (0 for None)."""
-    call = _DATASET_CALL
+_POSITION_EXAMPLE = (
+    "{'format': 'jmirror.input', 'version': 2, 'batches': 3, 'global_batch_size': 64, ...}"
+)
+
+
+def _check_start(call: str, start: Any) -> Position | None:
+    """The `Position` a valid `start` describes (None for None or a position at its start)."""
     if start is None:
-        return 0
-    example = position_dict(0)
+        return None
     if not isinstance(start, Mapping):
         raise TypeError(
             f"{call}(start=...) expects None or a position dict taken from an iterator's "
-            f"`.position` (like {example}), got {type(start).__name__}: {reprlib.repr(start)}."
+            f"`.position` (like {_POSITION_EXAMPLE}), got {type(start).__name__}: "
+            f"{reprlib.repr(start)}."
         )
     if start.get("format") != POSITION_FORMAT:
         raise ValueError(
             f"{call}(start={reprlib.repr(start)}) is not a jmirror input position: expected "
-            f"the dict an iterator's `.position` gives, like {example}."
+            f"the dict an iterator's `.position` gives, like {_POSITION_EXAMPLE}."
         )
     version = start.get("version")
-    if version != POSITION_VERSION:
+    if version not in POSITION_VERSIONS:
         raise ValueError(
             f"{call}(start=...) is a position of format version {version!r}, but this "
-            f"jmirror reads version {POSITION_VERSION}; take the position with the jmirror "
-            "version that resumes it."
+            f"jmirror reads versions {', '.join(map(str, POSITION_VERSIONS))}; take the "
+            "position with the jmirror version that resumes it."
         )
-    batches = start.get("batches")
-    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 0:
+    batches = _count(call, start, "batches", "the global batches received")
+    g = start.get("global_batch_size")
+    if g is not None:
+        g = _count(call, start, "global_batch_size", "the global batch size")
+    processes = _count(call, {"processes": 1, **start}, "processes", "the process count", 1)
+    process_local = start.get("process_local", False)
+    if not isinstance(process_local, bool):
         raise ValueError(
-            f"{call}(start=...): the position's 'batches' must be an int >= 0 (the global "
-            f"batches received), got {batches!r}. Pass `.position` unchanged."
+            f"{call}(start=...): the position's 'process_local' must be a bool, got "
+            f"{process_local!r}. Pass `.position` unchanged."
         )
-    return batches
+    state = start.get("source_state")
+    return Position(
+        batches,
+        g or None,
+        processes,
+        process_local,
+        None if state is None else read_public(call, state),
+    )
+
+
+def _count(call: str, start: Mapping[str, Any], key: str, meaning: str, least: int = 0) -> int:
+    value = start.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(
+            f"{call}(start=...): the position's {key!r} must be an int >= {least} ({meaning}), got "
+            f"{value!r}. Pass `.position` unchanged (a JSON round trip keeps it valid)."
+        )
+    return value
 
 
 def distribute_datasets_from_function(
-    topology: Topology, dataset_fn: Callable[[InputContext], Any], *, prefetch: int = 2
+    topology: Topology,
+    dataset_fn: Callable[[InputContext], Any],
+    *,
+    prefetch: int = 2,
+    start: Mapping[str, Any] | None = None,
 ) -> DistributedDataset:
     """Deals the per-replica batches of `dataset_fn(jm.InputContext(...))` to the replicas.
 
@@ -423,17 +489,25 @@ def distribute_datasets_from_function(
         batches (pytrees of array-likes; the N elements of a step share shapes).
       prefetch: how many steps a background thread keeps on the devices ahead of the
         consumer; 0 runs synchronously, without a thread.
+      start: `None`, or the `.position` of an iterator of an earlier dataset over the same
+        pipeline (per process, with several): the first pass resumes after the steps that
+        iterator had returned, giving the pipeline's iterator its saved state when it has
+        `get_state()` and `set_state()`, else reading and skipping `num_local_replicas`
+        elements per step received.
 
     Returns:
-      A `DistributedDataset` yielding one `jm.PerReplica` per step. Its iterators have no
-      `.position` (an `AttributeError` says so): resume such input in `dataset_fn`.
+      A `DistributedDataset` yielding one `jm.PerReplica` per step. Its iterators have
+      `.position`, which counts steps (and holds the pipeline's own state, when it has one).
 
     Raises:
       RuntimeError: with several processes, while iterating, when another process's
         `dataset_fn` or its elements raised (every process stops at that step).
-      ValueError: for `prefetch < 0`; while iterating, when the elements of a step differ in
-        structure, shape or dtype.
-      TypeError: when `dataset_fn` is not callable or `prefetch` is not an int.
+      ValueError: for `prefetch < 0` or an invalid `start`; while iterating, when the
+        elements of a step differ in structure, shape or dtype, when the pipeline is shorter
+        than `start`, or, before the first step, for a saved pipeline state from another
+        process count that the pipeline cannot move to.
+      TypeError: when `dataset_fn` is not callable, `prefetch` is not an int or `start` not
+        a position dict.
 
     Example:
         >>> import numpy as np, jmirror as jm
@@ -452,6 +526,7 @@ def distribute_datasets_from_function(
             "batches use strategy.distribute_dataset."
         )
     prefetch = _check_prefetch(_FUNCTION_CALL, prefetch)
+    position = _check_start(_FUNCTION_CALL, start)
     context = InputContext(
         num_input_pipelines=topology.process_count,
         input_pipeline_id=topology.process_index,
@@ -459,10 +534,12 @@ def distribute_datasets_from_function(
     )
     source = Source(_FUNCTION_CALL, lambda: dataset_fn(context), dataset_fn)
     return DistributedDataset(
-        lambda control, skip: dealt_batches(topology, source, control),
+        lambda control, start: dealt_batches(topology, source, control, start),
         prefetch,
         _FUNCTION_CALL,
         topology,
+        start=position,
+        process_local=topology.process_count > 1,
         source=source.describe(),
         agree=_agreement(topology),
     )

@@ -34,7 +34,14 @@ process that failed (`FAILED` elsewhere), or stopping, with a `UserWarning` nami
 processes that ran short when others still had batches. The question is asked in the
 consumer's thread, where the steps are dispatched, never in the prefetch thread: collectives
 issued from two threads at once may pair differently on each process. One process has no
-`agree` and asks nothing.
+`agree` and asks nothing. With process-local shares (see `jmirror._input`) a process may
+answer `SHORT` (a batch whose share is incomplete under `remainder="drop"`): when every
+process has a batch and any is `SHORT`, every process drops that step; on a pass's first
+step the processes also agree on their shares' size.
+
+Positions: each batch travels with the `Position` the consumer stands at once it has
+received it, the source's own state included (taken in the thread that pulled the batch),
+so `.position` never counts or holds a batch only prefetched.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ from typing import Any
 
 import jax
 
+from jmirror._source_state import SourceState
+
 
 @dataclasses.dataclass(frozen=True)
 class _Warning:
@@ -61,11 +70,51 @@ class _Warning:
 
 
 @dataclasses.dataclass(frozen=True)
+class Position:
+    """Where a pass stands: what `.position` gives, and what `start=` resumes from.
+
+    `batches` counts the source's batches up to the last one received (for a pass of
+    `distribute_datasets_from_function`, its steps); `global_batch_size` is G, None until
+    known; `processes` and `process_local` say how the source's data was split (each of the
+    `processes` reading its own share, or every one the global batches); `state` is the source
+    iterator's own state after that batch, when it has one.
+    """
+
+    batches: int
+    global_batch_size: int | None = None
+    processes: int = 1
+    process_local: bool = False
+    state: SourceState | None = None
+
+    def public(self, call: str) -> dict[str, Any]:
+        """The JSON-able dict a user saves; `TypeError` for a state that cannot be saved."""
+        out: dict[str, Any] = {
+            "format": POSITION_FORMAT,
+            "version": POSITION_VERSION,
+            "batches": self.batches,
+            "global_batch_size": self.global_batch_size,
+            "processes": self.processes,
+            "process_local": self.process_local,
+        }
+        if self.state is not None:
+            out["source_state"] = self.state.public(call)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
 class _Positioned:
-    """A batch and the input position the consumer stands at once it has received it."""
+    """A batch and the input position the consumer stands at once it has received it.
+
+    Across processes: `incomplete` marks a process-local share that `remainder="drop"` drops
+    on every process if any process's is incomplete; `share` is the rows of this process's
+    share of G (process-local input only), which the processes compare on the first step
+    they use.
+    """
 
     value: Any
-    position: int
+    position: Position
+    incomplete: bool = False
+    share: int | None = None
 
 
 class Control:
@@ -216,19 +265,17 @@ class _Prefetcher:
             pass
 
 
-# What a process has for the next step of a pass over several processes (see `agree`).
-ENDED, HAS_BATCH, FAILED = 0, 1, 2
+# What a process has for the next step of a pass over several processes (see `agree`):
+# SHORT is a batch whose process-local share is incomplete, dropped everywhere under "drop".
+ENDED, HAS_BATCH, FAILED, SHORT = 0, 1, 2, 3
 # `agree(state)`: this process's state in, every process's state out (index = process).
 Agree = Callable[[int], Sequence[int]]
 
 
 POSITION_FORMAT = "jmirror.input"
-POSITION_VERSION = 1
-
-
-def position_dict(batches: int) -> dict[str, Any]:
-    """The public, JSON-able form of an input position: `batches` global batches received."""
-    return {"format": POSITION_FORMAT, "version": POSITION_VERSION, "batches": batches}
+POSITION_VERSION = 2
+# Positions of the first version hold `batches` alone; they still resume (by counting).
+POSITION_VERSIONS = (1, 2)
 
 
 def _names(indices: list[int]) -> str:
@@ -252,8 +299,8 @@ class DistributedIterator:
 
     Supports `next()`, `close()` and `with`. The prefetch thread stops on `close()`, on
     exhaustion, on an error, and when the iterator is garbage collected; none of these waits
-    for a source blocked in its `next()` (see `jmirror._prefetch`). Iterators of
-    `strategy.distribute_dataset` also have `position`.
+    for a source blocked in its `next()` (see `jmirror._prefetch`). Every iterator has
+    `position`.
 
     Example:
         >>> import numpy as np, jmirror as jm
@@ -273,18 +320,21 @@ class DistributedIterator:
         low_priority: bool,
         control: Control,
         *,
-        position: int | None = None,
+        position: Position,
+        call: str = "strategy.distribute_dataset",
         source: str = "the source",
         agree: Agree | None = None,
     ):
         self._elements = elements
         self._agree = agree
         self._steps = 0  # batches returned by this pass
+        self._call = call
         self._source = source
         self._prefetcher = (
             _Prefetcher(elements, prefetch, low_priority, control, source) if prefetch > 0 else None
         )
         self._done = False
+        self._agreed = False  # whether the processes' shares were found equal
         self._position = position
         # The finalizer holds the thread's state, never `self`: dropping the iterator stops it.
         self._finalizer = weakref.finalize(self, _shutdown, elements, self._prefetcher, control)
@@ -304,15 +354,19 @@ class DistributedIterator:
 
     @property
     def position(self) -> dict[str, Any]:
-        """Where the consumer stands: pass it as `distribute_dataset(..., start=position)`.
+        """Where the consumer stands: pass it as `start=position` to resume there.
 
         A small JSON-able dict whose content is jmirror's own (treat it as opaque). It counts
-        the global batches this iterator has returned, the batches that `remainder="drop"`
-        skipped before them included, never those only prefetched.
+        the global batches this iterator has returned (steps, for
+        `distribute_datasets_from_function`), the batches that `remainder="drop"` skipped
+        before them included, never those only prefetched; it records the global batch size
+        and, when the source's iterator has `get_state()` and `set_state()`, the state that
+        iterator had once the last batch returned was pulled (a `bytes` state as base64
+        text), from which `start=` resumes without reading earlier elements again.
 
         Raises:
-          AttributeError: for iterators of `distribute_datasets_from_function`, which have no
-            position (`hasattr(iterator, "position")` is False there).
+          TypeError: when the source's `get_state()` returned a value that is neither
+            JSON-serializable nor `bytes` (the message names its type).
 
         Example:
             >>> import json, numpy as np, jmirror as jm
@@ -328,31 +382,25 @@ class DistributedIterator:
             >>> [int(batch.values[0, 0]) for batch in rest]
             [1, 2, 3]
         """
-        if self._position is None:
-            raise AttributeError(
-                "This iterator of strategy.distribute_datasets_from_function has no position: "
-                "jmirror does not know how the per-replica elements of dataset_fn map to a "
-                "place in your data. Resume such input in dataset_fn itself (for example, skip "
-                "the steps already trained), or use strategy.distribute_dataset, whose "
-                "iterators have .position."
-            )
-        return position_dict(self._position)
+        return self._position.public(f"{self._call}'s iterator.position")
 
     def _next_value(self) -> Any:
-        if self._done:
+        while True:
+            if self._done:
+                raise StopIteration
+            kind, value = self._next_local()
+            if isinstance(value, _Warning):
+                return value
+            if self._agree is not None and not self._check_others(kind, value):
+                self._position = value.position  # dropped on every process: received
+                continue
+            if kind == "item":
+                self._steps += 1
+                return value
+            self.close()
+            if kind == "error":
+                raise value
             raise StopIteration
-        kind, value = self._next_local()
-        if isinstance(value, _Warning):
-            return value
-        if self._agree is not None:
-            self._check_others(kind, value)
-        if kind == "item":
-            self._steps += 1
-            return value
-        self.close()
-        if kind == "error":
-            raise value
-        raise StopIteration
 
     def _next_local(self) -> tuple[str, Any]:
         """This process's next element: `("item", value)`, `("end" | "closed", None)` or
@@ -366,15 +414,25 @@ class DistributedIterator:
                 return "error", e
         return self._prefetcher.get()
 
-    def _check_others(self, kind: str, value: Any) -> None:
-        """Several processes: ends this pass where any process has no batch for this step."""
+    def _check_others(self, kind: str, value: Any) -> bool:
+        """Several processes: ends this pass where any process has no batch for this step.
+
+        Returns whether the step's batch is used: False when every process has one but some
+        process's share is incomplete under `remainder="drop"` (every process drops it)."""
         assert self._agree is not None
         mine = HAS_BATCH if kind == "item" else FAILED if kind == "error" else ENDED
+        if mine == HAS_BATCH and isinstance(value, _Positioned) and value.incomplete:
+            mine = SHORT
         states = list(self._agree(mine))
-        if all(state == HAS_BATCH for state in states):
-            return
+        if all(state in (HAS_BATCH, SHORT) for state in states):
+            if SHORT in states:
+                return False
+            if isinstance(value, _Positioned) and value.share is not None and not self._agreed:
+                self._check_shares(value.share)  # once, on the first step used
+                self._agreed = True
+            return True
         self.close()
-        if mine == FAILED:
+        if isinstance(value, BaseException):  # this process's own error (FAILED)
             raise value
         failed = [i for i, state in enumerate(states) if state == FAILED]
         step = self._steps
@@ -385,7 +443,7 @@ class DistributedIterator:
                 "ends the pass there instead of waiting for it in the step's collective."
             )
         short = [i for i, state in enumerate(states) if state == ENDED]
-        more = [i for i, state in enumerate(states) if state == HAS_BATCH]
+        more = [i for i, state in enumerate(states) if state in (HAS_BATCH, SHORT)]
         if more:
             warnings.warn(
                 f"jmirror: the input of process {_names(short)} ended after {step} batches, "
@@ -397,6 +455,22 @@ class DistributedIterator:
                 stacklevel=4,
             )
         raise StopIteration
+
+    def _check_shares(self, share: int) -> None:
+        """Process-local input: every process's share of G must hold the same rows."""
+        assert self._agree is not None
+        shares = list(self._agree(share))
+        if len(set(shares)) == 1:
+            return
+        self.close()
+        sizes = ", ".join(f"process {i}: {rows}" for i, rows in enumerate(shares))
+        raise ValueError(
+            f"{self._call}(process_local=True): the processes' first shares set different "
+            f"global batch sizes ({sizes} rows each, after rounding up to a multiple of the "
+            f"local replicas), over {self._source}. Every process's source must yield shares "
+            "of the same size (G / P rows, P the process count): give each process the same "
+            "per-process batch size."
+        )
 
     def close(self) -> None:
         """Stops the pass: stops the prefetch thread and closes the source iterator it opened.

@@ -499,15 +499,24 @@ class MirroredStrategy:
     # --- input ---------------------------------------------------------------------------------
 
     def distribute_dataset(
-        self, dataset: Any, *, remainder: str = "pad", prefetch: int = 2, start: Any = None
+        self,
+        dataset: Any,
+        *,
+        remainder: str = "pad",
+        prefetch: int = 2,
+        start: Any = None,
+        process_local: bool = False,
     ) -> DistributedDataset:
         """Splits each global batch of `dataset` into per-replica shards on the devices.
 
         A background thread keeps `prefetch` batches on the devices ahead of the consumer.
         With `remainder="pad"` every element is a `(batch, mask)` pair and incomplete batches
         are padded (shapes never change); `"drop"` skips them; `"error"` raises.
-        `start=iterator.position` resumes where an iterator stood, skipping the batches it
-        had received without placing them. See `jmirror._input.distribute_dataset`.
+        `start=iterator.position` resumes where an iterator stood: a source iterator with
+        `get_state()`/`set_state()` (grain's) is given its saved state, any other one skips
+        the batches received without placing them. With several processes and
+        `process_local=True` each process's source yields only its share of each global batch
+        (G/P rows, in process order). See `jmirror._input.distribute_dataset`.
 
         Example:
             >>> import numpy as np, jmirror as jm
@@ -520,16 +529,22 @@ class MirroredStrategy:
             True
         """
         return distribute_dataset(
-            self._topology, dataset, remainder=remainder, prefetch=prefetch, start=start
+            self._topology,
+            dataset,
+            remainder=remainder,
+            prefetch=prefetch,
+            start=start,
+            process_local=process_local,
         )
 
     def distribute_datasets_from_function(
-        self, dataset_fn: Callable[..., Any], *, prefetch: int = 2
+        self, dataset_fn: Callable[..., Any], *, prefetch: int = 2, start: Any = None
     ) -> DistributedDataset:
         """Deals the per-replica batches of `dataset_fn(jm.InputContext(...))` to replicas.
 
         N consecutive elements form one step, element i going to replica i; a final group of
-        fewer than N is dropped with a warning. See
+        fewer than N is dropped with a warning. Iterators have `.position` (steps, and the
+        pipeline's own state when it has one); `start=iterator.position` resumes there. See
         `jmirror._input.distribute_datasets_from_function`.
 
         Example:
@@ -542,7 +557,9 @@ class MirroredStrategy:
             >>> len(list(data))
             2
         """
-        return distribute_datasets_from_function(self._topology, dataset_fn, prefetch=prefetch)
+        return distribute_datasets_from_function(
+            self._topology, dataset_fn, prefetch=prefetch, start=start
+        )
 
 
 def _check_axis_name(axis_name: Any, argument: str = "axis_name", other: Any = None) -> None:

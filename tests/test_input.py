@@ -345,7 +345,7 @@ def test_prefetch_thread_keeps_its_priority_for_accelerator_steps():
     def source():
         yield os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
-    gpu_strategy = SimpleNamespace(devices=[SimpleNamespace(platform="gpu")])
+    gpu_strategy = SimpleNamespace(devices=[SimpleNamespace(platform="gpu")], process_count=1)
 
     def open_elements(control, skip):  # one pass, as jmirror._input opens them
         return source()

@@ -239,15 +239,6 @@ def test_a_start_beyond_the_source_is_a_value_error(s, n):
         list(short)
 
 
-def test_datasets_from_function_has_no_position(s, n):
-    data = s.distribute_datasets_from_function(lambda ctx: [np.zeros((2,))] * n)
-    it = iter(data)
-    with pytest.raises(AttributeError, match="dataset_fn"):
-        it.position  # noqa: B018
-    assert not hasattr(it, "position")
-    it.close()
-
-
 def test_position_reads_are_safe_from_another_thread(s, n):
     batches = _batches([4 * n] * 20)
     it = iter(s.distribute_dataset(batches, remainder="drop", prefetch=2))

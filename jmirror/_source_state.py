@@ -1,0 +1,107 @@
+"""A source iterator's own state: taken with each batch, carried in positions, given back.
+
+An iterator with `get_state()` and `set_state(state)` (grain's `DatasetIterator`, the iterator
+of a `grain.DataLoader`, or any iterator with the two methods) is resumed by its own state
+instead of by pulling and dropping the batches already received: `set_state` is one call
+whatever the position, and no earlier element is read again.
+
+The state is taken in the thread that pulls the source (the prefetch thread), right after the
+element it belongs to, so a position never holds the state of a batch only prefetched. It is
+frozen at once as text: JSON for a JSON-serializable state, base64 for `bytes` (a
+`grain.DataLoader` iterator's state), so that later changes to a state object the iterator
+keeps and reuses cannot reach it, and a position stays JSON-serializable. A state that is
+neither is kept as it is and refused (`TypeError`, naming its type) only when a position is
+read: iterating never fails for it.
+
+Another process count: a process-local source's state says where this process's share
+stands, which another number of processes cannot continue from, unless the source is made
+for it. grain's `ElasticIterator` is: every shard's state is the same global index, from which
+any number of shards can go on. grain is never imported here: an iterator is grain's only if
+the caller's program imported grain and made it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import json
+import sys
+from typing import Any
+
+# grain's elastic iterator: its state (the next global index) moves to any shard count.
+_GRAIN_ELASTIC = ("grain._src.python.dataset.elastic_iterator", "_ElasticMapDatasetIterator")
+
+
+def has_state(iterator: Any) -> bool:
+    """Whether `iterator` can be positioned by its own state (`get_state` and `set_state`)."""
+    return callable(getattr(iterator, "get_state", None)) and callable(
+        getattr(iterator, "set_state", None)
+    )
+
+
+def is_movable(iterator: Any) -> bool:
+    """Whether `iterator`'s state restores on another number of processes (grain's
+    `ElasticIterator`, recognized only when grain is already imported)."""
+    module = sys.modules.get(_GRAIN_ELASTIC[0])
+    elastic = getattr(module, _GRAIN_ELASTIC[1], None) if module is not None else None
+    return isinstance(elastic, type) and isinstance(iterator, elastic)
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceState:
+    """A source iterator's state, frozen as text.
+
+    `text` is the state's JSON, or the base64 of a `bytes` state (`is_bytes`); None when the
+    state is neither (`kind` names its type for the error).
+    """
+
+    text: str | None
+    is_bytes: bool = False
+    kind: str = ""
+
+    def public(self, call: str) -> dict[str, Any]:
+        """The state as a position holds it: `{"json": value}` or `{"bytes": base64 text}`."""
+        if self.text is None:
+            raise TypeError(
+                f"{call}: the source iterator's get_state() returned a {self.kind}, which is "
+                "neither JSON-serializable nor bytes, so this position cannot be saved (a "
+                "checkpoint's data is JSON). Make get_state() return JSON-able values (dicts, "
+                "lists, str, int, float, bool, None) or bytes, e.g. json.dumps(state).encode()."
+            )
+        return {"bytes": self.text} if self.is_bytes else {"json": json.loads(self.text)}
+
+    def value(self) -> Any:
+        """The state to give `set_state`: the JSON value, or the bytes."""
+        if self.text is None:
+            raise TypeError(f"a source state of type {self.kind} has no saved form")
+        return base64.b64decode(self.text) if self.is_bytes else json.loads(self.text)
+
+
+def take(iterator: Any) -> SourceState:
+    """`iterator.get_state()`, frozen: later changes to the object it returned do not count."""
+    state = iterator.get_state()
+    if isinstance(state, bytes | bytearray | memoryview):
+        return SourceState(base64.b64encode(bytes(state)).decode("ascii"), is_bytes=True)
+    try:
+        return SourceState(json.dumps(state))
+    except (TypeError, ValueError):
+        return SourceState(None, kind=type(state).__qualname__)
+
+
+def read_public(call: str, entry: Any) -> SourceState:
+    """A position's `source_state` entry back as a `SourceState`; `ValueError` if damaged."""
+    if isinstance(entry, dict) and set(entry) == {"json"}:
+        return SourceState(json.dumps(entry["json"]))
+    if isinstance(entry, dict) and set(entry) == {"bytes"} and isinstance(entry["bytes"], str):
+        try:
+            base64.b64decode(entry["bytes"], validate=True)
+        except (binascii.Error, ValueError):
+            pass
+        else:
+            return SourceState(entry["bytes"], is_bytes=True)
+    raise ValueError(
+        f"{call}(start=...): the position's 'source_state' must be {{'json': value}} or "
+        f"{{'bytes': base64 text}}, as an iterator's `.position` gives it, got "
+        f"{str(entry)[:80]}. Pass `.position` unchanged (a JSON round trip keeps it valid)."
+    )
