@@ -107,7 +107,7 @@ def start_metric(variable: Any, replica_id: jax.Array) -> None:
     variable.set_raw_value(jnp.where(replica_id == 0, value, jnp.zeros_like(value)))
 
 
-@jax.tree_util.register_pytree_with_keys_class
+@jax.tree_util.register_dataclass
 class MetricComponents(SyncOnRead):
     """A metric `Variable`'s sync-on-read state outside the replicas.
 

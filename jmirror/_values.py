@@ -256,7 +256,8 @@ def _describe_items(values: Any) -> str:
         return "no items that can be listed"
 
 
-@jax.tree_util.register_pytree_with_keys_class
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class SyncOnRead:
     """Per-replica storage written without communication and aggregated when read.
 
@@ -276,18 +277,16 @@ class SyncOnRead:
         (<Aggregation.MEAN: 'mean'>, 2.0)
     """
 
-    __slots__ = ("value", "aggregation")
     value: PyTree
-    aggregation: Aggregation
+    aggregation: Aggregation = dataclasses.field(
+        default=Aggregation.SUM, metadata={"static": True}
+    )
 
-    def __init__(self, value: PyTree, aggregation: Aggregation | str = Aggregation.SUM):
-        object.__setattr__(self, "value", value)
-        object.__setattr__(self, "aggregation", Aggregation(aggregation))
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise dataclasses.FrozenInstanceError(
-            f"SyncOnRead is immutable; use .replace(new_value) instead of setting {name!r}."
-        )
+    def __post_init__(self) -> None:
+        # Only the static aggregation is converted: unflattening (with tracers as the value)
+        # runs this too, and never looks at the value.
+        if type(self.aggregation) is not Aggregation:
+            object.__setattr__(self, "aggregation", Aggregation(self.aggregation))
 
     def replace(self, value: PyTree) -> SyncOnRead:
         """Returns a new `SyncOnRead` holding `value` with the same aggregation.
@@ -298,16 +297,6 @@ class SyncOnRead:
             SyncOnRead(value=2.0, aggregation='mean')
         """
         return SyncOnRead(value, self.aggregation)
-
-    def tree_flatten_with_keys(self):
-        return ((jax.tree_util.GetAttrKey("value"), self.value),), self.aggregation
-
-    @classmethod
-    def tree_unflatten(cls, aggregation: Aggregation, children) -> SyncOnRead:
-        node = cls.__new__(cls)
-        object.__setattr__(node, "value", children[0])
-        object.__setattr__(node, "aggregation", aggregation)
-        return node
 
     def __repr__(self) -> str:
         value = self.value
@@ -332,7 +321,8 @@ class ValueContext:
     num_replicas: int = 1
 
 
-@jax.tree_util.register_pytree_with_keys_class
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class Sharded:
     """One leaf of a sharded optimizer state (`jm.shard_update`): 1/N of it on each replica.
 
@@ -355,16 +345,12 @@ class Sharded:
         ((3,), 3, (2, 2))
     """
 
-    __slots__ = ("shards", "shape")
     shards: Any
-    shape: tuple[int, ...]
+    shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
 
-    def __init__(self, shards: Any, shape: Sequence[int]):
-        object.__setattr__(self, "shards", shards)
-        object.__setattr__(self, "shape", tuple(int(d) for d in shape))
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise dataclasses.FrozenInstanceError(f"Sharded is immutable; cannot set {name!r}.")
+    def __post_init__(self) -> None:
+        if type(self.shape) is not tuple or not all(type(d) is int for d in self.shape):
+            object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
 
     @property
     def size(self) -> int:
@@ -375,16 +361,6 @@ class Sharded:
     def dtype(self) -> Any:
         """The leaf's dtype."""
         return self.shards.dtype
-
-    def tree_flatten_with_keys(self):
-        return ((jax.tree_util.GetAttrKey("shards"), self.shards),), self.shape
-
-    @classmethod
-    def tree_unflatten(cls, shape: tuple[int, ...], children) -> Sharded:
-        node = cls.__new__(cls)
-        object.__setattr__(node, "shards", children[0])
-        object.__setattr__(node, "shape", shape)
-        return node
 
     def __repr__(self) -> str:
         shards = self.shards

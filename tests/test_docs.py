@@ -34,6 +34,7 @@ EXPECTED_ALL = {
     "num_replicas",
     "replica_context",
     "replica_id",
+    "replica_key",
     "replicate",
     "shard_update",
     "sync",
