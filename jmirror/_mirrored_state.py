@@ -7,12 +7,17 @@ replicas; this module turns that into
 
 - `MirroredStateError` (a `ValueError`): state lost its mirroring — an NNX `Variable` written
   back (found by `jmirror._nnx`), or a field of a dataclass state (a flax `TrainState`, any
-  `flax.struct` or other dataclass pytree) returned where one was passed (`check_returned`).
-  It is raised while the step is traced, so nothing has run and nothing was donated;
-- `MirroredStateWarning` (a `UserWarning`): a plain pytree returned with the structure,
-  shapes and dtypes of a mirrored argument, some of it no longer proven mirrored (the
-  functional `state = step(state, batch)` pattern, where jmirror cannot tell state from a
-  per-replica result).
+  `flax.struct` or other dataclass pytree) that entered mirrored, wherever it comes back
+  (`check_returned`): at any depth of the result (`(state, ema), loss` carries), matched to
+  the argument of its type and by its path in it (a structure that changed on the way still
+  checks the fields that were there), whatever else the state holds (`PerReplica`,
+  `SyncOnRead` and `Sharded` leaves are left alone, never the rest). It is raised while the
+  step is traced, so nothing has run and nothing was donated;
+- `MirroredStateWarning` (a `UserWarning`): a plain pytree returned (at any depth of tuples,
+  lists and dicts) with the structure, shapes and dtypes of a plain argument pytree (at any
+  depth too), some of what entered it mirrored no longer proven mirrored (the functional
+  `state = step(state, batch)` pattern, where jmirror cannot tell state from a per-replica
+  result).
 
 The messages name the paths, the owner and the fix the cause calls for (`Diverged.cause`).
 """
@@ -198,7 +203,7 @@ class Traced:
 
 
 def check_returned(traced: Traced) -> list[Diverged]:
-    """The trace-time check of a call that no adapter took (see the module docstring).
+    """Checks, at trace time, a call that no adapter took (see the module docstring).
 
     Raises `MirroredStateError` for a field of dataclass state that entered mirrored and
     comes back not proven mirrored; returns what the warning of plain pytrees names (empty:
@@ -225,7 +230,7 @@ _NOT_MIRRORED = object()
 def _check_dataclasses(
     traced: Traced, per_replica: PathPredicate | None, checked: set[int]
 ) -> list[Diverged]:
-    """Every field of a returned dataclass that entered mirrored in the argument it stands
+    """Returns every field of a returned dataclass that entered mirrored in the argument it stands
     for and comes back not proven mirrored, at any depth of the result.
 
     A returned dataclass stands for an argument dataclass of its type, at any depth of the
@@ -265,7 +270,7 @@ def _check_dataclasses(
 def _check_plain(
     traced: Traced, per_replica: PathPredicate | None, checked: set[int]
 ) -> list[Diverged]:
-    """The leaves of returned plain pytrees (at any depth of tuples, lists and dicts) that
+    """Returns the leaves of returned plain pytrees (at any depth of tuples, lists and dicts) that
     have the structure, shapes and dtypes of a plain argument pytree (at any depth too),
     entered it mirrored and come back not proven mirrored."""
     candidates: dict[Any, list[tuple[str, Any]]] = {}
@@ -304,7 +309,7 @@ def _is_dataclass_node(x: Any) -> bool:
 
 
 def _outermost_dataclasses(tree: Any, root: bool = False) -> list[tuple[tuple, Any]]:
-    """The outermost dataclass nodes of `tree` (`root`: `tree` itself when it is one; else
+    """Returns the outermost dataclass nodes of `tree` (`root`: `tree` itself when it is one; else
     below it): `(path, node)`."""
     found = jax.tree_util.tree_flatten_with_path(
         tree,
@@ -314,7 +319,7 @@ def _outermost_dataclasses(tree: Any, root: bool = False) -> list[tuple[tuple, A
 
 
 def _dataclass_nodes(tree: Any) -> list[tuple[tuple, Any]]:
-    """Every dataclass node of `tree` below its root, at any depth: `(path, node)`."""
+    """Returns every dataclass node of `tree` below its root, at any depth: `(path, node)`."""
     found = []
     for path, node in _outermost_dataclasses(tree):
         found.append((path, node))
@@ -323,14 +328,14 @@ def _dataclass_nodes(tree: Any) -> list[tuple[tuple, Any]]:
 
 
 def _entered(state: Any) -> dict[tuple, Any]:
-    """The leaves of an argument's dataclass by their path in it, `_NOT_MIRRORED` for those
+    """Returns the leaves of an argument's dataclass by their path in it, `_NOT_MIRRORED` for those
     that entered distributed."""
     flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_distributed)[0]
     return {p: _NOT_MIRRORED if is_distributed(x) else x for p, x in flat}
 
 
 def _common_suffix(a: tuple, b: tuple) -> int:
-    """How many keys two paths end with in common."""
+    """Counts the keys that two paths end with in common."""
     n = 0
     while n < min(len(a), len(b)) and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
         n += 1
@@ -338,7 +343,7 @@ def _common_suffix(a: tuple, b: tuple) -> int:
 
 
 def _plain_subtrees(tree: Any, path: tuple = ()) -> list[tuple[tuple, Any]]:
-    """`tree` and, at any depth, the items of the tuples, lists and dicts in it (not
+    """Returns `tree` and, at any depth, the items of the tuples, lists and dicts in it (not
     NamedTuples, dataclasses or other pytree nodes, which stand for one value): `(path,
     value)`, outer first."""
     found = [(path, tree)]

@@ -547,7 +547,7 @@ def _fold_streams(nnx: Any, root: Any, replica_id: jax.Array) -> list[tuple[Any,
 
 
 def _restore_key(written: Any, original: Any, folded: Any) -> Any:
-    """A stream's key after the user's function: the original where the function left the
+    """Returns a stream's key after the user's function: the original where the function left the
     folded key as it was (also through `nnx.jit`, `nnx.remat` and other transforms, which
     write back a new value: the proof decides, `jmirror._proof.restore_key`), else the key
     the function set (a reseed)."""

@@ -20,17 +20,23 @@ marks every variable *varying* (may differ between replicas) or *identical*:
 The analysis is sound (an identical value never differs) and conservative where it cannot
 see through an equation. It also reports, for each *marker*, which of its inputs vary.
 
-It also knows which values are passed through unchanged: an output of a call (`jit`,
-`remat`, custom derivatives), of a `cond` whose every branch returns the same operand, or a
-loop carry that every iteration returns as it got it, *is* that operand. `restore_key` asks
-that question: an rng stream's key that the replica function left as it was, even passed
-through `nnx.jit` or `nnx.remat` (which give back a new value), is restored to the original.
-
 A marker is an equation of the `jmirror_marker` primitive defined here: an identity on its
 operands, carrying a `marker_id`. `sync` and `merge_call` (see `_context.py`) pass the values
 they need to know about through `mark(values, marker_id)` while the replica function is traced;
 the proof finds the equation by its primitive and reports on its operands. The primitive is
 transparent to JAX's transformations (differentiation, batching) and lowers to nothing.
+
+The proof also knows which values are passed through unchanged: an output of a call (`jit`,
+`remat`, custom derivatives), of a `cond` whose every branch returns the same operand, or a
+loop carry that every iteration returns as it got it, *is* that operand. A key restore, an
+equation of the `jmirror_restore_key` primitive (`restore_key(written, original, folded)`,
+see `_nnx.py`), asks that question of an rng stream's key after the replica function: when
+the key the function left *is* the key with the replica id folded in, passed through
+(`nnx.jit` and `nnx.remat` give it back as a new value), the proof decides for the original
+key (identical on every replica), else for the written one (a reseed: what the proof says of
+it). The decision is structural, made from the jaxpr alone, and the primitive lowers to what
+was decided (its `KeyChoice`), so what runs is what was proven; undecided (lowered without
+the proof) it gives the original wherever the written key equals the folded one.
 """
 
 from __future__ import annotations
@@ -66,24 +72,8 @@ def mark(values: Sequence[Any], marker_id: int) -> list[Any]:
     return MARKER.bind(*values, marker_id=marker_id)
 
 
-# The call primitives whose one jaxpr is the equation itself (operands in, results out).
-_CALLS = frozenset(
-    {
-        "jit",
-        "pjit",
-        "closed_call",
-        "core_call",
-        "remat2",
-        "checkpoint",
-        "custom_jvp_call",
-        "custom_vjp_call",
-        "custom_vjp_call_jaxpr",
-    }
-)
-
-
 class KeyChoice:
-    """What one `restore_key` gives, decided by the proof (`Proof`) from the jaxpr alone:
+    """Holds what one `restore_key` gives, decided by the proof (`Proof`) from the jaxpr alone:
     the original key (`restore` True), the key the function wrote (False), or not decided
     yet (None: the original wherever the written key equals the folded one)."""
 
@@ -100,7 +90,7 @@ RESTORE = jex.Primitive("jmirror_restore_key")
 
 
 def restore_key(written: Any, original: Any, folded: Any) -> Any:
-    """An rng stream's key after the replica function: `original` when `written` is the
+    """Returns an rng stream's key after the replica function: `original` when `written` is the
     `folded` key passed through unchanged (the proof decides), else `written`.
 
     The three are arrays of one shape and dtype (typed PRNG keys or raw key data).
@@ -109,11 +99,20 @@ def restore_key(written: Any, original: Any, folded: Any) -> Any:
 
 
 def _restore_select(written: Any, original: Any, folded: Any) -> Any:
-    """The undecided restore: `original` wherever `written` equals `folded`."""
-    if jax.dtypes.issubdtype(written.dtype, jax.dtypes.prng_key):
-        same = jax.random.key_data(written) == jax.random.key_data(folded)
-        return jax.lax.select(jax.numpy.all(same, axis=-1), original, written)
-    return jax.lax.select(written == folded, original, written)
+    """Returns the undecided restore: `original` for each key that `written` holds equal to
+    `folded`'s (raw key data: a key along the last axis)."""
+    typed = jax.numpy.issubdtype(written.dtype, jax.dtypes.prng_key)
+    a, b = (
+        (jax.random.key_data(written), jax.random.key_data(folded)) if typed else (written, folded)
+    )
+    same = jax.numpy.all(a == b, axis=-1, keepdims=not typed) if a.ndim else a == b
+    return jax.lax.select(jax.numpy.broadcast_to(same, written.shape), original, written)
+
+
+def _restore_impl(written: Any, original: Any, folded: Any, *, choice: KeyChoice) -> Any:
+    if choice.restore is None:
+        return _restore_select(written, original, folded)
+    return original if choice.restore else written
 
 
 def _restore_lowering(ctx: Any, written: Any, original: Any, folded: Any, *, choice: KeyChoice):
@@ -132,22 +131,26 @@ def _restore_batch(args: Sequence[Any], dims: Sequence[Any], *, choice: KeyChoic
     return RESTORE.bind(*moved, choice=choice), 0
 
 
-def _restore_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, choice: KeyChoice):
-    out = RESTORE.bind(*primals, choice=choice)
-    return out, ad.Zero.from_primal_value(out)
-
-
-RESTORE.def_impl(
-    lambda written, original, folded, *, choice: (
-        _restore_select(written, original, folded)
-        if choice.restore is None
-        else (original if choice.restore else written)
-    )
-)
+RESTORE.def_impl(_restore_impl)
 RESTORE.def_abstract_eval(lambda written, original, folded, *, choice: written)
 mlir.register_lowering(RESTORE, _restore_lowering)
 batching.primitive_batchers[RESTORE] = _restore_batch
-ad.primitive_jvps[RESTORE] = _restore_jvp
+
+
+# The call primitives whose one jaxpr is the equation itself (operands in, results out).
+_CALLS = frozenset(
+    {
+        "jit",
+        "pjit",
+        "closed_call",
+        "core_call",
+        "remat2",
+        "checkpoint",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+    }
+)
 
 
 _REDUCTIONS = frozenset({"psum", "pmax", "pmin", "all_gather", "psum_invariant"})
@@ -234,7 +237,8 @@ class Proof:
     # --- values passed through unchanged ------------------------------------------------------
 
     def root(self, jaxpr: Any, atom: Any) -> Any:
-        """The variable of `jaxpr` that `atom` is, passed through unchanged (itself if none)."""
+        """Returns the variable of `jaxpr` that `atom` is, passed through unchanged (itself
+        if none)."""
         if isinstance(atom, jex.Literal):
             return atom
         cached = self._roots.get(id(jaxpr))
@@ -248,7 +252,7 @@ class Proof:
         return cached[1].get(atom, atom)
 
     def _forwarded(self, closed: Any) -> list[int | None]:
-        """For each output of a jaxpr, the input it is unchanged (None: computed)."""
+        """Returns, for each output of a jaxpr, the input it is unchanged (None: computed)."""
         jaxpr = closed.jaxpr if hasattr(closed, "jaxpr") else closed
         index = {v: k for k, v in enumerate(jaxpr.invars)}
         return [
@@ -257,7 +261,7 @@ class Proof:
         ]
 
     def _forwards(self, eqn: Any) -> list[int | None]:
-        """For each output of an equation, the operand it is unchanged (None: computed)."""
+        """Returns, for each output of an equation, the operand it is (None: computed)."""
         n_out, name = len(eqn.outvars), eqn.primitive.name
         if eqn.primitive is MARKER:
             return list(range(n_out))

@@ -160,3 +160,6 @@ def test_an_undecided_restore_compares_values():
     np.testing.assert_array_equal(
         jax.random.key_data(got), jax.random.key_data(jnp.stack([original, other]))
     )
+    raw = jnp.asarray([[5, 6], [5, 7]], jnp.uint32)  # raw key data: one word differs
+    got = jax.vmap(_proof.restore_key, in_axes=(0, None, None))(raw, raw[0] * 0, raw[0])
+    np.testing.assert_array_equal(got, [[0, 0], [5, 7]])
