@@ -244,3 +244,27 @@ def test_a_dataclass_whose_structure_changes_is_matched_by_path(strategy):
     filled = jm.replicate(lambda h, x: fill(h, x, True), strategy=strategy)(holder, x)
     assert not isinstance(filled.state.params["Dense_0"]["kernel"], jm.PerReplica)
     assert int(strategy.read(filled.step)) == 1
+
+
+def test_a_plain_state_deep_in_the_result_warns_with_its_path(strategy):
+    """A plain pytree has no type to match: the one shaped like a mirrored argument warns,
+    wherever it comes back; reduced gradients do not."""
+    n = strategy.num_replicas
+    params = strategy.mirror({"w": jnp.ones((5, 3)), "b": jnp.zeros((3,))})
+    x = jm.PerReplica(_global_batch(n).reshape(n, -1, 5))
+
+    def sgd(params, x, reduce):
+        grads = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"]) ** 2))(params)
+        grads = jm.all_reduce("mean", grads) if reduce else grads
+        new = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+        return {"train": {"carry": (new, jnp.zeros(()))}}, jm.all_reduce("mean", jnp.mean(x))
+
+    step = jm.replicate(lambda p, x: sgd(p, x, reduce=False), strategy=strategy)
+    with pytest.warns(
+        jm.MirroredStateWarning, match=r"result\[0\]\['train'\]\['carry'\]\[0\]\['w'\]"
+    ):
+        step(params, x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, _ = jm.replicate(lambda p, x: sgd(p, x, reduce=True), strategy=strategy)(params, x)
+    assert not isinstance(out["train"]["carry"][0]["w"], jm.PerReplica)
