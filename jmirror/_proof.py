@@ -229,14 +229,14 @@ class Proof:
     def _restore(self, jaxpr: Any, eqn: Any, ins: list[bool]) -> bool:
         """Decides a `restore_key`: the original key when the written one is the folded key
         passed through unchanged (sound: it then holds the folded value on every replica)."""
-        written, _, folded = (self.root(jaxpr, v) for v in eqn.invars)
+        written, _, folded = (self._root(jaxpr, v) for v in eqn.invars)
         restore = written is folded and not isinstance(written, jex.Literal)
         eqn.params["choice"].restore = restore
         return ins[1] if restore else ins[0]
 
     # --- values passed through unchanged ------------------------------------------------------
 
-    def root(self, jaxpr: Any, atom: Any) -> Any:
+    def _root(self, jaxpr: Any, atom: Any) -> Any:
         """Returns the variable of `jaxpr` that `atom` is, passed through unchanged (itself
         if none)."""
         if isinstance(atom, jex.Literal):
@@ -256,7 +256,7 @@ class Proof:
         jaxpr = closed.jaxpr if hasattr(closed, "jaxpr") else closed
         index = {v: k for k, v in enumerate(jaxpr.invars)}
         return [
-            None if isinstance(v, jex.Literal) else index.get(self.root(jaxpr, v))
+            None if isinstance(v, jex.Literal) else index.get(self._root(jaxpr, v))
             for v in jaxpr.outvars
         ]
 
