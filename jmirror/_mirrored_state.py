@@ -7,12 +7,17 @@ replicas; this module turns that into
 
 - `MirroredStateError` (a `ValueError`): state lost its mirroring — an NNX `Variable` written
   back (found by `jmirror._nnx`), or a field of a dataclass state (a flax `TrainState`, any
-  `flax.struct` or other dataclass pytree) returned where one was passed (`check_returned`).
-  It is raised while the step is traced, so nothing has run and nothing was donated;
-- `MirroredStateWarning` (a `UserWarning`): a plain pytree returned with the structure,
-  shapes and dtypes of a mirrored argument, some of it no longer proven mirrored (the
-  functional `state = step(state, batch)` pattern, where jmirror cannot tell state from a
-  per-replica result).
+  `flax.struct` or other dataclass pytree) that entered mirrored, wherever it comes back
+  (`check_returned`): at any depth of the result (`(state, ema), loss` carries), matched to
+  the argument of its type and by its path in it (a structure that changed on the way still
+  checks the fields that were there), whatever else the state holds (`PerReplica`,
+  `SyncOnRead` and `Sharded` leaves are left alone, never the rest). It is raised while the
+  step is traced, so nothing has run and nothing was donated;
+- `MirroredStateWarning` (a `UserWarning`): a plain pytree returned (at any depth of tuples,
+  lists and dicts) with the structure, shapes and dtypes of a plain argument pytree (at any
+  depth too), some of what entered it mirrored no longer proven mirrored (the functional
+  `state = step(state, batch)` pattern, where jmirror cannot tell state from a per-replica
+  result).
 
 The messages name the paths, the owner and the fix the cause calls for (`Diverged.cause`).
 """
@@ -233,50 +238,16 @@ def _state_kind(x: Any) -> StateKind | None:
 
 
 def check_returned(traced: Traced) -> list[Diverged]:
-    """The trace-time check of a call that no adapter took (see the module docstring).
+    """Checks, at trace time, a call that no adapter took (see the module docstring).
 
-    Raises `MirroredStateError` for a dataclass state returned where one was passed; returns
-    what the warning of a plain pytree names (empty: nothing).
+    Raises `MirroredStateError` for a field of dataclass state that entered mirrored and
+    comes back not proven mirrored; returns what the warning of plain pytrees names (empty:
+    nothing).
     """
-    inputs, result, argument_path = traced.inputs, traced.result, traced.argument_path
     per_replica = as_predicate(traced.per_replica)
-    candidates = _mirrored_arguments(inputs, argument_path)
-    if not candidates:
-        return []
-    warned: list[Diverged] = []
-    refused: list[Diverged] = []
-    for where, out in _returned(result):
-        out_def = jax.tree_util.tree_structure(out, is_leaf=is_distributed)
-        for arg_where, arg, arg_def in candidates:
-            if arg_def != out_def or not _same_leaves(arg, out):
-                continue
-            leaves = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_distributed)[0]
-            split = [
-                p
-                for p, x in leaves
-                if traced.diverged(x) and not (per_replica and per_replica(p, x.values))
-            ]
-            if not split:
-                break
-            state_kind = _state_kind(out)
-            if state_kind is not None or dataclasses.is_dataclass(out):
-                kind = type(out).__name__
-                refused += [
-                    Diverged(
-                        f"{where}{jax.tree_util.keystr(p)}",
-                        f"a {kind} field",
-                        (state_kind.cause(traced, out, p) if state_kind else None) or _cause(p),
-                    )
-                    for p in split
-                ]
-            else:
-                warned += [
-                    Diverged(f"{where}{jax.tree_util.keystr(p)}", f"like {arg_where}", _cause(p))
-                    for p in split
-                ]
-            break
-    refuse(traced.name, refused)
-    return warned
+    checked: set[int] = set()  # result leaves inside returned dataclass state
+    refuse(traced.name, _check_dataclasses(traced, per_replica, checked))
+    return _check_plain(traced, per_replica, checked)
 
 
 def warning(name: str, diverged: Sequence[Diverged]) -> str:
@@ -287,42 +258,147 @@ def warning(name: str, diverged: Sequence[Diverged]) -> str:
     )
 
 
-def _mirrored_arguments(inputs: tuple[tuple, dict], argument_path: Callable[[tuple], str]):
-    """The arguments (and items of container arguments) that are pytrees of leaves none of
-    which is distributed (state, mirrored): `(where, value, treedef)`."""
+# A state leaf that entered distributed, or not at all, in `_entered`.
+_NOT_MIRRORED = object()
+
+
+def _check_dataclasses(
+    traced: Traced, per_replica: PathPredicate | None, checked: set[int]
+) -> list[Diverged]:
+    """Returns every field of a returned dataclass that entered mirrored in the argument it stands
+    for and comes back not proven mirrored, at any depth of the result.
+
+    A returned dataclass stands for an argument dataclass of its type, at any depth of the
+    arguments (the one whose path ends most like the result's: `(state, ema)` in and out
+    pairs item with item). Fields are matched by their path inside it, so a structure that
+    changed (an `ema=None` filled) still checks the fields that were there; distributed
+    leaves (`PerReplica`, `SyncOnRead`, `Sharded`) are left alone, the rest is checked.
+    """
+    states: dict[type, list[tuple[tuple, Any]]] = {}
+    for path, node in _dataclass_nodes(traced.inputs):
+        states.setdefault(type(node), []).append((path, node))
+    if not states:
+        return []
+    diverged: list[Diverged] = []
+    pending = [((), traced.result, True)]
+    for prefix, tree, root in pending:  # grows while it is walked: outer results first
+        for path, out in _outermost_dataclasses(tree, root):
+            where = prefix + path
+            candidates = states.get(type(out))
+            if candidates is None:  # not state that was passed: look inside it
+                pending.append((where, out, False))
+                continue
+            _, arg = max(candidates, key=lambda c: _common_suffix(c[0][1:], where))
+            entered = _entered(arg)
+            kind = type(out).__name__
+            state_kind = _state_kind(out)
+            for p, x in jax.tree_util.tree_flatten_with_path(out, is_leaf=is_distributed)[0]:
+                checked.add(id(x))
+                if not traced.diverged(x) or entered.get(p, _NOT_MIRRORED) is _NOT_MIRRORED:
+                    continue
+                if per_replica is not None and per_replica(p, x.values):
+                    continue
+                at = f"result{jax.tree_util.keystr(where)}{jax.tree_util.keystr(p)}"
+                cause = state_kind.cause(traced, out, p) if state_kind is not None else None
+                diverged.append(Diverged(at, f"a {kind} field", cause or _cause(p)))
+    return diverged
+
+
+def _check_plain(
+    traced: Traced, per_replica: PathPredicate | None, checked: set[int]
+) -> list[Diverged]:
+    """Returns the leaves of returned plain pytrees (at any depth of tuples, lists and dicts) that
+    have the structure, shapes and dtypes of a plain argument pytree (at any depth too),
+    entered it mirrored and come back not proven mirrored."""
+    candidates: dict[Any, list[tuple[str, Any]]] = {}
+    for path, value in _plain_subtrees(traced.inputs):
+        if len(path) < 2:
+            continue  # `(args, kwargs)` and `args` themselves: not one argument
+        leaves, treedef = jax.tree_util.tree_flatten(value, is_leaf=is_distributed)
+        if not jax.tree_util.treedef_is_leaf(treedef) and not all(map(is_distributed, leaves)):
+            candidates.setdefault(treedef, []).append((traced.argument_path(path), value))
+    if not candidates:
+        return []
+    warned: list[Diverged] = []
+    for sub, out in _plain_subtrees(traced.result):
+        leaves, out_def = jax.tree_util.tree_flatten_with_path(out, is_leaf=is_distributed)
+        if any(id(x) in checked for _, x in leaves):
+            continue  # the leaves of an item that matched already, or of dataclass state
+        match = next((c for c in candidates.get(out_def, ()) if _same_leaves(c[1], out)), None)
+        if match is None:
+            continue
+        arg_where, arg = match
+        before = jax.tree_util.tree_leaves(arg, is_leaf=is_distributed)
+        where = "result" + jax.tree_util.keystr(sub)
+        for (p, x), b in zip(leaves, before):
+            checked.add(id(x))
+            if not traced.diverged(x) or is_distributed(b):
+                continue
+            if per_replica is not None and per_replica(p, x.values):
+                continue
+            at = f"{where}{jax.tree_util.keystr(p)}"
+            warned.append(Diverged(at, f"like {arg_where}", _cause(p)))
+    return warned
+
+
+def _is_dataclass_node(x: Any) -> bool:
+    """Returns whether `x` is state: a dataclass instance or a registered state kind's."""
+    if isinstance(x, type) or is_distributed(x):
+        return False
+    if not (dataclasses.is_dataclass(x) or _state_kind(x) is not None):
+        return False
+    # A dataclass that is no pytree node is a static leaf (a config object), not state.
+    return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
+
+
+def _outermost_dataclasses(tree: Any, root: bool = False) -> list[tuple[tuple, Any]]:
+    """Returns the outermost dataclass nodes of `tree` (`root`: `tree` itself when it is one; else
+    below it): `(path, node)`."""
+    found = jax.tree_util.tree_flatten_with_path(
+        tree,
+        is_leaf=lambda x: (root or x is not tree) and (is_distributed(x) or _is_dataclass_node(x)),
+    )[0]
+    return [(p, x) for p, x in found if (root or x is not tree) and _is_dataclass_node(x)]
+
+
+def _dataclass_nodes(tree: Any) -> list[tuple[tuple, Any]]:
+    """Returns every dataclass node of `tree` below its root, at any depth: `(path, node)`."""
     found = []
-    dynamic, kwargs = inputs
-    tops = [((0, i), a) for i, a in enumerate(dynamic)] + [((1, k), a) for k, a in kwargs.items()]
-    for (kind, key), a in tops:
-        for sub, value in _one_deep(a):
-            leaves, treedef = jax.tree_util.tree_flatten(value, is_leaf=is_distributed)
-            if jax.tree_util.treedef_is_leaf(treedef):
-                continue  # a bare array: as often a per-replica result's shape as state
-            if leaves and not any(is_distributed(x) for x in leaves):
-                first = jax.tree_util.SequenceKey(kind)
-                top = (
-                    jax.tree_util.SequenceKey(key) if kind == 0 else jax.tree_util.DictKey(key)  # type: ignore[arg-type]
-                )
-                found.append((argument_path((first, top, *sub)), value, treedef))
+    for path, node in _outermost_dataclasses(tree):
+        found.append((path, node))
+        found += [(path + p, x) for p, x in _dataclass_nodes(node)]
     return found
 
 
-def _returned(result: Any) -> list[tuple[str, Any]]:
-    """The result and the items of a container result: `(where, value)`."""
-    return [
-        ("result" + jax.tree_util.keystr(sub), value)
-        for sub, value in _one_deep(result)
-        if jax.tree_util.tree_leaves(value, is_leaf=is_distributed)
-    ]
+def _entered(state: Any) -> dict[tuple, Any]:
+    """Returns the leaves of an argument's dataclass by their path in it, `_NOT_MIRRORED` for those
+    that entered distributed."""
+    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_distributed)[0]
+    return {p: _NOT_MIRRORED if is_distributed(x) else x for p, x in flat}
 
 
-def _one_deep(x: Any) -> list[tuple[tuple, Any]]:
-    """`x` itself, and the items of a tuple, list or dict `x`: `(path, value)`."""
-    if isinstance(x, (tuple, list)) and not hasattr(x, "_fields"):
-        return [((), x)] + [((jax.tree_util.SequenceKey(i),), v) for i, v in enumerate(x)]
-    if isinstance(x, dict):
-        return [((), x)] + [((jax.tree_util.DictKey(k),), v) for k, v in x.items()]
-    return [((), x)]
+def _common_suffix(a: tuple, b: tuple) -> int:
+    """Counts the keys that two paths end with in common."""
+    n = 0
+    while n < min(len(a), len(b)) and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
+        n += 1
+    return n
+
+
+def _plain_subtrees(tree: Any, path: tuple = ()) -> list[tuple[tuple, Any]]:
+    """Returns `tree` and, at any depth, the items of the tuples, lists and dicts in it (not
+    NamedTuples, dataclasses or other pytree nodes, which stand for one value): `(path,
+    value)`, outer first."""
+    found = [(path, tree)]
+    if isinstance(tree, (tuple, list)) and not hasattr(tree, "_fields"):
+        items = [(jax.tree_util.SequenceKey(i), v) for i, v in enumerate(tree)]
+    elif isinstance(tree, dict):
+        items = [(jax.tree_util.DictKey(k), v) for k, v in tree.items()]
+    else:
+        return found
+    for key, value in items:
+        found += _plain_subtrees(value, path + (key,))
+    return found
 
 
 def _same_leaves(a: Any, b: Any) -> bool:
@@ -334,9 +410,12 @@ def _same_leaves(a: Any, b: Any) -> bool:
 
 def _aval(x: Any) -> tuple:
     """A leaf's shape and dtype as one replica sees it (a traced `PerReplica` output is
-    stacked: its leading axis is the replicas'); a static leaf is its type."""
+    stacked: its leading axis is the replicas'); a distributed input leaf by its kind; a
+    static leaf by its type."""
     if type(x) is PerReplica:
         return jax.numpy.shape(x.values)[1:], jax.numpy.result_type(x.values)
+    if is_distributed(x):
+        return (type(x).__name__,)
     if not (hasattr(x, "dtype") or isinstance(x, (int, float, complex))):
         return ("static", type(x))
     return jax.numpy.shape(x), jax.numpy.result_type(x)

@@ -33,7 +33,7 @@ from typing import Any
 
 import jax
 
-from jmirror import _context, _mirrored_state, _nnx_metrics
+from jmirror import _context, _mirrored_state, _nnx_metrics, _proof
 from jmirror._adapter import Adapted
 from jmirror._backends import Output
 from jmirror._mirrored_state import Diverged, Traced
@@ -416,8 +416,7 @@ class _Entry:
         for variable, before in sharded:
             _keep_sharded(variable, before, self.name)
         for variable, original, key in folded:
-            if variable.get_raw_value() is key:
-                variable.set_raw_value(original)
+            variable.set_raw_value(_restore_key(variable.get_raw_value(), original, key))
         after_flat, after = jax.tree_util.tree_flatten(root, is_leaf=is_variable)
         if after != before:
             raise ValueError(
@@ -549,6 +548,19 @@ def _fold_streams(nnx: Any, root: Any, replica_id: jax.Array) -> list[tuple[Any,
         variable.set_raw_value(key)
         folded.append((variable, original, key))
     return folded
+
+
+def _restore_key(written: Any, original: Any, folded: Any) -> Any:
+    """Returns a stream's key after the user's function: the original where the function left the
+    folded key as it was (also through `nnx.jit`, `nnx.remat` and other transforms, which
+    write back a new value: the proof decides, `jmirror._proof.restore_key`), else the key
+    the function set (a reseed)."""
+    if written is folded:
+        return original
+    kind = (getattr(written, "shape", None), getattr(written, "dtype", None))
+    if kind != (folded.shape, folded.dtype):
+        return written  # not a key like the stream's: the function's own
+    return _proof.restore_key(written, original, folded)
 
 
 def _fold_in(key: jax.Array, data: jax.Array) -> jax.Array:

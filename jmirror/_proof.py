@@ -5,8 +5,11 @@ A replicated function is traced once into a jaxpr under `jax.pmap` semantics
 marks every variable *varying* (may differ between replicas) or *identical*:
 
 - per-replica inputs vary; mirrored and broadcast inputs, constants and literals are identical;
-- `axis_index`, host callbacks, stateful RNG and every collective over the replica axis other
-  than the full reductions below vary;
+- `axis_index`, `io_callback` (a host function with effects: it may answer each replica
+  differently), stateful RNG and every collective over the replica axis other than the full
+  reductions below vary;
+- `pure_callback` is a pure host function: like any other equation, its results vary only
+  when one of its arguments does;
 - `psum`, `pmax`, `pmin` and `all_gather` over the replica axis (without index groups) are
   identical, whatever their inputs;
 - any other equation varies when one of its inputs varies;
@@ -22,6 +25,18 @@ operands, carrying a `marker_id`. `sync` and `merge_call` (see `_context.py`) pa
 they need to know about through `mark(values, marker_id)` while the replica function is traced;
 the proof finds the equation by its primitive and reports on its operands. The primitive is
 transparent to JAX's transformations (differentiation, batching) and lowers to nothing.
+
+The proof also knows which values are passed through unchanged: an output of a call (`jit`,
+`remat`, custom derivatives), of a `cond` whose every branch returns the same operand, or a
+loop carry that every iteration returns as it got it, *is* that operand. A key restore, an
+equation of the `jmirror_restore_key` primitive (`restore_key(written, original, folded)`,
+see `_nnx.py`), asks that question of an rng stream's key after the replica function: when
+the key the function left *is* the key with the replica id folded in, passed through
+(`nnx.jit` and `nnx.remat` give it back as a new value), the proof decides for the original
+key (identical on every replica), else for the written one (a reseed: what the proof says of
+it). The decision is structural, made from the jaxpr alone, and the primitive lowers to what
+was decided (its `KeyChoice`), so what runs is what was proven; undecided (lowered without
+the proof) it gives the original wherever the written key equals the folded one.
 """
 
 from __future__ import annotations
@@ -29,6 +44,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.extend.core as jex
 from jax.interpreters import ad, batching, mlir
 
@@ -56,10 +72,89 @@ def mark(values: Sequence[Any], marker_id: int) -> list[Any]:
     return MARKER.bind(*values, marker_id=marker_id)
 
 
-_REDUCTIONS = frozenset({"psum", "pmax", "pmin", "all_gather", "psum_invariant"})
-_ALWAYS_VARYING = frozenset(
-    {"axis_index", "rng_uniform", "pure_callback", "io_callback", "ppermute", "pbroadcast"}
+class KeyChoice:
+    """Holds what one `restore_key` gives, decided by the proof (`Proof`) from the jaxpr alone:
+    the original key (`restore` True), the key the function wrote (False), or not decided
+    yet (None: the original wherever the written key equals the folded one)."""
+
+    __slots__ = ("restore",)
+
+    def __init__(self) -> None:
+        self.restore: bool | None = None
+
+    def __repr__(self) -> str:
+        return {None: "undecided", True: "original", False: "written"}[self.restore]
+
+
+RESTORE = jex.Primitive("jmirror_restore_key")
+
+
+def restore_key(written: Any, original: Any, folded: Any) -> Any:
+    """Returns an rng stream's key after the replica function: `original` when `written` is the
+    `folded` key passed through unchanged (the proof decides), else `written`.
+
+    The three are arrays of one shape and dtype (typed PRNG keys or raw key data).
+    """
+    return RESTORE.bind(written, original, folded, choice=KeyChoice())
+
+
+def _restore_select(written: Any, original: Any, folded: Any) -> Any:
+    """Returns the undecided restore: `original` for each key that `written` holds equal to
+    `folded`'s (raw key data: a key along the last axis)."""
+    typed = jax.numpy.issubdtype(written.dtype, jax.dtypes.prng_key)
+    a, b = (
+        (jax.random.key_data(written), jax.random.key_data(folded)) if typed else (written, folded)
+    )
+    same = jax.numpy.all(a == b, axis=-1, keepdims=not typed) if a.ndim else a == b
+    return jax.lax.select(jax.numpy.broadcast_to(same, written.shape), original, written)
+
+
+def _restore_impl(written: Any, original: Any, folded: Any, *, choice: KeyChoice) -> Any:
+    if choice.restore is None:
+        return _restore_select(written, original, folded)
+    return original if choice.restore else written
+
+
+def _restore_lowering(ctx: Any, written: Any, original: Any, folded: Any, *, choice: KeyChoice):
+    if choice.restore is None:
+        lowered = mlir.lower_fun(_restore_select, multiple_results=False)
+        return lowered(ctx, written, original, folded)
+    return [original if choice.restore else written]
+
+
+def _restore_batch(args: Sequence[Any], dims: Sequence[Any], *, choice: KeyChoice):
+    if choice.restore is not None:
+        k = 1 if choice.restore else 0
+        return args[k], dims[k]
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    moved = [batching.bdim_at_front(a, d, size) for a, d in zip(args, dims)]
+    return RESTORE.bind(*moved, choice=choice), 0
+
+
+RESTORE.def_impl(_restore_impl)
+RESTORE.def_abstract_eval(lambda written, original, folded, *, choice: written)
+mlir.register_lowering(RESTORE, _restore_lowering)
+batching.primitive_batchers[RESTORE] = _restore_batch
+
+
+# The call primitives whose one jaxpr is the equation itself (operands in, results out).
+_CALLS = frozenset(
+    {
+        "jit",
+        "pjit",
+        "closed_call",
+        "core_call",
+        "remat2",
+        "checkpoint",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+    }
 )
+
+
+_REDUCTIONS = frozenset({"psum", "pmax", "pmin", "all_gather", "psum_invariant"})
+_ALWAYS_VARYING = frozenset({"axis_index", "rng_uniform", "io_callback", "ppermute", "pbroadcast"})
 _AXIS_PARAMS = ("axes", "axis_name")
 
 _DIVERGENT = (
@@ -76,6 +171,8 @@ class Proof:
     def __init__(self, axis_name: str):
         self.axis_name = axis_name
         self.markers: dict[int, list[bool]] = {}
+        # Per jaxpr (by id, kept alive): each variable's root, the variable it is unchanged.
+        self._roots: dict[int, tuple[Any, dict[Any, Any]]] = {}
 
     # --- helpers -----------------------------------------------------------------------------
 
@@ -122,9 +219,70 @@ class Proof:
 
         for eqn in jaxpr.eqns:
             ins = [read(a) for a in eqn.invars]
-            outs = self._equation(eqn, ins)
+            if eqn.primitive is RESTORE:
+                outs = [self._restore(jaxpr, eqn, ins)]
+            else:
+                outs = self._equation(eqn, ins)
             env.update(zip(eqn.outvars, outs))
         return [read(v) for v in jaxpr.outvars]
+
+    def _restore(self, jaxpr: Any, eqn: Any, ins: list[bool]) -> bool:
+        """Decides a `restore_key`: the original key when the written one is the folded key
+        passed through unchanged (sound: it then holds the folded value on every replica)."""
+        written, _, folded = (self._root(jaxpr, v) for v in eqn.invars)
+        restore = written is folded and not isinstance(written, jex.Literal)
+        eqn.params["choice"].restore = restore
+        return ins[1] if restore else ins[0]
+
+    # --- values passed through unchanged ------------------------------------------------------
+
+    def _root(self, jaxpr: Any, atom: Any) -> Any:
+        """Returns the variable of `jaxpr` that `atom` is, passed through unchanged (itself
+        if none)."""
+        if isinstance(atom, jex.Literal):
+            return atom
+        cached = self._roots.get(id(jaxpr))
+        if cached is None:
+            roots: dict[Any, Any] = {}
+            for eqn in jaxpr.eqns:
+                for out, i in zip(eqn.outvars, self._forwards(eqn)):
+                    if i is not None and not isinstance(eqn.invars[i], jex.Literal):
+                        roots[out] = roots.get(eqn.invars[i], eqn.invars[i])
+            cached = self._roots[id(jaxpr)] = (jaxpr, roots)
+        return cached[1].get(atom, atom)
+
+    def _forwarded(self, closed: Any) -> list[int | None]:
+        """Returns, for each output of a jaxpr, the input it is unchanged (None: computed)."""
+        jaxpr = closed.jaxpr if hasattr(closed, "jaxpr") else closed
+        index = {v: k for k, v in enumerate(jaxpr.invars)}
+        return [
+            None if isinstance(v, jex.Literal) else index.get(self._root(jaxpr, v))
+            for v in jaxpr.outvars
+        ]
+
+    def _forwards(self, eqn: Any) -> list[int | None]:
+        """Returns, for each output of an equation, the operand it is (None: computed)."""
+        n_out, name = len(eqn.outvars), eqn.primitive.name
+        if eqn.primitive is MARKER:
+            return list(range(n_out))
+        if name == "cond":  # the same operand from every branch (operands follow the index)
+            every = zip(*(self._forwarded(b) for b in eqn.params["branches"]))
+            return [f[0] + 1 if f[0] is not None and len(set(f)) == 1 else None for f in every]
+        if name == "scan":  # a carry every iteration returns as it got it
+            n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+            body = self._forwarded(eqn.params["jaxpr"])
+            return [
+                n_consts + j if j < n_carry and body[j] == n_consts + j else None
+                for j in range(n_out)
+            ]
+        if name == "while":
+            n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+            body = self._forwarded(eqn.params["body_jaxpr"])
+            return [n_cond + n_body + j if body[j] == n_body + j else None for j in range(n_out)]
+        subs = list(jex.jaxprs_in_params(eqn.params)) if name in _CALLS else []
+        if len(subs) == 1 and _arity(subs[0]) == (len(eqn.invars), n_out):
+            return self._forwarded(subs[0])
+        return [None] * n_out
 
     def _equation(self, eqn: Any, ins: list[bool]) -> list[bool]:
         name = eqn.primitive.name

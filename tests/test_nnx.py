@@ -267,13 +267,19 @@ def test_mirrored_model_steps_reads_and_asserts(strategy):
 # --- rngs ------------------------------------------------------------------------------------
 
 
-def test_dropout_masks_differ_per_replica_and_rng_state_stays_mirrored(strategy):
+# NNX transforms inside a replica function write the stream's key back as a new value.
+TRANSFORMS = {"none": lambda f: f, "nnx.jit": nnx.jit, "nnx.remat": nnx.remat}
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_dropout_masks_differ_per_replica_and_rng_state_stays_mirrored(strategy, transform):
     n = strategy.num_replicas
     rngs = nnx.Rngs(params=0, dropout=7)
     drop = nnx.Dropout(0.5, rngs=rngs)
     key = drop.rngs.key[...]
 
     @jm.replicate(strategy=strategy)
+    @TRANSFORMS[transform]
     def masks(drop):
         return drop(jnp.ones((64,)))
 
@@ -293,6 +299,56 @@ def test_dropout_masks_differ_per_replica_and_rng_state_stays_mirrored(strategy)
         np.testing.assert_array_equal(
             jax.random.key_data(strategy.read(drop.rngs.key[...])), jax.random.key_data(key)
         )
+
+
+def test_flax_tutorial_steps_under_nnx_jit_equal_one_device(strategy):
+    """flax's tutorial steps, `@nnx.jit` (with `nnx.remat` around the loss) wrapped with
+    `jm.replicate`, on a model holding a dropout stream: a train step and an eval pass that
+    draws nothing run, equal one device's `nnx.jit` steps on the global batches, and the
+    stream stays mirrored and as it was."""
+    n = strategy.num_replicas
+    xs, ys = _data(n, steps=2)
+    model, optimizer = _pair(strategy.axis_name)  # dropout off: one device draws no masks
+    ref_model, ref_optimizer = _pair(None)
+    key = model.drop.rngs.key[...]
+    loss_fn = nnx.remat(_loss)
+
+    def make_metrics():
+        return nnx.MultiMetric(loss=nnx.metrics.Average("loss"), accuracy=nnx.metrics.Accuracy())
+
+    def train_step(model, optimizer, x, y, reduce):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+        optimizer.update(model, reduce(grads))
+        return loss
+
+    def eval_step(model, metrics, x, y):
+        logits = model(x)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        metrics.update(loss=loss, logits=logits, labels=y)
+
+    def replica_step(model, optimizer, x, y):
+        loss = train_step(model, optimizer, x, y, lambda g: jm.all_reduce("mean", g))
+        return jm.all_reduce("mean", loss)
+
+    step = jm.replicate(nnx.jit(replica_step), strategy=strategy)
+    evaluate, metrics = jm.replicate(nnx.jit(eval_step), strategy=strategy), make_metrics()
+    ref_step = nnx.jit(lambda m, o, x, y: train_step(m, o, x, y, lambda g: g))
+    ref_eval, ref_metrics = nnx.jit(eval_step), make_metrics()
+    for x, y in zip(xs, ys):
+        loss = step(model, optimizer, _split(n, x), _split(n, y))
+        ref_loss = ref_step(ref_model, ref_optimizer, x, y)
+        np.testing.assert_allclose(strategy.read(loss), ref_loss, rtol=2e-4)
+    model.eval()
+    ref_model.eval()
+    for x, y in zip(xs, ys):
+        evaluate(model, metrics, _split(n, x), _split(n, y))
+        ref_eval(ref_model, ref_metrics, x, y)
+    got, want = strategy.read(metrics).compute(), ref_metrics.compute()
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=2e-4, err_msg=name)
+    jmt.assert_mirrored(nnx.state(model), strategy)
+    assert int(strategy.read(model.drop.rngs.count[...])) == 0  # nothing drawn
+    np.testing.assert_array_equal(_np(strategy.read(model.drop.rngs.key[...])), _np(key))
 
 
 def test_an_rngs_shared_by_a_module_and_an_argument_is_folded_once(strategy):
