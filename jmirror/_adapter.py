@@ -25,8 +25,10 @@ caller's objects after the step. An *adapter* owns one such kind. For each call 
   adapt: refuses what it would have had to adapt but could not see (an NNX object nested
   deeper than `adapt` looks).
 
-A variant's replica function may also define `output_path(path)`: given the key path of a
-flat output in the variant's result, what that output stands for as the layout rules see it
+A variant's replica function may also return, as the last item of a tuple result, an
+`OutputLayout`: a static value (it leaves the trace as a Python object, with no array) whose
+`output_path(path)` says, given the key path of a flat output in the variant's result, what
+that output stands for as the layout rules see it
 (`jmirror._backends.Output`: the path and what declares its layout). With replicas spanning
 several devices (`Topology.layout_spec`) this is how state written back by an adapter comes
 back laid out by its own metadata and the rules matched against its argument path.
@@ -73,6 +75,25 @@ class Adapted:
     finish: Callable[[Any], Any]
     check: Callable[[Traced], None]
     settle: Callable[[Callable[[Any], Any]], None]
+
+
+class OutputLayout:
+    """What the flat outputs of a variant's result stand for, as the layout rules see them
+    (returned by the variant as the last item of its tuple result; see the module docstring).
+
+    Subclasses implement `output_path`.
+    """
+
+    def output_path(self, path: tuple) -> Any:
+        """Returns the path (or `jmirror._backends.Output`) the output at `path` stands for."""
+        return path
+
+
+def output_layout(result_top: Any) -> OutputLayout | None:
+    """Returns the `OutputLayout` a variant's result ends with, or None."""
+    if isinstance(result_top, tuple) and result_top and isinstance(result_top[-1], OutputLayout):
+        return result_top[-1]
+    return None
 
 
 class Adapter(Protocol):

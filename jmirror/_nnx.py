@@ -34,7 +34,7 @@ from typing import Any
 import jax
 
 from jmirror import _context, _mirrored_state, _nnx_metrics, _proof
-from jmirror._adapter import Adapted
+from jmirror._adapter import Adapted, OutputLayout
 from jmirror._backends import Output
 from jmirror._mirrored_state import Diverged, Traced
 from jmirror._nnx_metrics import MetricComponents
@@ -266,7 +266,7 @@ def _nnx_path(path: tuple) -> tuple:
 def _write_back(dynamic: tuple, variables: list[Any], aliases: tuple, out: tuple) -> Any:
     """Writes a step's new values into the caller's `Variable`s; the step's own result, with
     the NNX objects it returned from the arguments resolved to the caller's."""
-    result, values = out
+    result, values, _ = out
     duplicate = {k for k, _ in aliases}
     unique = [v for k, v in enumerate(variables) if k not in duplicate]
     for variable, value in zip(unique, values):
@@ -370,7 +370,6 @@ class _Entry:
         "aliases",
         "shared",
         "name",
-        "written",
         "__name__",
         "__qualname__",
     )
@@ -382,13 +381,10 @@ class _Entry:
         # `aliases`: (k, i) when argument Variable k is Variable i; `shared`: (path, first
         # path) of the NNX objects reached twice, made one object again inside the trace.
         self.aliases, self.shared = aliases, shared
-        # Per written-back value of the last trace: the argument path of its leaf and what
-        # its Variable declares (`output_path`).
-        self.written: list[tuple[tuple, Declared]] = []
         self.__name__ = getattr(fn, "__name__", "replica_fn")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, list[Any]]:
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, list[Any], OutputLayout]:
         nnx = _flax()
         arguments = list(args)
         dynamic = [i for i in range(len(arguments)) if i not in self.static]
@@ -438,18 +434,24 @@ class _Entry:
             values.append(value)
             declared = Declared.of(variable, getattr(value, "shape", ()))
             written.append((_leaf_path(found[k][0], variable), declared))
-        self.written = written
         if refs:
             result = jax.tree.map(
                 lambda x: refs.get(id(x), x),
                 result,
                 is_leaf=lambda x: isinstance(x, _graph_types(nnx)),
             )
-        return result, values
+        return result, values, _Written(written)
+
+class _Written(OutputLayout):
+    """The layout of a variant's outputs: per written-back value, the argument path of its
+    Variable's leaf and what the Variable declares."""
+
+    def __init__(self, written: list[tuple[tuple, Declared]]):
+        self.written = written
 
     def output_path(self, path: tuple) -> Any:
-        """What the flat output at `path` of `(result, values)` stands for, as the layout
-        rules see it (`jmirror._adapter`): a written-back value is its Variable's leaf, at its
+        """Returns what the flat output at `path` of `(result, values, layout)` stands for,
+        as the layout rules see it: a written-back value is its Variable's leaf, at its
         argument path and with the Variable's own sharding metadata (so that the state comes
         back laid out as it went in); the result's leaves are the user's result's."""
         if path[:1] == (jax.tree_util.SequenceKey(1),) and len(path) >= 2:

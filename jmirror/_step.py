@@ -110,7 +110,7 @@ class Body:
         )
         topology = strategy.topology
         backend = executable(strategy.backend, topology)
-        out_paths = _out_paths(self.fn, step) if topology.devices_per_replica > 1 else None
+        out_paths = _out_paths(step) if topology.devices_per_replica > 1 else None
         run = backend(topology, step.closed, split, step.out_split, needs_token, out_paths)
         outs = run(*flat)
         result, built = build_result(step, outs)
@@ -157,10 +157,10 @@ def _out_static(treedef: Any, top: list[Any]) -> list[bool]:
     return static
 
 
-def _out_paths(fn: Callable[..., Any], step: ProvenStep) -> list[Any]:
+def _out_paths(step: ProvenStep) -> list[Any]:
     """Returns what each flat output of `step` stands for as the layout rules see it
     (`jmirror._backends.Output`): its path in the result, with a linen box's metadata, or
-    what an adapter's variant says it stands for (`jmirror._adapter.output_path`)."""
+    what an adapter's variant says it stands for (`jmirror._adapter.OutputLayout`)."""
     avals, pos = step.closed.out_avals, 0
     shapes = []
     for slot in step.out_slots:
@@ -170,14 +170,15 @@ def _out_paths(fn: Callable[..., Any], step: ProvenStep) -> list[Any]:
             shapes.append(jax.ShapeDtypeStruct(avals[pos].shape, avals[pos].dtype))
         pos += slot.size
     top = step.out_treedef.unflatten(shapes)
+    statics = [slot.value for slot in step.out_slots if slot.kind == STATIC]
+    layout = next((v for v in statics if isinstance(v, _adapter.OutputLayout)), None)
     found = iter(declared_leaves(top))
-    output_path = getattr(fn, "output_path", None)  # an adapter's variant (_adapter)
     out_paths = []
     for slot in step.out_slots:
         if slot.kind == STATIC:
             continue
         path, _, like = next(found)
-        entry = output_path(path) if output_path is not None else path
+        entry = layout.output_path(path) if layout is not None else path
         if isinstance(like, Declared) and not isinstance(entry, Output):
             entry = Output(path, like)
         out_paths.extend([entry] * slot.size)
