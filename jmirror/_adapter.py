@@ -167,3 +167,15 @@ def static_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> li
         else (not is_array(x) if policy is not None else not is_traced(x))
         for x, policy in zip(leaves, policies)
     ]
+
+
+def policed_statics(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[bool]:
+    """Returns, per leaf of `tree` (flattened with `is_leaf`), whether it is a static leaf
+    inside a policed node (an `eqx.Module`'s function, flag or number); leaves elsewhere are
+    never static here."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_leaf)
+    policies = leaf_policies(treedef, leaf_policy)
+    return [
+        policy is not None and not (is_leaf is not None and is_leaf(x)) and not is_array(x)
+        for x, policy in zip(leaves, policies)
+    ]

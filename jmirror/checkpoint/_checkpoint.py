@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from jmirror._adapter import static_leaves
+from jmirror._adapter import policed_statics
 from jmirror._strategy import MirroredStrategy, get_strategy
 from jmirror._values import PyTree, is_distributed
 from jmirror.checkpoint import _decode, _encode, _format, _integrity, _processes, _storage
@@ -171,10 +171,11 @@ def _read(path: pathlib.Path, target: PyTree, strategy: MirroredStrategy, call: 
 
 
 def without_statics(tree: PyTree) -> PyTree:
-    """Returns `tree` with its static leaves (`jmirror._adapter.static_leaves`) as None, or
-    `tree` itself when it has none."""
+    """Returns `tree` with the static leaves of its modules (`jmirror._adapter.policed_statics`:
+    an equinox module's functions and flags) as None, or `tree` itself when it has none.
+    Leaves that cannot be saved elsewhere stay, for the encoder's error."""
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_distributed)
-    static = static_leaves(tree, is_leaf=is_distributed)
+    static = policed_statics(tree, is_leaf=is_distributed)
     if not any(static):
         return tree
     return treedef.unflatten([None if s else x for x, s in zip(leaves, static)])
@@ -183,7 +184,7 @@ def without_statics(tree: PyTree) -> PyTree:
 def with_statics(restored: PyTree, target: PyTree) -> PyTree:
     """Returns `restored` (restored into `without_statics(target)`) with `target`'s statics."""
     leaves, treedef = jax.tree_util.tree_flatten(target, is_leaf=_none_or_distributed)
-    static = static_leaves(target, is_leaf=_none_or_distributed)
+    static = policed_statics(target, is_leaf=_none_or_distributed)
     got = jax.tree_util.tree_leaves(restored, is_leaf=_none_or_distributed)
     return treedef.unflatten([t if s else r for t, r, s in zip(leaves, got, static)])
 
