@@ -34,8 +34,6 @@ from jmirror._values import PerReplica, is_distributed
 
 # Causes of a divergence that the message has a fix for.
 GRADIENTS = "gradients"  # parameters (or optimizer state) updated from unreduced gradients
-BATCH_NORM = "batch_norm"  # an nnx.BatchNorm's statistics without axis_name
-LINEN_BATCH_NORM = "linen_batch_norm"  # a linen BatchNorm's statistics (batch_stats)
 
 # How many paths a message lists before "and k more".
 _SHOWN = 5
@@ -88,7 +86,8 @@ class Diverged:
     Attributes:
       path: where the caller finds it (`args[0].bn1.mean`, `result[0].params['w']`).
       what: what it is, for the message (`nnx.BatchStat of BatchNorm`).
-      cause: `GRADIENTS`, `BATCH_NORM`, `LINEN_BATCH_NORM` or None (no fix recognised).
+      cause: `GRADIENTS`, a fix of its own (a library's, with its names) or None (no fix
+        recognised).
     """
 
     path: str
@@ -102,18 +101,6 @@ _FIXES = {
         "every replica trains its own copy: reduce them first, grads = "
         'jm.all_reduce("mean", grads), before optimizer.update(model, grads) or '
         "state.apply_gradients(grads=grads)."
-    ),
-    BATCH_NORM: (
-        "An nnx.BatchNorm without axis_name computes its statistics over one replica's batch, "
-        "and they drift apart per replica: call jm.sync_batch_norm(model) once before "
-        "training (the model definition stays as it is), or build it as "
-        "nnx.BatchNorm(..., axis_name=strategy.axis_name); the statistics are then over the "
-        "global batch."
-    ),
-    LINEN_BATCH_NORM: (
-        "A linen nn.BatchNorm without axis_name computes its batch_stats over one replica's "
-        "batch: give it axis_name=strategy.axis_name in the module definition (linen takes it "
-        "there), so that the statistics are over the global batch."
     ),
 }
 _OTHERWISE = (
@@ -421,11 +408,22 @@ def _aval(x: Any) -> tuple:
     return jax.numpy.shape(x), jax.numpy.result_type(x)
 
 
+# Libraries' recognised causes of a diverged leaf of returned state, from its path inside
+# the state: functions giving a cause (a known key or a fix of its own) or None. Registered
+# by the module owning the library (`jmirror._flax`: linen's `batch_stats`, `params`).
+PATH_CAUSES: list[Callable[[tuple], str | None]] = []
+
+
+def register_path_cause(cause: Callable[[tuple], str | None]) -> None:
+    """Makes `cause` name the fix of diverged state leaves it recognises by path."""
+    if cause not in PATH_CAUSES:
+        PATH_CAUSES.append(cause)
+
+
 def _cause(path: tuple) -> str | None:
-    """The recognised cause of a diverged field of returned state, from its path."""
-    keys = jax.tree_util.keystr(path)
-    if "batch_stats" in keys:
-        return LINEN_BATCH_NORM
-    if "params" in keys or "opt_state" in keys:
-        return GRADIENTS
+    """Returns the recognised cause of a diverged leaf of returned state, from its path."""
+    for cause in PATH_CAUSES:
+        found = cause(path)
+        if found is not None:
+            return found
     return None

@@ -36,6 +36,7 @@ import jax
 from jmirror import _context, _mirrored_state, _nnx_metrics, _proof
 from jmirror._adapter import Adapted, OutputLayout
 from jmirror._backends import Output
+from jmirror._flax import BATCH_NORM
 from jmirror._mirrored_state import Diverged, Traced
 from jmirror._nnx_metrics import MetricComponents
 from jmirror._topology import Declared
@@ -244,7 +245,7 @@ def _cause(nnx: Any, variable: Any, owners: list[Any]) -> str | None:
     """Why a `Variable` would diverge, where the message has a fix for it."""
     owner = owners[-1] if owners else None
     if isinstance(owner, nnx.BatchNorm) and getattr(owner, "axis_name", None) is None:
-        return _mirrored_state.BATCH_NORM
+        return BATCH_NORM
     if isinstance(variable, nnx.Param) or any(isinstance(o, nnx.Optimizer) for o in owners):
         return _mirrored_state.GRADIENTS
     return None

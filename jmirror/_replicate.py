@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.core
 
-from jmirror import _adapter, _context, _dispatch, _equinox, _nnx
+from jmirror import _adapter, _context, _dispatch, _equinox, _flax, _nnx  # noqa: F401 (_flax registers)
 from jmirror._adapter import Adapted
 from jmirror._arguments import Arguments, Prepared
 from jmirror._call_warnings import CallWarnings

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -465,13 +464,33 @@ def _check_processes(devices: Sequence[Device], k: int, call: str) -> None:
             )
 
 
+# What a library's metadata boxes declare: functions giving the partitioning names of `x`
+# when it is such a box (a linen `Partitioned`, an NNX `Variable`), else None. Registered by
+# the module owning the library (`jmirror._flax`).
+BOX_NAMES: list[Callable[[Any], Any]] = []
+
+
+def register_box(names_of: Callable[[Any], Any]) -> None:
+    """Makes `declared_leaves` and the layout rules read the boxes `names_of` recognises."""
+    if names_of not in BOX_NAMES:
+        BOX_NAMES.append(names_of)
+
+
+def _box_names(x: Any) -> Any:
+    """Returns the partitioning names a registered box declares, or None."""
+    for names_of in BOX_NAMES:
+        names = names_of(x)
+        if names is not None:
+            return names
+    return None
+
+
 def _metadata_names(leaf: Any) -> Any:
-    """The partitioning names a leaf's own metadata gives: an NNX `Variable`'s `out_sharding`
-    (flax 0.12's name; reading its deprecated `sharding_names` warns), a linen `Partitioned`
-    box's `names`, or None."""
-    if callable(getattr(type(leaf), "get_metadata", None)):  # an NNX Variable
-        names = leaf.get_metadata("out_sharding", None)
-        return tuple(names.spec) if isinstance(names, NamedSharding) else names
+    """Returns the partitioning names a leaf's own metadata gives: a registered box's, a
+    `Declared`'s `sharding_names`, or None."""
+    names = _box_names(leaf)
+    if names is not None:
+        return names
     return getattr(leaf, "sharding_names", None) or getattr(leaf, "names", None)
 
 
@@ -526,9 +545,9 @@ class Declared:
 def declared_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list:
     """`(path, leaf, like)` for every leaf of `tree` in flattening order (with `is_leaf`):
     `like` is what the layout rules look at (`Topology.layout_spec`), the leaf itself, or for
-    the value of a metadata box (linen's `nn.Partitioned`, any `flax.core.meta.AxisMetadata`
-    with `names`; an NNX `Variable` with `out_sharding`) a `Declared` with the box's names
-    (section 13: a leaf's own metadata comes first)."""
+    the value of a registered metadata box (`register_box`: linen's `nn.Partitioned`, an NNX
+    `Variable` with `out_sharding`) a `Declared` with the box's names (a leaf's own metadata
+    comes first)."""
 
     def stop(x: Any) -> bool:
         return _is_box(x) or (is_leaf is not None and is_leaf(x))
@@ -546,9 +565,5 @@ def declared_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> 
 
 
 def _is_box(x: Any) -> bool:
-    """A linen metadata box with `names`, or an NNX `Variable` with `out_sharding`."""
-    meta = sys.modules.get("flax.core.meta")
-    if meta is not None and isinstance(x, getattr(meta, "AxisMetadata", ())):
-        return getattr(x, "names", None) is not None
-    nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(x, nnx.Variable) and bool(_metadata_names(x))
+    """Returns whether `x` is a registered box that declares partitioning names."""
+    return bool(_box_names(x))
