@@ -138,7 +138,25 @@ def encode(
     """
     encoded = _encode.encode(state, strategy, keep=group.is_writer)
     doc = _format.document(encoded.tree, encoded.arrays, encoded.num_replicas, process_data)
+    if encoded.arrays:
+        _check_restorable(doc)
     return doc, encoded.arrays
+
+
+def _check_restorable(doc: dict) -> None:
+    """Raises before anything is written unless `doc` passes the checks a restore makes of
+    it (each array of the shape and dtype its leaf says): a save that succeeds restores."""
+    where = "the state being saved"
+    try:
+        saved_n, specs, node = _format.parse_document(doc, where)
+        _decode.check_arrays(_decode.Tree(node, where, specs), specs, saved_n, where)
+    except _format.CorruptCheckpointError as error:
+        what = str(error).partition(" is damaged: ")[2].partition(". Nothing was restored")[0]
+        raise RuntimeError(
+            f"jm.checkpoint.save: the encoded state would not restore: {what}. Nothing was "
+            "written. This is a bug of jmirror's encoding; please report it with the state's "
+            "structure."
+        ) from error
 
 
 def read(path: pathlib.Path, target: PyTree, strategy: MirroredStrategy, call: str) -> PyTree:
