@@ -315,9 +315,60 @@ def test_a_save_that_the_other_process_skips_to_exit_ends_the_run_naming_the_sav
     assert code != 0 and "process 0 saved alone" not in out, out
     assert elapsed < SKIP_TIMEOUT_S + 40, (elapsed, out)
     call = (
-        r"jm\.checkpoint's gathering of the per-replica components"
+        r"jm\.checkpoint\.save's gathering of the per-replica components"
         if mode == "save"
-        else r"jm\.checkpoint's gathering of every process's data"
+        else r"CheckpointManager\.save's gathering of every process's data"
+    )
+    assert re.search(
+        rf"\[0\] jmirror: timed out: {call} has not completed {SKIP_TIMEOUT_S} s", out
+    ), out
+    assert re.search(rf"\[0\] jmirror: processes that did not arrive at {call}: 1\.", out), out
+    assert "jmirror.launch: process 0 exited with code 1" in out
+
+
+_SKIPPED_MIRRORED_SAVE = """
+import os, sys
+import numpy as np
+import jmirror as jm
+
+mode, directory = sys.argv[1], sys.argv[2]
+jm.distributed.initialize(timeout_s={timeout})
+me = int(os.environ["JMIRROR_PROCESS_ID"])
+strategy = jm.MultiWorkerMirroredStrategy(timeout_s={timeout})
+state = {{"w": strategy.mirror(np.ones((8, 1), np.float32)), "step": 3}}  # nothing per replica
+if me == 0:  # without strategy=: the default strategy, bounded as initialize was asked
+    print("process 0 saves alone", flush=True)
+    if mode == "save":
+        jm.checkpoint.save(f"{{directory}}/alone", state)
+    else:
+        manager = jm.checkpoint.CheckpointManager(f"{{directory}}/series")
+        manager.save(1, state)
+        manager.wait_until_finished()
+    print("process 0 saved alone", flush=True)
+print(f"process {{me}} exits", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["save", "manager"])
+def test_a_skipped_save_of_mirrored_state_without_strategy_ends_the_run_naming_it(tmp_path, mode):
+    # A save given no strategy= took the default strategy, whose timeout_s was 300 whatever
+    # initialize was given: process 0 still waited 120 s later at the checkpoint's first
+    # barrier (a mirrored-only state gathers nothing before it), with no message.
+    script = tmp_path / "skipped_mirrored_save.py"
+    script.write_text(textwrap.dedent(_SKIPPED_MIRRORED_SAVE.format(timeout=SKIP_TIMEOUT_S)))
+    command = ["--processes", "2", "--devices-per-process", "4", str(script), mode, tmp_path]
+    run = harness.launch([str(c) for c in command], tmp_path, f"skipped-mirrored-{mode}")
+    run.wait_for(r"process 0 saves alone", 120)
+    start = time.monotonic()
+    code, _ = run.wait(SKIP_TIMEOUT_S + 60)
+    elapsed = time.monotonic() - start
+    out = run.output()
+    assert code != 0 and "process 0 saved alone" not in out, out
+    assert elapsed < SKIP_TIMEOUT_S + 40, (elapsed, out)
+    call = (
+        rf"jm\.checkpoint\.save's barrier before writing {re.escape(str(tmp_path))}/alone"
+        if mode == "save"
+        else r"CheckpointManager\.save's gathering of every process's data"
     )
     assert re.search(
         rf"\[0\] jmirror: timed out: {call} has not completed {SKIP_TIMEOUT_S} s", out

@@ -64,7 +64,7 @@ def save(
             "or save to a new directory."
         )
     strategy = strategy or get_strategy()
-    group = _processes.Group.of(strategy)
+    group = _processes.Group.of(strategy, "jm.checkpoint.save")
     doc, arrays = encode(state, strategy, group, [None])
     if group.size == 1:  # with several processes the writer reports it after the barrier
         _integrity.check_writable(path.parent, "jm.checkpoint.save")
@@ -136,7 +136,7 @@ def encode(
     Every process of `group` calls it (it may hold collectives); only the writer gets the
     arrays, the others an empty dict.
     """
-    encoded = _encode.encode(state, strategy, keep=group.is_writer)
+    encoded = _encode.encode(state, strategy, keep=group.is_writer, call=group.call)
     doc = _format.document(encoded.tree, encoded.arrays, encoded.num_replicas, process_data)
     if encoded.arrays:
         _check_restorable(doc)
