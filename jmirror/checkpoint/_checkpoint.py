@@ -203,9 +203,10 @@ def _read_verified(path: pathlib.Path, doc: dict, tree: _decode.Tree, specs: dic
     """The checkpoint's host arrays, each checked against its saved checksum."""
     where = str(path)
     paths = _integrity.leaf_paths(tree) | _decode.component_paths(tree)
-    saved = _integrity.saved_checksums(path) if doc["version"] >= 2 else {}
+    kind = _integrity.CRC32C if doc["version"] >= 3 else _integrity.CRC32
+    saved = _integrity.saved_checksums(path, kind) if doc["version"] >= 2 else {}
     arrays = _storage.read_arrays(path, specs, paths)
-    _integrity.verify_arrays(arrays, saved, paths, where)
+    _integrity.verify_arrays(arrays, saved, paths, where, kind)
     return arrays
 
 

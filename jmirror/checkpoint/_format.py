@@ -4,13 +4,14 @@ A checkpoint holds two orbax items: `state`, a flat dict of host arrays named "0
 and `jmirror`, one JSON document (orbax's `JsonSave`) that says how those arrays make up the
 saved state:
 
-    {"format": "jmirror.checkpoint", "version": 2, "num_replicas": N,
+    {"format": "jmirror.checkpoint", "version": 3, "num_replicas": N,
      "arrays": {"0": {"shape": [...], "dtype": "float32"}, ...},
      "tree": <node>, "data": <the manager's data, any JSON>,
      "process_data": [<process 0's data>, <process 1's data>, ...]}
 
-Version 2 (round 3) comes with the checkpoint's file list and each array's CRC-32
-(`_integrity`); version 1 checkpoints still restore, unverified. Zero-size arrays are in the
+Version 3 comes with the checkpoint's file list and each array's CRC-32C checksums
+(`_integrity`); version 2 checkpoints (the same list with one CRC-32 per array) still restore
+and verify, version 1 checkpoints restore unverified. Zero-size arrays are in the
 table but not in the `state` item (orbax refuses them); they are restored from their shape
 and dtype.
 
@@ -54,8 +55,9 @@ import jax.numpy as jnp
 import numpy as np
 
 FORMAT = "jmirror.checkpoint"
-VERSION = 2  # 2: every array has a checksum and the file list (`_integrity`)
-READABLE_VERSIONS = (1, 2)
+# 2: every array has a CRC-32 and the file list (`_integrity`); 3: CRC-32C checksums instead.
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 STATE_ITEM = "state"
 METADATA_ITEM = "jmirror"
 
