@@ -127,7 +127,7 @@ def restore_ratio(state, mirrored, root: pathlib.Path, rounds: int) -> dict[str,
 def _without_checksums(fn):
     """Runs `fn` with the checksums replaced by a constant (the baseline of (4))."""
     real = _integrity.array_checksums
-    _integrity.array_checksums = lambda arrays, kind=_integrity.CRC32C: {n: [0] for n in arrays}
+    _integrity.array_checksums = lambda arrays, *args, **kwargs: {n: [0] for n in arrays}
     try:
         return fn()
     finally:

@@ -98,12 +98,16 @@ def piece_checksums(array: np.ndarray) -> list[int]:
     return [crc32c(view[i : i + PIECE]) for i in range(0, max(view.nbytes, 1), PIECE)]
 
 
-def array_checksums(arrays: dict[str, np.ndarray], kind: str = CRC32C) -> dict[str, Any]:
+def array_checksums(
+    arrays: dict[str, np.ndarray], kind: str = CRC32C, parallel: bool = True
+) -> dict[str, Any]:
     """The checksums of each array, as a checkpoint of that `kind` stores them: a list of
     the pieces' CRC-32C (`CRC32C`), or one CRC-32 (`CRC32`); computed over a few threads
-    (one per core, at most `_MAX_THREADS`) when the arrays are large."""
+    (one per core, at most `_MAX_THREADS`) when the arrays are large and `parallel`."""
     if kind == CRC32:
         return parallel_checksums(arrays)
+    if not parallel:
+        return {name: piece_checksums(array) for name, array in arrays.items()}
     views = {name: _bytes(array) for name, array in arrays.items()}
     pieces = [
         (name, view[i : i + PIECE])
