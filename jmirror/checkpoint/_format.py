@@ -34,11 +34,11 @@ where ENTRY is `["attr", name]`, `["key", str_or_int]`, `["index", int]` or `["f
     "stacked"    a leaf of a `PerReplica` (or a `SyncOnRead` with aggregation NONE), N components.
 `shape` and `dtype` describe the value as the user held it (one component for "aggregated" and
 "stacked"); a PRNG key leaf adds `"key_impl"` and is stored as its `jax.random.key_data`.
-An "aggregated" leaf written since round 4 adds `"components": "4"`, the array of its N
+An "aggregated" leaf may add `"components": "4"`, the array of its N
 components (`num_replicas` of them, stacked, of the leaf's dtype): a restore on the same replica
 count places them back as they were (a resumed run continues bitwise), on another count it
-places the read value as `strategy.assign` does. Without the field (checkpoints written before)
-every restore places the read value.
+places the read value as `strategy.assign` does. Without the field (older checkpoints of
+version 2) every restore places the read value.
 
 Restoring parses this document with `json.loads` and checks every field it uses against this
 schema: nothing read from a checkpoint is unpickled or evaluated, and a dtype outside
