@@ -274,7 +274,7 @@ def _not_joined(request: _cluster_config.Request) -> str:
 # preemption notifier installs a C handler then, which Python does not see (it still reports
 # the handler it knew); a different report later means a Python handler replaced JAX's.
 _sigterm_after_initialize: object = signal.SIG_DFL
-_timeout_s: float | None = 300
+_timeout_s: float | None = 300.0
 
 
 def timeout_s_of_initialize() -> float | None:
@@ -285,7 +285,7 @@ def timeout_s_of_initialize() -> float | None:
     Example:
       >>> from jmirror import distributed
       >>> distributed.timeout_s_of_initialize()
-      300
+      300.0
     """
     return _timeout_s
 
