@@ -243,11 +243,13 @@ class HostOps(CrossReplica):
         return self._gathered(x)
 
     def _component(self, stacked: Any, i: int) -> Any:
+        """Replica `i`'s whole component of a stacked leaf: from its own shards where they
+        hold it (laid out over its devices when k > 1), else moved to its first device."""
         if isinstance(stacked, jax.Array):
+            component = self.topology.replica_component(stacked, i)
+            if component is not None:
+                return component
             device = self.topology.replica_devices(i)[0]
-            for shard in stacked.addressable_shards:
-                if shard.device == device and shard.data.shape[:1] == (1,):
-                    return _squeeze(shard.data)
             return _squeeze(jax.device_put(stacked[i : i + 1], device))
         return np.asarray(stacked)[i]
 

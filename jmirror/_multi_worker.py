@@ -128,8 +128,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
 def _default_strategy() -> MirroredStrategy:
     """`jm.get_strategy()`'s default: every device of every process."""
-    if jax.process_count() > 1:
-        return MultiWorkerMirroredStrategy()
+    if jax.process_count() > 1:  # bounded as `initialize` was asked to bound the run
+        return MultiWorkerMirroredStrategy(timeout_s=distributed.timeout_s_of_initialize())
     return MirroredStrategy()
 
 

@@ -139,11 +139,16 @@ class ProcessHostOps(HostOps):
         return None
 
     def _local_component(self, stacked: Any, i: int) -> Any:
+        """This process's `i`-th replica's whole component of a stacked leaf (laid out over
+        that replica's devices when k > 1)."""
         if isinstance(stacked, jax.Array) and not stacked.is_fully_addressable:
-            device = self.topology.replica_devices(self.topology.local_replica_ids[i])[0]
-            for shard in stacked.addressable_shards:
-                if shard.device == device:
-                    return shard.data[0]
+            replica = self.topology.local_replica_ids[i]
+            component = self.topology.replica_component(stacked, replica)
+            if component is not None:
+                return component
+            # Laid out some other way: every process gathers the whole stack (every process
+            # takes this path for the same leaf, as the layout is the same everywhere).
+            return self.stacked(stacked)[replica]
         return np.asarray(stacked)[i]  # a PerReplica of this process's components
 
     def reduce_per_replica(self, op: ReduceOp, x: PerReplica, axis: int | None) -> PyTree:

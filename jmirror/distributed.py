@@ -130,7 +130,9 @@ def initialize(
       timeout_s: how long to wait for every process to join: a process that has not called
         `initialize` (or cannot reach the coordinator) `timeout_s` seconds after this one did
         ends this one with an error on stderr naming it, and exit status 1. None waits as
-        long as JAX does (300 s, then it aborts).
+        long as JAX does (300 s, then it aborts). It is also the `timeout_s` of the strategy
+        that `jm.get_strategy()` makes when none is current in a run of several processes
+        (what `jm.checkpoint.save` and a `CheckpointManager` use without `strategy=`).
 
     Raises:
       RuntimeError: JAX's backends are already initialized (something touched a device
@@ -184,8 +186,9 @@ def initialize(
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     _join(request, timeout)
     _check_hosts_reachable(request, timeout)
-    global _sigterm_after_initialize
+    global _sigterm_after_initialize, _timeout_s
     _sigterm_after_initialize = signal.getsignal(signal.SIGTERM)
+    _timeout_s = timeout
     if jax.process_count() > 1:
         sys.excepthook = _exit_at_once(sys.excepthook, request.heartbeat_timeout_s + 5)
     _initialized = request
@@ -271,6 +274,20 @@ def _not_joined(request: _cluster_config.Request) -> str:
 # preemption notifier installs a C handler then, which Python does not see (it still reports
 # the handler it knew); a different report later means a Python handler replaced JAX's.
 _sigterm_after_initialize: object = signal.SIG_DFL
+_timeout_s: float | None = 300.0
+
+
+def timeout_s_of_initialize() -> float | None:
+    """The `timeout_s` given to `initialize` (internal; 300 before it ran): the bound of the
+    default strategy of several processes, so that a call made without `strategy=` (a
+    checkpoint's barrier) is bounded as the run asked.
+
+    Example:
+      >>> from jmirror import distributed
+      >>> distributed.timeout_s_of_initialize()
+      300.0
+    """
+    return _timeout_s
 
 
 def sigterm_handler_after_initialize() -> object:

@@ -18,6 +18,7 @@ import textwrap
 import threading
 import zlib
 
+import google_crc32c
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -301,9 +302,10 @@ def test_a_caught_failed_save_never_keeps_the_process_from_exiting(tmp_path):
 def test_orbax_threads_left_by_a_failed_save_are_daemons(tmp_path, monkeypatch):
     # A non-daemon thread waiting for a signal of a failed save is joined at exit, for as long
     # as orbax's timeout (H5): every thread orbax starts for jmirror must be a daemon.
-    from jmirror.checkpoint import _encode
+    from jmirror.checkpoint import _checkpoint, _encode
 
     monkeypatch.setattr(_encode, "check_leaf", lambda *args, **kwargs: None, raising=False)
+    monkeypatch.setattr(_checkpoint, "_check_restorable", lambda doc: None)  # let orbax see it
     started = []
     start = threading.Thread.start
 
@@ -456,10 +458,18 @@ def test_every_array_is_written_with_its_checksum(strategy, tmp_path):
     jm.checkpoint.save(tmp_path / "c", state, strategy=strategy)
     doc = json.loads((tmp_path / "c" / "jmirror" / "metadata").read_text())
     listed = json.loads((tmp_path / "c" / _integrity.FILES).read_text())
-    assert doc["version"] == 2 and sorted(listed["arrays"]) == sorted(doc["arrays"]) != []
+    assert doc["version"] == 3 and sorted(listed["arrays"]) == sorted(doc["arrays"]) != []
+    assert listed["checksum"] == "crc32c"
     values = [np.asarray(state["params"]["w"]), state["b"], np.asarray(3)]
-    expected = sorted(zlib.crc32(np.ascontiguousarray(v).tobytes()) for v in values)
+    # Oracle: google-crc32c's own Python call of each 4 MiB piece's bytes.
+    pieces = [np.ascontiguousarray(v).tobytes() for v in values]
+    expected = sorted(
+        [google_crc32c.value(b[i : i + (4 << 20)]) for i in range(0, max(len(b), 1), 4 << 20)]
+        for b in pieces
+    )
     assert sorted(listed["arrays"].values()) == expected
+    small = next(e for e in listed["files"].values() if "crc32c" in e)
+    assert "crc32" not in small
     files = {p.relative_to(tmp_path / "c").as_posix() for p in (tmp_path / "c").rglob("*")}
     assert set(listed["files"]) == {f for f in files if (tmp_path / "c" / f).is_file()} - {
         _integrity.FILES
@@ -498,7 +508,38 @@ def test_verification_over_threads_finds_a_flipped_bit_in_any_piece_of_a_large_a
     assert crc == []  # the verification's threads are joined
 
 
+def test_crc32c_checksums_of_pieces_equal_one_pass_and_run_on_several_threads(monkeypatch):
+    rng = np.random.default_rng(0)
+    arrays = {
+        "large": rng.standard_normal(5 << 20).astype(np.float32),  # 20 MiB: five pieces
+        "odd": rng.integers(0, 9, (3, 1_000_001)).astype(np.int8),
+        "bool": np.ones(7, bool),
+        "empty": np.zeros((0, 4), np.float64),
+        "strided": rng.standard_normal((64, 64))[:, ::2],
+    }
+    names = set()
+    real = _integrity._CRC32C
+
+    def crc32c(data):
+        names.add(threading.current_thread().name)
+        return real(data)
+
+    monkeypatch.setattr(_integrity, "_CRC32C", crc32c)
+    got = _integrity.array_checksums(arrays)
+    monkeypatch.undo()
+    piece = _integrity.PIECE
+    for name, array in arrays.items():  # oracle: google-crc32c's Python call, piece by piece
+        data = np.ascontiguousarray(array).tobytes()
+        pieces = [data[i : i + piece] for i in range(0, max(len(data), 1), piece)]
+        assert got[name] == [google_crc32c.value(p) for p in pieces], name
+    assert len(got["large"]) == 5 and got["empty"] == [0]
+    if len(os.sched_getaffinity(0)) > 1:
+        assert len({n for n in names if n.startswith("jmirror-checkpoint-crc")}) > 1, names
+    assert not [t for t in threading.enumerate() if t.name.startswith("jmirror-checkpoint-crc")]
+
+
 def test_parallel_checksums_equal_one_pass_and_run_on_several_threads(monkeypatch):
+    # The CRC-32 of format version 2 checkpoints, verified over threads.
     rng = np.random.default_rng(0)
     arrays = {
         "large": rng.standard_normal(5 << 20).astype(np.float32),  # 20 MiB: five pieces
@@ -746,12 +787,51 @@ def test_a_round_2_checkpoint_without_checksums_still_restores(strategy, tmp_pat
     jm.checkpoint.save(tmp_path / "c", state, strategy=strategy)
     (tmp_path / "c" / _integrity.FILES).unlink()  # what a round-2 save wrote: version 1, no list
     doc = tmp_path / "c" / "jmirror" / "metadata"
-    doc.write_text(doc.read_text().replace('"version": 2', '"version": 1'))
+    doc.write_text(doc.read_text().replace('"version": 3', '"version": 1'))
     out = jm.checkpoint.restore(tmp_path / "c", strategy=strategy)
     np.testing.assert_array_equal(out["params"]["w"], state["params"]["w"])
-    doc.write_text(doc.read_text().replace('"version": 1', '"version": 2'))
+    doc.write_text(doc.read_text().replace('"version": 1', '"version": 3'))
     with pytest.raises(jm.checkpoint.CorruptCheckpointError, match="file list"):
         jm.checkpoint.restore(tmp_path / "c", strategy=strategy)
+
+
+V2 = pathlib.Path(__file__).parent / "data" / "checkpoint_v2"
+
+
+def test_a_version_2_checkpoint_with_crc32_restores_and_verifies(strategy, tmp_path):
+    # tests/data/checkpoint_v2 was written by the code that wrote format version 2 (one
+    # zlib CRC-32 per array, a crc32 per small file), jm.checkpoint.save of this state on 8
+    # replicas.
+    path = tmp_path / "v2"
+    shutil.copytree(V2, path)
+    doc = json.loads((path / "jmirror" / "metadata").read_text())
+    listed = json.loads((path / _integrity.FILES).read_text())
+    assert doc["version"] == 2 and all(type(c) is int for c in listed["arrays"].values())
+    w = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    out = jm.checkpoint.restore(path, strategy=strategy)
+    np.testing.assert_array_equal(strategy.read(out["params"]["w"]), w)
+    np.testing.assert_array_equal(out["b"], np.arange(5.0))
+    assert out["n"] == 3 and out["empty"].shape == (0, 2)
+    assert float(strategy.read(out["total"])) == 6.0
+    # Verified: a changed value that still decodes is named by its leaf path.
+    from jmirror.checkpoint import _storage
+
+    read = _storage.read_arrays
+
+    def changed(*args):
+        arrays = read(*args)
+        name = next(k for k, a in arrays.items() if a.shape == (3, 4))
+        arrays[name] = arrays[name] + 1.0
+        return arrays
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_storage, "read_arrays", changed)
+        with pytest.raises(jm.checkpoint.CorruptCheckpointError, match=r"\['params'\]\['w'\]"):
+            jm.checkpoint.restore(path, strategy=strategy)
+    # A changed small file is caught by its crc32 in the file list.
+    _flip_bit(path / "state" / "_METADATA")
+    with pytest.raises(jm.checkpoint.CorruptCheckpointError, match="_METADATA was changed"):
+        jm.checkpoint.restore(path, strategy=strategy)
 
 
 def test_an_nnx_run_resumed_from_its_checkpoint_ends_bitwise_equal(strategy, tmp_path):

@@ -177,12 +177,20 @@ def test_a_checkpoint_of_one_process_restores_on_two(tmp_path, trained, strategy
 # --- replicas spanning 2 devices on 2 x 4, restored on 1 x 8 at k = 1 ---------------------------
 
 
-def test_replicas_spanning_two_devices_save_on_two_processes_and_restore_on_one(tmp_path, strategy):
+@pytest.fixture(scope="module")
+def spanning_by_two(tmp_path_factory):
+    """The worker of replicas spanning 2 devices on 2 x 4: its directory, what each saw."""
+    out = tmp_path_factory.mktemp("spanning_by_two")
+    worker = HERE / "spanning_checkpoint_worker.py"
+    return out, harness.two_by_four(worker, out, out=out, timeout=200)
+
+
+def test_replicas_spanning_two_devices_save_on_two_processes_and_restore_on_one(
+    spanning_by_two, strategy
+):
     import optax
 
-    seen = harness.two_by_four(
-        HERE / "spanning_checkpoint_worker.py", tmp_path, out=tmp_path, timeout=200
-    )
+    tmp_path, seen = spanning_by_two
     keys = ("params", "opt_state", "sharded", "count")
     for process in seen:  # laid out over the model axis; restored on the same layout as held
         assert str(process["trained/kernel_spec"]) == "P(None, 'model')"
@@ -215,6 +223,47 @@ def test_replicas_spanning_two_devices_save_on_two_processes_and_restore_on_one(
     for batch in strategy.distribute_dataset(list(batches(4, steps=3)), remainder="drop"):
         params, opt_state, _, count = step_fn(params, opt_state, batch, count)
     np.testing.assert_allclose(flat(strategy, params), held["trained/params"], rtol=2e-5, atol=2e-6)
+
+
+def test_per_replica_values_laid_out_inside_replicas_are_whole_on_two_processes(
+    spanning_by_two, strategy
+):
+    # local_results gave one device's half of each replica's (16, 32) kernel gradient.
+    from training import loss_fn
+
+    tmp_path, seen = spanning_by_two
+    # Oracle: the gradients of the trained parameters on each replica's rows of the last batch
+    # (4 replicas), on one device; the parameters as the 1 x 8 run trains them.
+    step_fn = jm.replicate(make_step(), strategy=strategy)
+    params, opt_state = strategy.mirror(init_state())
+    count = strategy.sync_on_read(np.int32(0), "sum")
+    data = list(batches(4, steps=3))
+    for batch in strategy.distribute_dataset(data, remainder="drop"):
+        params, opt_state, _, count = step_fn(params, opt_state, batch, count)
+    host = jax.tree.map(np.asarray, strategy.read(params))
+    x, y = data[-1]
+    grad = jax.jit(lambda x, y: jax.grad(loss_fn)(host, x, y)["params"]["Dense_0"]["kernel"])
+    expected = np.stack(
+        [np.asarray(grad(x[4 * r : 4 * r + 4], y[4 * r : 4 * r + 4])) for r in range(4)]
+    )
+    close = {"rtol": 1e-4, "atol": 1e-6}
+    for process in seen:
+        assert str(process["grads/spec"]) == "P('replica', None, 'model')"
+        mine = process["grads/replicas"].tolist()
+        np.testing.assert_allclose(process["grads/local"], expected[mine], **close)
+        np.testing.assert_array_equal(process["grads/restored"], process["grads/local"])
+        np.testing.assert_allclose(process["grads/gather"], np.concatenate(expected), **close)
+        np.testing.assert_allclose(process["grads/reduce"], expected.sum(0), **close)
+        np.testing.assert_allclose(process["grads/first"], 1.0 + expected[0], **close)
+        np.testing.assert_array_equal(process["grads/restored_first"], process["grads/first"])
+    assert seen[0]["grads/replicas"].tolist() == [0, 1]
+    assert seen[1]["grads/replicas"].tolist() == [2, 3]
+    # The checkpoint the two processes wrote restores here, on 4 replicas of one device.
+    four = jm.MirroredStrategy(jax.devices()[:4])
+    back = jm.checkpoint.restore(tmp_path / "grads", strategy=four)
+    got = np.stack([np.asarray(c) for c in four.local_results(back["grads"])])
+    np.testing.assert_allclose(got, expected, **close)
+    np.testing.assert_allclose(np.asarray(four.read(back["first"])), 1.0 + expected[0], **close)
 
 
 # --- a save that one process skips -------------------------------------------------------------
@@ -266,9 +315,60 @@ def test_a_save_that_the_other_process_skips_to_exit_ends_the_run_naming_the_sav
     assert code != 0 and "process 0 saved alone" not in out, out
     assert elapsed < SKIP_TIMEOUT_S + 40, (elapsed, out)
     call = (
-        r"jm\.checkpoint's gathering of the per-replica components"
+        r"jm\.checkpoint\.save's gathering of the per-replica components"
         if mode == "save"
-        else r"jm\.checkpoint's gathering of every process's data"
+        else r"CheckpointManager\.save's gathering of every process's data"
+    )
+    assert re.search(
+        rf"\[0\] jmirror: timed out: {call} has not completed {SKIP_TIMEOUT_S} s", out
+    ), out
+    assert re.search(rf"\[0\] jmirror: processes that did not arrive at {call}: 1\.", out), out
+    assert "jmirror.launch: process 0 exited with code 1" in out
+
+
+_SKIPPED_MIRRORED_SAVE = """
+import os, sys
+import numpy as np
+import jmirror as jm
+
+mode, directory = sys.argv[1], sys.argv[2]
+jm.distributed.initialize(timeout_s={timeout})
+me = int(os.environ["JMIRROR_PROCESS_ID"])
+strategy = jm.MultiWorkerMirroredStrategy(timeout_s={timeout})
+state = {{"w": strategy.mirror(np.ones((8, 1), np.float32)), "step": 3}}  # nothing per replica
+if me == 0:  # without strategy=: the default strategy, bounded as initialize was asked
+    print("process 0 saves alone", flush=True)
+    if mode == "save":
+        jm.checkpoint.save(f"{{directory}}/alone", state)
+    else:
+        manager = jm.checkpoint.CheckpointManager(f"{{directory}}/series")
+        manager.save(1, state)
+        manager.wait_until_finished()
+    print("process 0 saved alone", flush=True)
+print(f"process {{me}} exits", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["save", "manager"])
+def test_a_skipped_save_of_mirrored_state_without_strategy_ends_the_run_naming_it(tmp_path, mode):
+    # A save given no strategy= took the default strategy, whose timeout_s was 300 whatever
+    # initialize was given: process 0 still waited 120 s later at the checkpoint's first
+    # barrier (a mirrored-only state gathers nothing before it), with no message.
+    script = tmp_path / "skipped_mirrored_save.py"
+    script.write_text(textwrap.dedent(_SKIPPED_MIRRORED_SAVE.format(timeout=SKIP_TIMEOUT_S)))
+    command = ["--processes", "2", "--devices-per-process", "4", str(script), mode, tmp_path]
+    run = harness.launch([str(c) for c in command], tmp_path, f"skipped-mirrored-{mode}")
+    run.wait_for(r"process 0 saves alone", 120)
+    start = time.monotonic()
+    code, _ = run.wait(SKIP_TIMEOUT_S + 60)
+    elapsed = time.monotonic() - start
+    out = run.output()
+    assert code != 0 and "process 0 saved alone" not in out, out
+    assert elapsed < SKIP_TIMEOUT_S + 40, (elapsed, out)
+    call = (
+        rf"jm\.checkpoint\.save's barrier before writing {re.escape(str(tmp_path))}/alone"
+        if mode == "save"
+        else r"CheckpointManager\.save's gathering of every process's data"
     )
     assert re.search(
         rf"\[0\] jmirror: timed out: {call} has not completed {SKIP_TIMEOUT_S} s", out

@@ -216,6 +216,28 @@ def test_per_replica_values_at_two_restore_on_the_same_count(tmp_path):
     assert float(strategy.read(restored["total"])) == 6.0
 
 
+def test_per_replica_values_laid_out_inside_replicas_save_whole_and_restore(tmp_path):
+    # A SyncOnRead ONLY_FIRST_REPLICA laid out over the model axis was saved as one device's
+    # half of replica 0's value: the save succeeded and its restore raised
+    # CorruptCheckpointError.
+    from test_spanning import AGGREGATIONS, _laid_out_grads
+
+    strategy, g, totals, expected = _laid_out_grads(2)
+    parts = 1.0 + expected
+    oracle = {"sum": parts.sum(0), "mean": parts.mean(0), "only_first_replica": parts[0]}
+    saved = np.stack([np.asarray(c["w"]) for c in strategy.local_results(g)])
+    jm.checkpoint.save(tmp_path / "c", {"g": g, "totals": totals}, strategy=strategy)
+    same_n = _spanning(1, jax.devices()[:4])  # N = 4 replicas of one device
+    for where in (strategy, same_n):
+        restored = jm.checkpoint.restore(tmp_path / "c", strategy=where)
+        got = np.stack([np.asarray(c["w"]) for c in where.local_results(restored["g"])])
+        np.testing.assert_array_equal(got, saved)  # bitwise as saved
+        np.testing.assert_allclose(got, expected, rtol=1e-5)
+        for a in AGGREGATIONS:
+            read = np.asarray(where.read(restored["totals"][a]))
+            np.testing.assert_allclose(read, oracle[a], rtol=1e-5)
+
+
 # --- what is not mirrored is still refused -------------------------------------------------------
 
 

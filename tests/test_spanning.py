@@ -748,3 +748,74 @@ def test_shard_update_init_inside_a_replica_cuts_the_same_blocks(k):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(outside), strict=True):
         assert a.shape == b.shape
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# --- whole values wherever jmirror takes a replica's component ---------------------------------
+
+AGGREGATIONS = ("sum", "mean", "only_first_replica")
+
+
+def _laid_out_grads(k: int):
+    """Per-replica gradients of a (6, 8) kernel laid out over the model axis (k > 1), and
+    sync-on-read sums of them, on 4 replicas of k devices; the strategy, the values and the
+    per-replica gradients by NumPy (the oracle)."""
+    strategy = jm.MirroredStrategy(
+        jax.devices()[: 4 * k], devices_per_replica=k, layout=[(r"\['w'\]", KERNEL)]
+    )
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(6, 8)).astype(np.float32)
+    x = rng.normal(size=(4, 2, 6)).astype(np.float32)
+    totals = {a: strategy.sync_on_read(np.ones((6, 8), np.float32), a) for a in AGGREGATIONS}
+
+    def grads(params, x, totals):
+        g = jax.grad(lambda p: jnp.sum((x @ p["w"]) ** 2))(params)
+        return g, {a: t.replace(t.value + g["w"]) for a, t in totals.items()}
+
+    step = jm.replicate(grads, strategy=strategy, per_replica=lambda path, leaf: True)
+    g, totals = step(strategy.mirror({"w": w}), jm.PerReplica(x), totals)
+    expected = np.stack([2 * xi.T @ (xi @ w) for xi in x])  # d/dw sum((x w)^2)
+    return strategy, g, totals, expected
+
+
+def test_per_replica_values_laid_out_inside_replicas_are_taken_whole():
+    # local_results gave one device's (6, 4) shard of each replica's (6, 8) gradient.
+    strategy, g, _, expected = _laid_out_grads(2)
+    assert g["w"].values.sharding.spec == P("replica", None, "model")
+    components = strategy.local_results(g)
+    assert len(components) == 4
+    for i, component in enumerate(components):
+        assert component["w"].shape == (6, 8)
+        assert component["w"].sharding.device_set == set(strategy.replica_devices(i))
+        np.testing.assert_allclose(np.asarray(component["w"]), expected[i], rtol=1e-5)
+    gathered = strategy.gather(g, axis=0)["w"]
+    np.testing.assert_allclose(np.asarray(gathered), np.concatenate(expected), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(strategy.reduce("sum", g)["w"]), expected.sum(0), rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_reading_a_sync_on_read_laid_out_inside_replicas_gives_the_whole_value(aggregation):
+    # ONLY_FIRST_REPLICA read one device's half of replica 0's component.
+    strategy, _, totals, expected = _laid_out_grads(2)
+    parts = 1.0 + expected
+    oracle = {"sum": parts.sum(0), "mean": parts.mean(0), "only_first_replica": parts[0]}
+    node = totals[aggregation]
+    read = strategy.read(node)
+    assert read.shape == (6, 8)
+    np.testing.assert_allclose(np.asarray(read), oracle[aggregation], rtol=1e-5)
+    components = strategy.local_results(node)
+    np.testing.assert_allclose(np.stack([np.asarray(c) for c in components]), parts, rtol=1e-5)
+
+
+def test_whole_components_equal_one_device_per_replica():
+    one, g1, totals1, _ = _laid_out_grads(1)
+    two, g2, totals2, _ = _laid_out_grads(2)
+    for a, b in zip(one.local_results((g1, totals1)), two.local_results((g2, totals2))):
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(two.read(totals2["only_first_replica"])),
+        np.asarray(one.read(totals1["only_first_replica"])),
+        rtol=1e-5,
+    )

@@ -147,3 +147,30 @@ def test_emulated_strategy_basics():
     assert float(strategy.reduce("sum", ids)) == 6.0
     with pytest.raises(ValueError):
         jmt.EmulatedStrategy(0)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="replicas of 2 devices need 8 host devices")
+def test_assertions_compare_whole_values_at_two_devices_per_replica():
+    # assert_replicas_equal compared one device's shard of each component, so replicas that
+    # differed only in the other half passed.
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    strategy = jm.MirroredStrategy(devices_per_replica=2)
+    n = strategy.num_replicas
+    same = np.ones((n, 6, 8), np.float32)
+    laid_out = NamedSharding(strategy.mesh, P("replica", None, "model"))
+    jmt.assert_replicas_equal(jm.PerReplica(jax.device_put(same, laid_out)), strategy)
+    differs = same.copy()
+    differs[1, :, 7] = 2.0  # replica 1, the columns its second device holds
+    with pytest.raises(AssertionError, match="replica 0 and replica 1"):
+        jmt.assert_replicas_equal(jm.PerReplica(jax.device_put(differs, laid_out)), strategy)
+    # A mirrored leaf, replicated inside each replica, whose copy on replica 2's second
+    # device differs (oracle: the copies as placed, by device).
+    mirrored = NamedSharding(strategy.mesh, P())
+    copies = [np.full((3,), 1.0 if i != 5 else 9.0, np.float32) for i in range(2 * n)]
+    parts = [jax.device_put(c, d) for c, d in zip(copies, strategy.devices)]
+    odd = jax.make_array_from_single_device_arrays((3,), mirrored, parts)
+    jmt.assert_mirrored(strategy.mirror(np.ones(3, np.float32)), strategy)
+    with pytest.raises(AssertionError, match=r"replica 0 and replica 2 \(its device"):
+        jmt.assert_mirrored({"w": odd}, strategy)

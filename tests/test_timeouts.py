@@ -285,7 +285,10 @@ def test_a_save_that_one_process_skips_ends_the_run_naming_the_wait_and_it(tmp_p
     # Process 0 waits in the save (its barrier, or the manager's gathering of every process's
     # data) for process 1, which waits in its next step for process 0: whichever times out
     # first names the other.
-    in_save = r"jm\.checkpoint's (barrier before writing \S+|gathering of every process's data)"
+    in_save = (
+        r"(jm\.checkpoint\.save|CheckpointManager\.save)'s "
+        r"(barrier before writing \S+|gathering of every process's data)"
+    )
     on_0 = re.search(rf"\[0\] jmirror: processes that did not arrive at {in_save}: 1\.", out)
     on_1 = re.search(
         # process 1's own wait: its next step, or the reduce after it (seen under load in CI)

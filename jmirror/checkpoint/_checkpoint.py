@@ -67,7 +67,7 @@ def save(
             "or save to a new directory."
         )
     strategy = strategy or get_strategy()
-    group = _processes.Group.of(strategy)
+    group = _processes.Group.of(strategy, "jm.checkpoint.save")
     doc, arrays = encode(state, strategy, group, [None])
     if group.size == 1:  # with several processes the writer reports it after the barrier
         _integrity.check_writable(path.parent, "jm.checkpoint.save")
@@ -140,9 +140,28 @@ def encode(
     arrays, the others an empty dict.
     """
     # Static leaves (an equinox module's functions and flags) are not written.
-    encoded = _encode.encode(without_statics(state), strategy, keep=group.is_writer)
+    state = without_statics(state)
+    encoded = _encode.encode(state, strategy, keep=group.is_writer, call=group.call)
     doc = _format.document(encoded.tree, encoded.arrays, encoded.num_replicas, process_data)
+    if encoded.arrays:
+        _check_restorable(doc)
     return doc, encoded.arrays
+
+
+def _check_restorable(doc: dict) -> None:
+    """Raises before anything is written unless `doc` passes the checks a restore makes of
+    it (each array of the shape and dtype its leaf says): a save that succeeds restores."""
+    where = "the state being saved"
+    try:
+        saved_n, specs, node = _format.parse_document(doc, where)
+        _decode.check_arrays(_decode.Tree(node, where, specs), specs, saved_n, where)
+    except _format.CorruptCheckpointError as error:
+        what = str(error).partition(" is damaged: ")[2].partition(". Nothing was restored")[0]
+        raise RuntimeError(
+            f"jm.checkpoint.save: the encoded state would not restore: {what}. Nothing was "
+            "written. This is a bug of jmirror's encoding; please report it with the state's "
+            "structure."
+        ) from error
 
 
 def read(path: pathlib.Path, target: PyTree, strategy: MirroredStrategy, call: str) -> PyTree:
@@ -223,9 +242,10 @@ def _read_verified(path: pathlib.Path, doc: dict, tree: _decode.Tree, specs: dic
     """The checkpoint's host arrays, each checked against its saved checksum."""
     where = str(path)
     paths = _integrity.leaf_paths(tree) | _decode.component_paths(tree)
-    saved = _integrity.saved_checksums(path) if doc["version"] >= 2 else {}
+    kind = _integrity.CRC32C if doc["version"] >= 3 else _integrity.CRC32
+    saved = _integrity.saved_checksums(path, kind) if doc["version"] >= 2 else {}
     arrays = _storage.read_arrays(path, specs, paths)
-    _integrity.verify_arrays(arrays, saved, paths, where)
+    _integrity.verify_arrays(arrays, saved, paths, where, kind)
     return arrays
 
 

@@ -38,8 +38,9 @@ if TYPE_CHECKING:
     from jmirror._strategy import MirroredStrategy
 
 _PYTHON_SCALARS = (bool, int, float, complex)
-# The bounded wait of a save that gathers per-replica components (named if it times out).
-GATHER_CALL = "jm.checkpoint's gathering of the per-replica components"
+# The bounded wait of a save that gathers per-replica components (named if it times out,
+# after the save's call).
+GATHER_CALL = "{call}'s gathering of the per-replica components"
 
 _NOT_MIRRORED = (
     "jm.checkpoint.save: the array at path {where!r} is not mirrored (its sharding is "
@@ -98,8 +99,9 @@ def container_kind(node: Any) -> str:
 
 
 class _Encoder:
-    def __init__(self, strategy: MirroredStrategy):
+    def __init__(self, strategy: MirroredStrategy, call: str = "jm.checkpoint.save"):
         self.strategy = strategy
+        self.call = call
         self.topology = strategy.topology
         self.n = strategy.num_replicas
         self.several = self.topology.process_count > 1
@@ -285,7 +287,7 @@ class _Encoder:
         """
         if not spread:
             return {}
-        with _deadline.bounded(GATHER_CALL, self.topology.timeout_s):
+        with _deadline.bounded(GATHER_CALL.format(call=self.call), self.topology.timeout_s):
             full = _mirror_all(self.topology.mirrored)(list(spread.values()))
             full = jax.block_until_ready(full)
         return {name: x.addressable_shards[0].data for name, x in zip(spread, full)}
@@ -348,12 +350,15 @@ def _leaf(kind: str, name: str, shape: tuple, x: Any) -> dict:
     return out
 
 
-def encode(state: PyTree, strategy: MirroredStrategy, keep: bool = True) -> Encoded:
+def encode(
+    state: PyTree, strategy: MirroredStrategy, keep: bool = True, call: str = "jm.checkpoint.save"
+) -> Encoded:
     """The JSON tree of `state` and host copies of its arrays (see `_format`).
 
     Every process of the strategy calls it; only where `keep` are the arrays copied (the
-    others get an empty dict).
+    others get an empty dict). `call` names the user's call in the message of a wait that
+    times out.
     """
-    encoder = _Encoder(strategy)
+    encoder = _Encoder(strategy, call)
     tree = encoder.node(state, ())
     return Encoded(tree, encoder.host_arrays(keep), strategy.num_replicas)

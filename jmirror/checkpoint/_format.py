@@ -4,13 +4,14 @@ A checkpoint holds two orbax items: `state`, a flat dict of host arrays named "0
 and `jmirror`, one JSON document (orbax's `JsonSave`) that says how those arrays make up the
 saved state:
 
-    {"format": "jmirror.checkpoint", "version": 2, "num_replicas": N,
+    {"format": "jmirror.checkpoint", "version": 3, "num_replicas": N,
      "arrays": {"0": {"shape": [...], "dtype": "float32"}, ...},
      "tree": <node>, "data": <the manager's data, any JSON>,
      "process_data": [<process 0's data>, <process 1's data>, ...]}
 
-Version 2 (round 3) comes with the checkpoint's file list and each array's CRC-32
-(`_integrity`); version 1 checkpoints still restore, unverified. Zero-size arrays are in the
+Version 3 comes with the checkpoint's file list and each array's CRC-32C checksums
+(`_integrity`); version 2 checkpoints (the same list with one CRC-32 per array) still restore
+and verify, version 1 checkpoints restore unverified. Zero-size arrays are in the
 table but not in the `state` item (orbax refuses them); they are restored from their shape
 and dtype.
 
@@ -33,11 +34,11 @@ where ENTRY is `["attr", name]`, `["key", str_or_int]`, `["index", int]` or `["f
     "stacked"    a leaf of a `PerReplica` (or a `SyncOnRead` with aggregation NONE), N components.
 `shape` and `dtype` describe the value as the user held it (one component for "aggregated" and
 "stacked"); a PRNG key leaf adds `"key_impl"` and is stored as its `jax.random.key_data`.
-An "aggregated" leaf written since round 4 adds `"components": "4"`, the array of its N
+An "aggregated" leaf may add `"components": "4"`, the array of its N
 components (`num_replicas` of them, stacked, of the leaf's dtype): a restore on the same replica
 count places them back as they were (a resumed run continues bitwise), on another count it
-places the read value as `strategy.assign` does. Without the field (checkpoints written before)
-every restore places the read value.
+places the read value as `strategy.assign` does. Without the field (older checkpoints of
+version 2) every restore places the read value.
 
 Restoring parses this document with `json.loads` and checks every field it uses against this
 schema: nothing read from a checkpoint is unpickled or evaluated, and a dtype outside
@@ -54,8 +55,9 @@ import jax.numpy as jnp
 import numpy as np
 
 FORMAT = "jmirror.checkpoint"
-VERSION = 2  # 2: every array has a checksum and the file list (`_integrity`)
-READABLE_VERSIONS = (1, 2)
+# 2: every array has a CRC-32 and the file list (`_integrity`); 3: CRC-32C checksums instead.
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 STATE_ITEM = "state"
 METADATA_ITEM = "jmirror"
 

@@ -279,7 +279,7 @@ class CheckpointManager(PreemptionMixin):
                 "to replace it (atomically), or save a new step."
             )
         strategy = self._current_strategy()
-        group = _processes.Group.of(strategy)
+        group = _processes.Group.of(strategy, "CheckpointManager.save")
         # The collectives of a save, in this thread: the data, the reads and gathers.
         doc, arrays = _checkpoint.encode(state, strategy, group, group.gather_json(data))
         if group.size == 1:  # an async save's OSError too comes from this call, if it can

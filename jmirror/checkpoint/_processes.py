@@ -63,17 +63,20 @@ class Group:
       processes: the process indices of the strategy's devices, ascending.
       me: this process's index (`jax.process_index()`).
       timeout_s: the strategy's bound on a wait for the other processes, or None.
+      call: the user's call these processes make together (`"jm.checkpoint.save"`,
+        `"CheckpointManager.save"`), which names each of its waits if it times out.
     """
 
     processes: tuple[int, ...]
     me: int
     timeout_s: float | None = None
+    call: str = "jm.checkpoint"
 
     @classmethod
-    def of(cls, strategy: MirroredStrategy) -> Group:
+    def of(cls, strategy: MirroredStrategy, call: str = "jm.checkpoint") -> Group:
         topology = strategy.topology
         processes = tuple(sorted({d.process_index for d in topology.devices}))
-        return cls(processes, topology.process_index, topology.timeout_s)
+        return cls(processes, topology.process_index, topology.timeout_s, call)
 
     @property
     def size(self) -> int:
@@ -106,7 +109,7 @@ class Group:
         """
         if self.size == 1:
             return
-        call = call or f"jm.checkpoint's barrier {key}"
+        call = call or f"{self.call}'s barrier {key}"
         wait = ocp.multihost.get_barrier_sync_fn(processes=set(self.processes))
         if timeout_s is None:
             timeout_s = self.timeout_s
@@ -132,7 +135,7 @@ class Group:
         """
         start, end = keys
         what = start.partition(":")[2]
-        self.barrier(start, f"jm.checkpoint's barrier before writing {what}")
+        self.barrier(start, f"{self.call}'s barrier before writing {what}")
         error: BaseException | None = None
         if self.is_writer:
             try:
@@ -140,7 +143,7 @@ class Group:
             except BaseException as e:  # raised below, after the others are released
                 error = e
         after = None if self.timeout_s is None else max(self.timeout_s, BARRIER_TIMEOUT_S)
-        self.barrier(end, f"jm.checkpoint's barrier after writing {what}", after)
+        self.barrier(end, f"{self.call}'s barrier after writing {what}", after)
         if error is not None:
             raise error
 
@@ -154,7 +157,7 @@ class Group:
                 f"(this one spans processes {list(self.processes)} of {jax.process_count()})."
             )
         raw = np.frombuffer(json.dumps(data).encode(), np.uint8)
-        with _deadline.bounded("jm.checkpoint's gathering of every process's data", self.timeout_s):
+        with _deadline.bounded(f"{self.call}'s gathering of every process's data", self.timeout_s):
             lengths = np.asarray(multihost_utils.process_allgather(np.int32(raw.size)))
             padded = np.zeros(int(lengths.max()), np.uint8)
             padded[: raw.size] = raw

@@ -109,8 +109,12 @@ def write(
         raise ValueError(f"{path} exists")  # the callers check first, with their own message
     new = path.parent / f".{path.name}{_NEW}{uuid.uuid4().hex}"
     try:
-        # The checksums are computed while orbax writes (zlib and TensorStore release the GIL).
-        checksums = _background.start_daemon(lambda: _integrity.array_checksums(arrays))
+        # The checksums are computed while orbax writes (crc32c and TensorStore release the
+        # GIL), in one thread: it has the whole write to finish, and more threads would only
+        # compete with orbax's for the cores.
+        checksums = _background.start_daemon(
+            lambda: _integrity.array_checksums(arrays, parallel=False)
+        )
         _orbax_save(new, arrays, doc)
         _integrity.write_file_list(new, checksums())
     except BaseException as error:

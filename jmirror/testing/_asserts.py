@@ -50,13 +50,25 @@ def assert_mirrored(tree: PyTree, strategy: MirroredStrategy | None = None) -> N
                 f"assert_mirrored: leaf {path} is not mirrored over the {strategy.num_replicas} "
                 f"device(s) of the strategy; found {found}."
             )
-        copies = [_host(c) for c in strategy.local_results(leaf)]
-        for i, copy in enumerate(copies[1:], start=1):
-            if not np.array_equal(copy, copies[0], equal_nan=True):
-                raise AssertionError(
-                    f"assert_mirrored: leaf {path} differs between replica 0 and replica {i}: "
-                    f"{copies[0]!r} vs {copy!r}."
-                )
+        _check_every_device(path, leaf, strategy)
+
+
+def _check_every_device(path: str, leaf: jax.Array, strategy: MirroredStrategy) -> None:
+    """Raises unless every device's part of the mirrored `leaf` equals that part of the first
+    replica's whole copy (each device of every replica: a copy within a replica too)."""
+    topology = strategy.topology
+    first = _host(strategy.local_results(leaf)[0])
+    k = topology.devices_per_replica
+    position = {d: i for i, d in enumerate(topology.devices)}
+    for shard in sorted(leaf.addressable_shards, key=lambda s: position.get(s.device, 0)):
+        part = _host(shard.data)
+        if not np.array_equal(part, first[shard.index], equal_nan=True):
+            index = position.get(shard.device, 0)
+            where = f"replica {index // k}" + (f" (its device {shard.device})" if k > 1 else "")
+            raise AssertionError(
+                f"assert_mirrored: leaf {path} differs between replica 0 and {where}: "
+                f"{first[shard.index]!r} vs {part!r}."
+            )
 
 
 def assert_per_replica(tree: PyTree) -> None:

@@ -7,8 +7,10 @@ host devices by tests/test_checkpoint_processes.py.
 Each process trains the equivalence MLP for 3 steps on 4 replicas of 2 devices (kernels laid
 out over the model axis by a regex layout), then one `jm.shard_update` step, and saves the
 state with `jm.checkpoint.save` (OUT_DIR/plain) and an async manager (OUT_DIR/series, step 3);
-then restores the plain one on the same layout. Each process writes what it holds (each leaf
-assembled from its own shards) to OUT_DIR/process<i>.npz.
+then restores the plain one on the same layout. Then per-replica gradients of the laid-out
+kernel and a sync-on-read ONLY_FIRST_REPLICA value of them: their components, gather, reduce
+and read, and a checkpoint of them restored (OUT_DIR/grads). Each process writes what it
+holds (each leaf assembled from its own shards) to OUT_DIR/process<i>.npz.
 """
 
 import sys
@@ -96,5 +98,32 @@ with jm.checkpoint.CheckpointManager(f"{out_dir}/series", strategy=strategy) as 
 target = {**state, "sharded": tx.init(params)}
 again = jm.checkpoint.restore(f"{out_dir}/plain", target, strategy=strategy)
 held(strategy, again, "again", results)
+
+
+def grads_and_first(params, batch, first):
+    """Per-replica gradients (the kernel's laid out over the model axis, as the parameters)
+    and a sync-on-read ONLY_FIRST_REPLICA value of the kernel's."""
+    grads = jax.grad(loss_fn)(params, *batch)
+    return grads, first.replace(first.value + grads["params"]["Dense_0"]["kernel"])
+
+
+def components(strategy, node):
+    return np.stack([np.asarray(c) for c in strategy.local_results(node)])
+
+
+per_replica = jm.replicate(grads_and_first, strategy=strategy, per_replica=lambda p, x: True)
+first = strategy.sync_on_read(np.ones((16, 32), np.float32), "only_first_replica")
+grads, first = per_replica(params, batch, first)
+kernel = grads["params"]["Dense_0"]["kernel"]
+results["grads/spec"] = np.array(str(kernel.values.sharding.spec))
+results["grads/replicas"] = np.array(strategy.topology.local_replica_ids)
+results["grads/local"] = components(strategy, kernel)
+results["grads/gather"] = np.asarray(strategy.gather(kernel, axis=0))
+results["grads/reduce"] = np.asarray(strategy.reduce("sum", kernel))
+results["grads/first"] = np.asarray(strategy.read(first))
+jm.checkpoint.save(f"{out_dir}/grads", {"grads": kernel, "first": first}, strategy=strategy)
+back = jm.checkpoint.restore(f"{out_dir}/grads", strategy=strategy)
+results["grads/restored"] = components(strategy, back["grads"])
+results["grads/restored_first"] = np.asarray(strategy.read(back["first"]))
 np.savez(f"{out_dir}/process{jax.process_index()}.npz", **results)
 print("done", jax.process_index())
