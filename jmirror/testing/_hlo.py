@@ -6,40 +6,55 @@ import dataclasses
 import re
 from typing import Any
 
-_DTYPE_BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "c64": 8,
-    "c128": 16,
+import jax.numpy as jnp
+import numpy as np
+
+# HLO element types: their numpy dtypes (bfloat16 is ml_dtypes', as JAX registers it).
+_DTYPES = {
+    "pred": np.dtype(np.bool_),
+    "s8": np.dtype(np.int8),
+    "u8": np.dtype(np.uint8),
+    "s16": np.dtype(np.int16),
+    "u16": np.dtype(np.uint16),
+    "f16": np.dtype(np.float16),
+    "bf16": np.dtype(jnp.bfloat16),
+    "s32": np.dtype(np.int32),
+    "u32": np.dtype(np.uint32),
+    "f32": np.dtype(np.float32),
+    "s64": np.dtype(np.int64),
+    "u64": np.dtype(np.uint64),
+    "f64": np.dtype(np.float64),
+    "c64": np.dtype(np.complex64),
+    "c128": np.dtype(np.complex128),
 }
 _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTRUCTION = re.compile(r"=\s*(?P<shape>.+?)\s+(?P<op>" + "|".join(_OPS) + r")(?:-start)?\(")
-_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
+_ARRAY = re.compile(r"\b(" + "|".join(_DTYPES) + r")\[([\d,]*)\]")
+
+# One operand of a collective instruction: its element type and dimensions.
+_Operand = tuple[str, tuple[int, ...]]
 
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """One collective instruction of a compiled step: its opcode and the bytes it produces.
+    """One collective instruction of a compiled step: its opcode, the bytes it produces and
+    the dtype it communicates in.
+
+    `dtype` is the dtype of its operands as the program given to XLA has them (`None` when
+    XLA combined operands of several dtypes into this one instruction: `dtypes` has each).
 
     Example:
+        >>> import numpy as np
         >>> from jmirror.testing import Collective
-        >>> Collective("all-reduce", 16)
-        Collective(op='all-reduce', bytes=16)
+        >>> c = Collective("all-reduce", 16, np.dtype("float32"), (np.dtype("float32"),))
+        >>> c.op, c.bytes, c.dtype == np.float32
+        ('all-reduce', 16, True)
     """
 
     op: str
     bytes: int
+    dtype: np.dtype | None = None
+    dtypes: tuple[np.dtype, ...] = ()
 
 
 def collectives(step: Any) -> list[Collective]:
@@ -50,30 +65,70 @@ def collectives(step: Any) -> list[Collective]:
         `jax.stages.Compiled`, or HLO text.
 
     Returns:
-      One `Collective(op, bytes)` per all-reduce, all-gather, reduce-scatter, all-to-all or
-      collective-permute, after XLA's optimisations (combined all-reduces count once).
+      One `Collective(op, bytes, dtype, dtypes)` per all-reduce, all-gather, reduce-scatter,
+      all-to-all or collective-permute, after XLA's optimisations (combined all-reduces count
+      once). For a `Lowered` step each entry's dtype (and its bytes, counted in it) is the one
+      in the program jmirror hands to XLA, before XLA's own passes: XLA:CPU computes a
+      bfloat16 all-reduce in float32, yet the entry says bfloat16, as a GPU or TPU would
+      reduce it. For a `Compiled` step or HLO text, the dtype is the compiled instruction's.
 
     Example:
         >>> import jax.numpy as jnp, jmirror as jm, jmirror.testing as jmt
-        >>> step = jm.replicate(lambda x: jm.all_reduce("sum", x))
-        >>> ops = jmt.collectives(step.lower(jnp.ones(4)))
-        >>> [(c.op, c.bytes) for c in ops] if jm.get_strategy().num_replicas > 1 else [
-        ...     ("all-reduce", 16)]
-        [('all-reduce', 16)]
+        >>> step = jm.replicate(lambda x: jm.all_reduce("sum", x, dtype=jnp.float32))
+        >>> ops = jmt.collectives(step.lower(jnp.ones(4, jnp.bfloat16)))
+        >>> [(c.op, str(c.dtype)) for c in ops] if jm.get_strategy().num_replicas > 1 else [
+        ...     ("all-reduce", "float32")]
+        [('all-reduce', 'float32')]
     """
+    given: list[tuple[str, list[_Operand]]] | None = None
     if hasattr(step, "compile"):
+        given = _instructions(step.compiler_ir("hlo").as_hlo_text())
         step = step.compile()
     text = step if isinstance(step, str) else step.as_text()
+    found = _instructions(text)
+    if given is not None:
+        found = _as_given(found, given)
+    return [_collective(op, operands) for op, operands in found]
+
+
+def _instructions(text: str) -> list[tuple[str, list[_Operand]]]:
+    """The collective instructions of HLO text: opcode and operands, in order."""
     found = []
     for line in text.splitlines():
         match = _INSTRUCTION.search(line)
         if match is None or "-done" in line.split("=", 1)[-1].split("(", 1)[0]:
             continue
-        size = 0
-        for dtype, dims in _ARRAY.findall(match.group("shape")):
-            count = 1
-            for d in filter(None, dims.split(",")):
-                count *= int(d)
-            size += count * _DTYPE_BYTES[dtype]
-        found.append(Collective(match.group("op"), size))
+        operands = [
+            (dtype, tuple(int(d) for d in filter(None, dims.split(","))))
+            for dtype, dims in _ARRAY.findall(match.group("shape"))
+        ]
+        found.append((match.group("op"), operands))
     return found
+
+
+def _as_given(
+    compiled: list[tuple[str, list[_Operand]]], given: list[tuple[str, list[_Operand]]]
+) -> list[tuple[str, list[_Operand]]]:
+    """The compiled instructions with each operand's dtype as in the program given to XLA:
+    matched, in order, to an operand of the same opcode and shape there (XLA combines
+    collectives and may widen their dtype, but keeps each operand's shape)."""
+    pool = [(op, dims, dtype) for op, operands in given for dtype, dims in operands]
+    out = []
+    for op, operands in compiled:
+        named = []
+        for dtype, dims in operands:
+            match = next((p for p in pool if p[0] == op and p[1] == dims), None)
+            if match is not None:
+                pool.remove(match)
+                dtype = match[2]
+            named.append((dtype, dims))
+        out.append((op, named))
+    return out
+
+
+def _collective(op: str, operands: list[_Operand]) -> Collective:
+    dtypes = tuple(_DTYPES[dtype] for dtype, _ in operands)
+    size = sum(
+        int(np.prod(dims, dtype=np.int64)) * _DTYPES[dtype].itemsize for dtype, dims in operands
+    )
+    return Collective(op, size, dtypes[0] if len(set(dtypes)) == 1 else None, dtypes)
