@@ -30,6 +30,12 @@ _DTYPES = {
 _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTRUCTION = re.compile(r"=\s*(?P<shape>.+?)\s+(?P<op>" + "|".join(_OPS) + r")(?:-start)?\(")
 _ARRAY = re.compile(r"\b(" + "|".join(_DTYPES) + r")\[([\d,]*)\]")
+_COMPUTATION = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s.*\{\s*$")
+_CALLEE = re.compile(
+    r"\b(?P<how>body|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 # One operand of a collective instruction: its element type and dimensions.
 _Operand = tuple[str, tuple[int, ...]]
@@ -58,7 +64,7 @@ class Collective:
 
 
 def collectives(step: Any) -> list[Collective]:
-    """Lists the cross-device collectives of a compiled step, in HLO order.
+    """Lists the cross-device collectives one call of a compiled step runs, in HLO order.
 
     Args:
       step: a `jax.stages.Lowered` (for example `jm.replicate(fn).lower(...)`), a
@@ -67,10 +73,12 @@ def collectives(step: Any) -> list[Collective]:
     Returns:
       One `Collective(op, bytes, dtype, dtypes)` per all-reduce, all-gather, reduce-scatter,
       all-to-all or collective-permute, after XLA's optimisations (combined all-reduces count
-      once). For a `Lowered` step each entry's dtype (and its bytes, counted in it) is the one
-      in the program jmirror hands to XLA, before XLA's own passes: XLA:CPU computes a
-      bfloat16 all-reduce in float32, yet the entry says bfloat16, as a GPU or TPU would
-      reduce it. For a `Compiled` step or HLO text, the dtype is the compiled instruction's.
+      once). A collective inside a loop (a `lax.scan`, a `fori_loop`) is listed once per
+      iteration when XLA knows the trip count (else once). For a `Lowered` step each entry's
+      dtype (and its bytes, counted in it) is the one in the program jmirror hands to XLA,
+      before XLA's own passes: XLA:CPU computes a bfloat16 all-reduce in float32, yet the
+      entry says bfloat16, as a GPU or TPU would reduce it. For a `Compiled` step or HLO
+      text, the dtype is the compiled instruction's.
 
     Example:
         >>> import jax.numpy as jnp, jmirror as jm, jmirror.testing as jmt
@@ -82,19 +90,34 @@ def collectives(step: Any) -> list[Collective]:
     """
     given: list[tuple[str, list[_Operand]]] | None = None
     if hasattr(step, "compile"):
-        given = _instructions(step.compiler_ir("hlo").as_hlo_text())
+        given = [
+            (op, operands)
+            for op, operands, _ in _instructions(step.compiler_ir("hlo").as_hlo_text())
+        ]
         step = step.compile()
     text = step if isinstance(step, str) else step.as_text()
     found = _instructions(text)
+    named = [(op, operands) for op, operands, _ in found]
     if given is not None:
-        found = _as_given(found, given)
-    return [_collective(op, operands) for op, operands in found]
+        named = _as_given(named, given)
+    runs = _runs(text)
+    return [
+        _collective(op, operands)
+        for (op, operands), (_, _, where) in zip(named, found)
+        for _ in range(runs.get(where, 1))
+    ]
 
 
-def _instructions(text: str) -> list[tuple[str, list[_Operand]]]:
-    """The collective instructions of HLO text: opcode and operands, in order."""
+def _instructions(text: str) -> list[tuple[str, list[_Operand], str]]:
+    """The collective instructions of HLO text: opcode, operands and the computation that
+    holds each, in order."""
     found = []
+    where = ""
     for line in text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header is not None:
+            where = header.group("name")
+            continue
         match = _INSTRUCTION.search(line)
         if match is None or "-done" in line.split("=", 1)[-1].split("(", 1)[0]:
             continue
@@ -102,8 +125,39 @@ def _instructions(text: str) -> list[tuple[str, list[_Operand]]]:
             (dtype, tuple(int(d) for d in filter(None, dims.split(","))))
             for dtype, dims in _ARRAY.findall(match.group("shape"))
         ]
-        found.append((match.group("op"), operands))
+        found.append((match.group("op"), operands, where))
     return found
+
+
+def _runs(text: str) -> dict[str, int]:
+    """How many times one call of the module runs each computation: the entry once, a
+    loop body once per iteration of a known trip count, any other callee once per call."""
+    calls: dict[str, list[tuple[str, int]]] = {}
+    entry = None
+    where = ""
+    for line in text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header is not None:
+            where = header.group("name")
+            entry = where if header.group("entry") else entry
+            continue
+        trips = _TRIP_COUNT.search(line)
+        for how, callee in _CALLEE.findall(line):
+            times = int(trips.group(1)) if how == "body" and trips is not None else 1
+            calls.setdefault(where, []).append((callee, times))
+        for branches in _BRANCHES.findall(line):
+            for callee in branches.split(","):
+                calls.setdefault(where, []).append((callee.strip().lstrip("%"), 1))
+    runs: dict[str, int] = {}
+
+    def visit(name: str, times: int, depth: int) -> None:
+        runs[name] = runs.get(name, 0) + times
+        for callee, factor in calls.get(name, []) if depth < 64 else []:
+            visit(callee, times * factor, depth + 1)
+
+    if entry is not None:
+        visit(entry, 1, 0)
+    return runs
 
 
 def _as_given(
