@@ -223,7 +223,9 @@ def make_accumulating_train_step(
     - a mirrored flax `TrainState`: `loss_fn(params, micro_batch, *args)`;
     - an NNX `(model, optimizer)` pair, updated in place: `loss_fn(model, micro_batch,
       *args)`; batch statistics and metrics (held by the model, or NNX metrics in `args`)
-      are left as k sequential micro-batch passes leave them;
+      are left as k sequential micro-batch passes leave them. NNX objects after the pair in
+      `state`, `(model, optimizer, metrics)`, are passed to `loss_fn` first, as
+      `loss_fn(model, micro_batch, metrics, *args)`, and updated the same way;
     - an equinox `(model, opt_state)` pair with the optax transformation given as `tx`
       (`opt_state = tx.init(eqx.filter(model, eqx.is_array))`): `loss_fn(model,
       micro_batch, *args)`; the step returns the new `(model, opt_state)`.
@@ -274,7 +276,9 @@ def make_accumulating_train_step(
             loss, grads = accumulate(state.params, batch, args, state.opt_state)
             return state.apply_gradients(grads=grads), loss
         model, optimizer = pair
-        loss, grads = accumulate(model, batch, args, _nnx_recipes.optimizer_state(optimizer))
+        extra = tuple(state[2:])  # NNX objects after the pair: (model, optimizer, metrics)
+        opt_state = _nnx_recipes.optimizer_state(optimizer)
+        loss, grads = accumulate(model, batch, extra + args, opt_state)
         return _nnx_recipes.apply(state, pair, grads), loss
 
     return replicate(train_step, strategy=strategy)

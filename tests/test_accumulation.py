@@ -6,6 +6,8 @@ one device for what the loss changes in other state, and the collectives of the 
 step (`jmirror.testing.collectives`, which counts a collective in a loop once per iteration).
 """
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -69,6 +71,23 @@ def assert_close(actual, expected, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
 
 
+def collectives_in_loops(lowered):
+    """The collective instructions inside loop bodies of the compiled step, read from its
+    HLO text here (apart from `jmirror.testing`): each runs once per iteration."""
+    text = lowered.compile().as_text()
+    bodies = set(re.findall(r"\bbody=%?([\w.\-]+)", text))
+    found, where = [], None
+    for line in text.splitlines():
+        header = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if header is not None:
+            where = header.group(1)
+        elif where in bodies and re.search(
+            r"\b(all-reduce|reduce-scatter|all-gather)(-start)?\(", line
+        ):
+            found.append(line.strip())
+    return found
+
+
 def param_bytes(params):
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
 
@@ -89,7 +108,9 @@ def test_linen_step_has_one_gradient_all_reduce_whatever_k_and_equals_the_full_b
     expected, expected_loss = full_batch_step(state, batch)
     for k in KS:
         step = recipes.make_accumulating_train_step(loss_fn, num_micro_batches=k, strategy=strategy)
-        ops = jmt.collectives(step.lower(placed, split(n, batch)))
+        lowered = step.lower(placed, split(n, batch))
+        assert collectives_in_loops(lowered) == []  # nothing communicates per micro-batch
+        ops = jmt.collectives(lowered)
         if n > 1:  # the gradients and the loss, combined by XLA into one all-reduce
             assert [c.op for c in ops] == ["all-reduce"], (k, ops)
             assert ops[0].bytes == param_bytes(params) + 4
@@ -246,8 +267,10 @@ def test_nnx_step_has_one_gradient_all_reduce_whatever_k(strategy, n):
     for k in KS:
         model, optimizer = fixed_statistics_pair()
         step = recipes.make_accumulating_train_step(loss_fn, k, strategy=strategy)
+        lowered = step.lower((model, optimizer), split(n, batch))
+        assert collectives_in_loops(lowered) == []
         if n > 1:
-            ops = jmt.collectives(step.lower((model, optimizer), split(n, batch)))
+            ops = jmt.collectives(lowered)
             assert [c.op for c in ops] == ["all-reduce"], (k, ops)
             assert ops[0].bytes == param_bytes(nnx.state(model, nnx.Param)) + 4
         step((model, optimizer), split(n, batch))
@@ -319,3 +342,19 @@ def test_equinox_pair_without_tx_is_a_type_error(strategy, n):
     arrays, static = eqx.partition(model, eqx.is_array)
     with pytest.raises(TypeError, match="tx=optimizer"):
         step((model, optax.sgd(0.1).init(arrays)), split(n, batch_of(4 * n)))
+
+
+def test_nnx_metrics_held_in_the_state_after_the_pair_count_every_micro_batch(strategy, n):
+    model, optimizer = nnx_pair(strategy.axis_name)
+    losses = nnx.metrics.Average()
+    ref_losses = nnx.metrics.Average()
+    step = recipes.make_accumulating_train_step(nnx_loss, 4, strategy=strategy)
+    batch = batch_of(8 * n, seed=6)
+    state, _ = step((model, optimizer, losses), split(n, batch))
+    assert state[2] is losses
+    ref_model, _ = nnx_pair(None)
+    for micro_batch in global_micro_batches(n, 4, batch):
+        nnx_loss(ref_model, micro_batch, ref_losses)  # the loss of the same parameters
+    read = strategy.read(losses)
+    assert int(read.count[...]) == 8 * n
+    np.testing.assert_allclose(read.compute(), ref_losses.compute(), rtol=1e-5)
