@@ -176,19 +176,32 @@ class ReplicaContext:
         """This replica's index as a traced int32 scalar, 0..N-1 in `strategy.devices` order."""
         return lax.axis_index(self.axis_name)
 
-    def all_reduce(self, op: ReduceOp | str, tree: PyTree) -> PyTree:
+    def all_reduce(
+        self, op: ReduceOp | str, tree: PyTree, *, dtype: jax.typing.DTypeLike | None = None
+    ) -> PyTree:
         """Reduces every leaf of `tree` across replicas; the result is mirrored.
 
         Args:
           op: `SUM`, `MEAN`, `MAX` or `MIN`.
           tree: a pytree of arrays, one per replica.
+          dtype: the floating dtype the reduction runs in. Each floating leaf of another
+            dtype is cast to `dtype` before the collective and its result cast back to the
+            leaf's own dtype (bfloat16 gradients reduced in float32, say); integer and boolean
+            leaves are reduced as they are. `None` reduces every leaf in its own dtype.
 
         Returns:
-          The reduced tree, identical on every replica. Differentiable: the gradient of
-          `all_reduce(SUM, x) * c` with respect to `x` is the all-reduce of `c`.
+          The reduced tree, identical on every replica, each leaf in its own dtype.
+          Differentiable: the gradient of `all_reduce(SUM, x) * c` with respect to `x` is the
+          all-reduce of `c`.
+
+        Raises:
+          TypeError: `dtype` is not a floating dtype.
         """
         op = ReduceOp(op)
-        return self._identical(jax.tree.map(lambda x: all_reduce_leaf(op, x, self.axis_name), tree))
+        wire = reduction_dtype(dtype, "jm.all_reduce")
+        return self._identical(
+            jax.tree.map(lambda x: all_reduce_leaf(op, x, self.axis_name, wire), tree)
+        )
 
     def _identical(self, tree: PyTree) -> PyTree:
         """Notes that every leaf of `tree` is identical on every replica; returns `tree`."""
@@ -413,8 +426,31 @@ def check_identical(call: str, paths: Sequence[str], varying: Sequence[bool]) ->
             )
 
 
-def all_reduce_leaf(op: ReduceOp, x: Any, axis_name: str) -> Any:
-    """`psum` / `pmean` / `pmax` / `pmin` of one array over `axis_name`."""
+def reduction_dtype(dtype: Any, call: str, argument: str = "dtype") -> np.dtype | None:
+    """`dtype` as a floating numpy dtype (`None` stays `None`), checked for `call`'s
+    `argument`."""
+    if dtype is None:
+        return None
+    try:
+        found = np.dtype(dtype)
+    except TypeError:
+        found = None
+    if found is None or not jnp.issubdtype(found, jnp.floating):
+        raise TypeError(
+            f"{call}(..., {argument}={dtype!r}) expects a floating dtype to reduce in (such as "
+            "jnp.float32 for bfloat16 gradients), or None to reduce every leaf in its own "
+            "dtype."
+        )
+    return found
+
+
+def all_reduce_leaf(op: ReduceOp, x: Any, axis_name: str, dtype: np.dtype | None = None) -> Any:
+    """`psum` / `pmean` / `pmax` / `pmin` of one array over `axis_name`; a floating leaf of
+    another dtype than `dtype` (when given) is reduced in `dtype` and cast back."""
+    if dtype is not None:
+        x = jnp.asarray(x)
+        if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+            return all_reduce_leaf(op, x.astype(dtype), axis_name).astype(x.dtype)
     if op is ReduceOp.SUM:
         return lax.psum(x, axis_name)
     if op is ReduceOp.MAX:
@@ -567,18 +603,24 @@ def num_replicas() -> int:
     return replica_context("jm.num_replicas()").num_replicas
 
 
-def all_reduce(op: ReduceOp | str, tree: PyTree) -> PyTree:
-    """Shortcut for `jm.replica_context().all_reduce(op, tree)`.
+def all_reduce(
+    op: ReduceOp | str, tree: PyTree, *, dtype: jax.typing.DTypeLike | None = None
+) -> PyTree:
+    """Shortcut for `jm.replica_context().all_reduce(op, tree, dtype=dtype)`.
 
     Example:
-        >>> import jmirror as jm
+        >>> import jax.numpy as jnp, jmirror as jm
         >>> strategy = jm.MirroredStrategy()
         >>> total = strategy.run(lambda: jm.all_reduce("sum", jm.replica_id()))
         >>> n = strategy.num_replicas
         >>> int(strategy.read(total)) == n * (n - 1) // 2
         True
+        >>> grads = jnp.full(3, 1 / 3, jnp.bfloat16)  # summed in float32, given back in bfloat16
+        >>> total = strategy.run(lambda g: jm.all_reduce("sum", g, dtype=jnp.float32), (grads,))
+        >>> strategy.read(total).dtype
+        dtype(bfloat16)
     """
-    return replica_context("jm.all_reduce").all_reduce(op, tree)
+    return replica_context("jm.all_reduce").all_reduce(op, tree, dtype=dtype)
 
 
 def all_gather(tree: PyTree, axis: int = 0, tiled: bool = False) -> PyTree:

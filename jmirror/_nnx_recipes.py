@@ -3,14 +3,15 @@
 Wherever a recipe of `jmirror.recipes` takes a `TrainState`, it also takes an NNX
 `(model, optimizer)` pair (`nnx.Module`, `nnx.Optimizer`), updated in place and returned as
 the same objects, with `loss_fn` taking the model where it took `params`. This module holds
-what differs for the pair: recognizing it, its gradients, its optimizer step, the model's
-`nnx.Param`s as the differentiated tree of a micro-batch loss, and the loss-scaled step of a
+what differs for the pair: recognizing it, its gradients, its optimizer step, a micro-batch
+loss of the model's `nnx.Param`s that threads the model's other `Variable`s (and those of NNX
+objects passed beside it) from one micro-batch to the next, and the loss-scaled step of a
 `(model, optimizer, loss_scale)` triple. The recipes themselves stay in `recipes.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -44,6 +45,11 @@ def value_and_grad(loss_fn: LossFn, has_aux: bool, model: Any, *args: Any) -> tu
     return nnx.value_and_grad(loss_fn, has_aux=has_aux)(model, *args)
 
 
+def optimizer_state(optimizer: Any) -> PyTree:
+    """The state of an `nnx.Optimizer` (its step count and optax state) as a pytree."""
+    return nnx.state(optimizer)
+
+
 def apply(state: Any, pair: tuple[Any, Any] | None, grads: PyTree) -> Any:
     """The state after one optimizer step: a new `TrainState`, or the pair updated in place."""
     if pair is None:
@@ -53,20 +59,41 @@ def apply(state: Any, pair: tuple[Any, Any] | None, grads: PyTree) -> Any:
     return state
 
 
-def param_loss(loss_fn: LossFn, params: Any) -> tuple[PyTree, LossFn]:
-    """The differentiated tree and `loss(tree, micro_batch)` of `accumulate_gradients`.
+def is_model(x: Any) -> bool:
+    """Whether `x` is an NNX module (the `params` an accumulating recipe differentiates)."""
+    return isinstance(x, nnx.Module)
 
-    For an NNX model, the tree is the `nnx.State` of its `nnx.Param`s and the loss merges them
-    back into a copy of the model; for anything else, `params` and `loss_fn` unchanged.
+
+def micro_loss(
+    loss_fn: LossFn, model: Any, args: Sequence[Any]
+) -> tuple[PyTree, PyTree, Callable[..., tuple[jax.Array, PyTree]], Callable[[PyTree], None]]:
+    """An NNX model's micro-batch loss as a pure function, for `accumulate_gradients`.
+
+    Returns `(params, rest, loss, finish)`: the `nnx.State` of the model's `nnx.Param`s (the
+    differentiated tree, shaped as `nnx.grad` gives it); every other `Variable` of the model
+    and of the NNX objects among `args` (batch statistics, rng counts, metrics held or passed
+    in); `loss(params, rest, micro_batch) -> (loss, rest)`, which runs `loss_fn(model,
+    micro_batch, *args)` on a copy and returns what it left in the other `Variable`s; and
+    `finish(rest)`, which writes the last micro-batch's `rest` back into the caller's objects.
+    Objects shared between the model and `args` stay shared.
     """
-    if not isinstance(params, nnx.Module):
-        return params, loss_fn
-    graphdef, params, rest = nnx.split(params, nnx.Param, ...)
+    nodes = [i for i, a in enumerate(args) if nnx.graph.is_graph_node(a)]
+    objects = (model, *(args[i] for i in nodes))
+    model_params = nnx.All(nnx.Param, lambda path, _: path[0] == 0)
+    graphdef, params, rest = nnx.split(objects, model_params, ...)
 
-    def micro_loss(p: PyTree, micro_batch: PyTree) -> jax.Array:
-        return loss_fn(nnx.merge(graphdef, p, rest, copy=True), micro_batch)
+    def loss(p: PyTree, rest: PyTree, micro_batch: PyTree) -> tuple[jax.Array, PyTree]:
+        copies = nnx.merge(graphdef, nnx.State({0: p}), rest, copy=True)
+        call_args = list(args)
+        for i, copy in zip(nodes, copies[1:]):
+            call_args[i] = copy
+        value = loss_fn(copies[0], micro_batch, *call_args)
+        return value, nnx.split(copies, model_params, ...)[2]
 
-    return params, micro_loss
+    def finish(rest: PyTree) -> None:
+        nnx.update(objects, rest)
+
+    return params[0], rest, loss, finish
 
 
 def loss_scaled_step(

@@ -20,6 +20,7 @@ The bytes moved equal one all-reduce's (an all-reduce is a reduce-scatter and an
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +62,7 @@ def shard_update(
     *,
     strategy: _context.Strategy | None = None,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    reduce_dtype: jax.typing.DTypeLike | None = None,
 ) -> optax.GradientTransformation:
     """Shards a gradient transformation's state and update over the replicas (ZeRO-1).
 
@@ -97,12 +99,17 @@ def shard_update(
         `None` packs each dtype's gradients into one buffer (one reduce-scatter and one
         all-gather per dtype), which XLA holds beside the gradients: one more copy of them
         at the step's peak. The bytes moved are the same either way.
+      reduce_dtype: the floating dtype the reduce-scatter runs in: each floating gradient
+        leaf of another dtype is cast to it before the reduction, and this replica's reduced
+        pieces are cast back to the gradient's own dtype before `inner` runs (bfloat16
+        gradients averaged in float32, say). `None` reduces each gradient in its own dtype.
 
     Returns:
       An `optax.GradientTransformation` whose `update` must run inside a replica function.
 
     Raises:
-      TypeError: `inner` is not a gradient transformation.
+      TypeError: `inner` is not a gradient transformation, or `reduce_dtype` is not a
+        floating dtype.
       RuntimeError: `update` called outside a replica function.
       ValueError: at trace time, for a part of `inner` that cannot be computed exactly on
         1/N of each leaf, or a state sharded for another replica count.
@@ -140,6 +147,7 @@ def shard_update(
             "(about the most bytes of gradients per bucket; the default is 4 * 2**20) or None "
             "(one buffer per dtype)."
         )
+    wire = _context.reduction_dtype(reduce_dtype, "jm.shard_update", "reduce_dtype")
 
     def init(params: PyTree) -> PyTree:
         if _context.in_replica_context():
@@ -155,7 +163,7 @@ def shard_update(
         # `updates`: this replica's own gradients (optax's name for the argument).
         if not _context.in_replica_context():
             raise RuntimeError(_OUTSIDE.format(name=name))
-        return _update(inner, updates, state, params, _pieces(name), bucket_bytes)
+        return _update(inner, updates, state, params, _pieces(name), bucket_bytes, wire)
 
     return optax.GradientTransformation(init, update)
 
@@ -256,13 +264,14 @@ def _update(
     params: PyTree,
     pieces: Pieces,
     bucket_bytes: int | None,
+    reduce_dtype: np.dtype | None = None,
 ) -> tuple[PyTree, PyTree]:
     grad_leaves, grad_def = jax.tree.flatten(grads)
     state_nodes, state_def = jax.tree.flatten(state, is_leaf=lambda x: isinstance(x, Sharded))
     _check_state(state, pieces)
     param_leaves, param_def = jax.tree.flatten(params)
 
-    grads_in = _scatter_mean(grad_leaves, pieces, bucket_bytes)
+    grads_in = _scatter_mean(grad_leaves, pieces, bucket_bytes, reduce_dtype)
     state_in = [
         Piece(x.shards, x.shape, pieces.layout(x.shape)) if isinstance(x, Sharded) else x
         for x in state_nodes
@@ -335,9 +344,14 @@ def _buffers(leaves: Sequence[Any], bucket_bytes: int | None) -> list[tuple[Any,
     return out
 
 
-def _scatter_mean(leaves: list[Any], pieces: Pieces, bucket_bytes: int | None) -> list[Any]:
+def _scatter_mean(
+    leaves: list[Any], pieces: Pieces, bucket_bytes: int | None, reduce_dtype: Any = None
+) -> list[Any]:
     """The mean over the replicas of every gradient leaf: this replica's piece of each
-    non-scalar leaf (one reduce-scatter per buffer), scalars whole (a small all-reduce)."""
+    non-scalar leaf (one reduce-scatter per buffer), scalars whole (a small all-reduce);
+    floating leaves reduced in `reduce_dtype` (when given) and cast back to their own."""
+    own = [jnp.result_type(x) for x in leaves]
+    leaves = [_on_wire(x, reduce_dtype) for x in leaves]
     out: list[Any] = list(leaves)
     n, axis = pieces.n, pieces.axis_name
     split = [i for i, x in enumerate(leaves) if np.ndim(x) >= 1 and np.size(x)]
@@ -357,7 +371,21 @@ def _scatter_mean(leaves: list[Any], pieces: Pieces, bucket_bytes: int | None) -
         for i, start, stop in zip(indices, offsets[:-1], offsets[1:]):
             shape = tuple(np.shape(leaves[i]))
             out[i] = Piece(mine[start:stop], shape, pieces.layout(shape))
-    return out
+    return [_cast(x, dtype) for x, dtype in zip(out, own)]
+
+
+def _on_wire(x: Any, reduce_dtype: Any) -> Any:
+    """`x` in the dtype it is reduced in: `reduce_dtype` for a floating leaf, else its own."""
+    if reduce_dtype is None or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        return x
+    return jnp.asarray(x).astype(reduce_dtype)
+
+
+def _cast(x: Any, dtype: Any) -> Any:
+    """A reduced gradient (a whole value or a `Piece`) back in its own `dtype`."""
+    if isinstance(x, Piece):
+        return x if x.local.dtype == dtype else dataclasses.replace(x, local=x.local.astype(dtype))
+    return x if jnp.result_type(x) == dtype else jnp.asarray(x).astype(dtype)
 
 
 def _block_spec(lay: Layout, pieces: Pieces) -> P:

@@ -14,7 +14,10 @@ the global batch.
   a `SyncOnRead` `MEAN` and read at evaluation (`distribute_batch_norm_state`,
   `read_variables`).
 - `accumulate_gradients`, `make_accumulating_train_step`: gradient accumulation over
-  micro-batches with `jm.merge_call` inside `lax.scan`.
+  micro-batches in a `lax.scan`, reduced once per step (one gradient all-reduce, or
+  `jm.shard_update`'s reduce-scatter and all-gather, whatever the number of micro-batches),
+  for a linen `TrainState`, an NNX `(model, optimizer)` pair and an equinox
+  `(model, opt_state)` pair.
 - `DynamicLossScale`, `make_loss_scaled_train_step`: float16 loss scaling whose
   finite-gradients verdict is agreed by every replica.
 

@@ -85,3 +85,26 @@ def test_sync_of_a_proven_mirrored_value_adds_no_collective(strategy, n, aggrega
     assert jmt.collectives(replicated.lower(params, x)) == []
     doubled = replicated(params, x)
     jmt.assert_mirrored(doubled, strategy)
+
+
+@pytest.mark.parametrize("length", [2, 5])
+def test_a_collective_in_a_loop_is_listed_once_per_iteration(strategy, n, length):
+    from jax import lax
+
+    def step(x):
+        def body(carry, _):
+            return carry + jm.all_reduce("sum", carry), None
+
+        return lax.scan(body, x, None, length=length)[0]
+
+    replicated = jm.replicate(step, strategy=strategy)
+    x = jm.PerReplica(np.ones((n, 4), np.float32))
+    ops = jmt.collectives(replicated.lower(x))
+    if n > 1:
+        assert [(c.op, c.bytes) for c in ops] == [("all-reduce", 16)] * length
+    # The oracle of the values: the same loop under jax.vmap with an axis name.
+    expected = jax.vmap(
+        lambda v: lax.scan(lambda c, _: (c + lax.psum(c, "i"), None), v, None, length=length)[0],
+        axis_name="i",
+    )(np.ones((n, 4), np.float32))
+    np.testing.assert_allclose(strategy.local_results(replicated(x))[0], expected[0])
