@@ -12,10 +12,10 @@ registers such a callback when it is imported, and after it has run no executor 
 work ("cannot schedule new futures after interpreter shutdown"); orbax writes through
 executors. So the wait is a `threading._register_atexit` callback registered after
 `concurrent.futures` is imported (below), which runs before concurrent.futures' own. The
-exit status is set by an `atexit` callback registered when this module is imported: it runs
-after the callbacks registered later (those of `jax.distributed` among them), flushes
-`logging` and the standard streams, and ends the process with status 1 only when a pending
-write failed.
+exit status is set by an `atexit` callback: it shuts `jax.distributed` down when it is
+running (as its own exit callback would), flushes `logging` and the standard streams, and
+ends the process with status 1 only when a pending write failed. Both are installed when the
+first background write starts, not when jmirror is imported.
 
 Writer threads are daemon threads, and so are the threads orbax starts from them (a thread
 is a daemon when the thread that starts it is one): a write that failed half-way may leave
@@ -35,6 +35,8 @@ import threading
 import traceback
 from collections.abc import Callable
 from typing import TypeVar
+
+import jax
 
 T = TypeVar("T")
 
@@ -68,6 +70,7 @@ class Background:
             except BaseException as error:  # kept for the next call, or reported at exit
                 self._error = error
 
+        _install_exit_hooks()
         self._step = step
         self._thread = threading.Thread(target=run, name=f"jmirror-checkpoint-{step}", daemon=True)
         with _LOCK:
@@ -168,10 +171,24 @@ def _finish_pending() -> None:
                 _PENDING.discard(background)
 
 
+def _distributed_running() -> bool:
+    is_initialized = getattr(jax.distributed, "is_initialized", None)
+    return bool(is_initialized()) if is_initialized is not None else False
+
+
 def _exit_status() -> None:
     """Ends the process with status 1 when a write failed at exit (the `atexit` callback)."""
     if not _FAILED_AT_EXIT:
         return
+    # Installed when the first write started, this may run before jax.distributed's own exit
+    # callback: shut the runtime down first, as a normal exit would, so that no other process
+    # waits for this one.
+    shutdown = getattr(jax.distributed, "shutdown", None)
+    if shutdown is not None and _distributed_running():
+        try:
+            shutdown()
+        except Exception:  # the exit status is what matters now
+            pass
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -181,9 +198,18 @@ def _exit_status() -> None:
     os._exit(1)
 
 
-atexit.register(_exit_status)
-_register = getattr(threading, "_register_atexit", None)
-if _register is not None:
-    _register(_finish_pending)
-else:  # not CPython: the best that remains, before the exit status is set
-    atexit.register(_finish_pending)
+_INSTALLED: list[bool] = []
+
+
+def _install_exit_hooks() -> None:
+    """Installs the waits at exit, once, when the first background write starts."""
+    with _LOCK:
+        if _INSTALLED:
+            return
+        _INSTALLED.append(True)
+    atexit.register(_exit_status)
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(_finish_pending)
+    else:  # not CPython: the best that remains, before the exit status is set
+        atexit.register(_finish_pending)
