@@ -11,9 +11,7 @@ nothing: neither counts.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -26,23 +24,23 @@ _lock = threading.Lock()
 
 
 class Counter:
-    """The number of compilations of one replicated function's calls."""
+    """The number of compilations of one replicated function's calls; as a context manager,
+    counts the compilations inside the block as its own (`with counter: ...`)."""
 
-    __slots__ = ("count",)
+    __slots__ = ("count", "_outer")
 
     def __init__(self):
         self.count = 0
+        self._outer: list[Counter | None] = []
         _register()
 
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[None]:
-        """Counts the compilations inside the block as this counter's."""
-        outer = getattr(_current, "counter", None)
+    def __enter__(self) -> Counter:
+        self._outer.append(getattr(_current, "counter", None))
         _current.counter = self
-        try:
-            yield
-        finally:
-            _current.counter = outer
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _current.counter = self._outer.pop()
 
 
 def _listen(event: str, duration_secs: float, **kwargs: Any) -> None:

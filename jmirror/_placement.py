@@ -40,6 +40,7 @@ class Placement:
     """The placement of call arguments on one topology (see the module docstring)."""
 
     def __init__(self, topology: Topology):
+        self.topology = topology
         self._topology = topology
         # Inside replicas spanning devices (or under layout rules) a mirrored leaf is in place
         # only in its own layout (`Topology.leaf_sharding`), committed to its devices.

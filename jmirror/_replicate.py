@@ -77,13 +77,15 @@ class Replicated:
         self._strategy = strategy
         self._per_replica = per_replica
         self._min_args = max(static_argnums) + 1 if static_argnums else 0
+        self._name = repr(self)
         self._arguments = Arguments(
             repr(self), static_argnums, static_argnames, donate_argnums, _adapter.leaf_policy
         )
         self._warnings = CallWarnings(repr(self))
         # The last strategy called on and its `Donation` of `donate_argnums`.
         self._donation: tuple[Any, _dispatch.Donation] | None = None
-        self._placements: dict[Topology, Placement] = {}
+        # The placement on the last topology called on (what it learned is kept there).
+        self._placement: Placement | None = None
         self._compilations = Counter()
         self._own = self._compile(fn, None)
         # The variants of `fn` that adapters ask for (`jmirror._adapter`), by key.
@@ -146,12 +148,12 @@ class Replicated:
         if topology.process_count > 1:
             args, kwargs = self._globalize(topology, args, kwargs)
         prepared, leaves, types = self._arguments.prepare(strategy, args, kwargs)
-        placement = self._placements.get(topology)
-        if placement is None:
-            placement = self._placements[topology] = Placement(topology)
+        placement = self._placement
+        if placement is None or placement.topology is not topology:
+            placement = self._placement = Placement(topology)
         layout = prepared.plan.layout
         where = prepared.plan.positions.where
-        placed = placement.place(repr(self), layout, leaves, types, prepared.tree, where)
+        placed = placement.place(self._name, layout, leaves, types, prepared.tree, where)
         if placed is not None:
             # What needed placing may be a pmap leftover or a host batch: say so.
             self._warnings.of_arguments(*self._warning_args(strategy, prepared))
@@ -164,8 +166,7 @@ class Replicated:
         strategy.dispatch.wait_for_room()
         jitted = step.jitted[donate]
         before = self._compilations.count
-        counting = self._compilations.counting()
-        with strategy.dispatch.bounded(self), strategy.topology.mesh_scope(), counting:
+        with strategy.dispatch.bounded(self), strategy.topology.mesh_scope(), self._compilations:
             # With replicas spanning devices the mesh is in context while the step is traced
             # and lowered: `axis_index` inside a scan, cond or while body lowers through it.
             try:
