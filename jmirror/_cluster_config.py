@@ -5,8 +5,10 @@ the `JMIRROR_*` variables of `python -m jmirror.launch`, a detected cluster), re
 `Request`; and every check made of it before `jax.distributed.initialize` runs, so that a
 mistake is an error at once: the arguments' types and ranges, the variables' values, the
 coordinator's `host:port` and whether its host resolves, a coordinator port already in use on
-process 0. Also the bind address of a loopback coordinator. The standard library only: it never
-touches JAX.
+process 0 (or, seen from the others, held by a program that is not JAX's coordination
+service). A detected cluster (Open MPI, SLURM, Kubernetes) is read in JAX's order and as JAX
+reads it, coordinator, count, index and the GPUs of each process included. Also the bind
+address of a loopback coordinator. The standard library only: it never touches JAX.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import importlib.util
 import ipaddress
 import operator
 import os
+import re
 import socket
 from typing import Any
 
@@ -50,6 +53,11 @@ class Request:
     heartbeat_timeout_s: int
     devices_per_process: int | None
     cluster: str | None
+    # The GPUs this process sees, as `jax.distributed.initialize(local_device_ids=...)`; with
+    # `jax_detects` False JAX's detection is off (everything is known) and None means every GPU.
+    local_device_ids: tuple[int, ...] | None = None
+    jax_detects: bool = True  # JAX's own detection fills what is None (and the GPUs)
+    origin: str | None = None  # for a detected cluster: the variables the values came from
 
 
 def resolve(
@@ -83,10 +91,29 @@ def resolve(
     complete = None not in resolved
     source = "arguments" if None not in given else "launcher" if launcher else "cluster"
     cluster = None if complete else detect_cluster()
+    local_device_ids, jax_detects, origin = None, True, None
+    if cluster is not None:
+        # What JAX would fill in, filled in now: the argument given, else JAX's own variable,
+        # else the cluster's value.
+        if coordinator_address is None and os.environ.get(ADDRESS_VARIABLE):
+            coordinator_address = os.environ[ADDRESS_VARIABLE]
+            _check_address(coordinator_address, ADDRESS_VARIABLE)
+        if coordinator_address is None:
+            coordinator_address = cluster.coordinator_address
+        if num_processes is None:
+            num_processes = cluster.num_processes
+        if process_id is None:
+            process_id = cluster.process_id
+        resolved = (coordinator_address, num_processes, process_id)
+        complete = None not in resolved
+        origin = f"{cluster.name}: {cluster.origin}"
+        if complete:
+            local_device_ids, jax_detects = cluster.local_device_ids(), False
+    where = f"from {origin}" if origin else f"from the {source}"
     if num_processes is not None and process_id is not None:
-        _check_range(num_processes, process_id, f"from the {source}")
+        _check_range(num_processes, process_id, where)
     if complete and coordinator_address is not None:
-        _check_host_resolves(coordinator_address, variable)
+        _check_host_resolves(coordinator_address, variable, origin)
     if not complete and cluster is None:
         if given == (None, None, None):
             return Request("one process", None, None, None, heartbeat_timeout_s, None, None)
@@ -97,7 +124,17 @@ def resolve(
             f"{', '.join(missing)}. Pass all three (or none, to run one process), or start the "
             "program with python -m jmirror.launch."
         )
-    return Request(source, *resolved, heartbeat_timeout_s, devices, cluster)
+    name = cluster.name if cluster is not None else None
+    return Request(
+        source,
+        *resolved,
+        heartbeat_timeout_s,
+        devices,
+        name,
+        local_device_ids,
+        jax_detects,
+        origin,
+    )
 
 
 def _as_int(value: Any) -> Any:
@@ -202,13 +239,15 @@ def _check_address(address: str, where: str, variable: str | None = None) -> Non
     )
 
 
-def _check_host_resolves(address: str, variable: str | None) -> None:
+def _check_host_resolves(address: str, variable: str | None, origin: str | None = None) -> None:
     """A host name that does not resolve is an error now, not JAX's 300 s connection wait."""
     host, _, port = address.rpartition(":")
     try:
         socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as error:
         source = f"{variable}={address!r}" if variable else f"coordinator_address={address!r}"
+        if origin:
+            source += f", from {origin}"
         raise ValueError(
             f"jm.distributed.initialize(): the coordinator's host {host!r} ({source}) does not "
             f"resolve to an address ({error}). Give process 0's host name or IP address."
@@ -218,9 +257,10 @@ def _check_host_resolves(address: str, variable: str | None) -> None:
 def check_port_free(request: Request) -> None:
     """On process 0, a coordinator port already in use is an `OSError` now.
 
-    JAX would otherwise fail to start its service ("Failed to start RPC server") only after
-    about half a minute, without naming the port. The port is probed on the address JAX will
-    bind (with `SO_REUSEADDR`, as gRPC binds, so that connections closing on it do not count).
+    JAX would otherwise fail to start its service ("Failed to start RPC server", or a crash)
+    only after about half a minute, without naming the port. The port is probed on the address
+    JAX will bind (with `SO_REUSEADDR`, as gRPC binds, so that connections closing on it do not
+    count).
     """
     address = request.coordinator_address
     if request.process_id != 0 or address is None:
@@ -245,12 +285,75 @@ def check_port_free(request: Request) -> None:
                 raise OSError(
                     errno.EADDRINUSE,
                     f"jm.distributed.initialize(): the coordinator port {port} "
-                    f"({address!r}) is already in use on this machine, so process 0 cannot "
-                    "start the coordination service there. Choose a free port (python -m "
-                    "jmirror.launch picks one itself), or stop the program that holds it "
-                    "(e.g. an earlier run still alive).",
+                    f"({address!r}{_origin(request)}) is already in use on this machine, so "
+                    "process 0 cannot start the coordination service there. " + _port_fix(request),
                 ) from None
         return
+
+
+def check_coordinator_port(request: Request, answer_s: float = 5.0) -> None:
+    """On a process other than 0, a coordinator port held by another program is an `OSError`.
+
+    Process 0 raises at once when its port is in use; the others would wait for a coordinator
+    that never comes (`timeout_s`, minutes), or talk to the program holding the port. So they
+    look first: a connection refused or not answered means the coordinator has not started yet
+    (JAX waits for it); one that is accepted must answer as JAX's coordination service does, a
+    gRPC server (an HTTP/2 SETTINGS frame in reply to HTTP/2's preface) within `answer_s`.
+    """
+    address = request.coordinator_address
+    if request.process_id in (None, 0) or address is None:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=2.0)
+    except OSError:
+        return  # nothing listens yet, or no route yet: JAX's wait, bounded by timeout_s
+    with sock:
+        sock.settimeout(answer_s)
+        reply = b""
+        try:
+            sock.sendall(_HTTP2_PREFACE)
+            while len(reply) < 9:
+                data = sock.recv(9 - len(reply))
+                if not data:
+                    break
+                reply += data
+        except OSError:
+            pass
+    if len(reply) == 9 and reply[3] == _HTTP2_SETTINGS:
+        return
+    raise OSError(
+        errno.EADDRINUSE,
+        f"jm.distributed.initialize(): the coordinator port {port} ({address!r}"
+        f"{_origin(request)}) is held by a program that is not JAX's coordination service (it "
+        f"accepted a connection but did not answer as a gRPC server within {answer_s:g} s), "
+        "so process 0 cannot start the service there (it stops with the same error: port in "
+        f"use). This is process {request.process_id} of {request.num_processes}. "
+        + _port_fix(request),
+    )
+
+
+# A client's HTTP/2 connection preface and an empty SETTINGS frame: a gRPC server answers with
+# its own SETTINGS frame (type 4), as the first frame of the connection.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_HTTP2_SETTINGS = 4
+
+
+def _origin(request: Request) -> str:
+    return f", from {request.origin}" if request.origin else ""
+
+
+def _port_fix(request: Request) -> str:
+    if request.source == "cluster":
+        return (
+            f"JAX derives the port from the job id; choose a free one for every process with "
+            f"{PORT_VARIABLE}=<port> (the same on every process), or stop the program that "
+            "holds it (e.g. an earlier run still alive)."
+        )
+    return (
+        "Choose a free port (python -m jmirror.launch picks one itself), or stop the program "
+        "that holds it (e.g. an earlier run still alive)."
+    )
 
 
 def _check_range(num_processes: int, process_id: int, where: str) -> None:
@@ -284,20 +387,71 @@ def int_from_env(name: str, minimum: int) -> int:
     return value
 
 
-def detect_cluster() -> str | None:
+# --- the cluster JAX would detect, worked out before joining ----------------------------------
+# JAX's cluster detection (`jax/_src/clusters`) tries, in this order: Open MPI (`mpirun` of
+# Open MPI 4, which sets OMPI_MCA_orte_hnp_uri), SLURM (a job step's five variables), Cloud TPU
+# VMs, Kubernetes; the first one present wins. So Open MPI ranks started inside a SLURM step
+# (`srun -n1 mpirun -np 2`, what a multi-node `sbatch` + `mpirun` job does) are an Open MPI
+# job, although each rank also inherits the step's SLURM_* variables, which say one task.
+# jmirror reads the same variables the same way before joining, so that its checks (the
+# coordinator's port, the host) and its errors name the coordinator, count and index JAX will
+# use. Kubernetes, which JAX asks through the cluster's API, is left to JAX.
+
+_OMPI_URI = "OMPI_MCA_orte_hnp_uri"
+_SLURM_STEP = (
+    "SLURM_JOB_ID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+)
+PORT_VARIABLE = "JAX_COORDINATOR_PORT"  # JAX's: a detected cluster's coordinator port
+ADDRESS_VARIABLE = "JAX_COORDINATOR_ADDRESS"  # JAX's: the coordinator, instead of detection
+LOCAL_IDS_VARIABLE = "JAX_LOCAL_DEVICE_IDS"  # JAX's: the GPUs this process may see
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """A detected cluster that runs several processes: what JAX would take from it."""
+
+    name: str  # "Open MPI", "SLURM" or "Kubernetes"
+    coordinator_address: str | None  # None: JAX asks the cluster for it (Kubernetes)
+    num_processes: int | None
+    process_id: int | None
+    local_id: int | None  # this process's index among those on its host (JAX's choice of GPU)
+    tasks_on_host: int | None  # how many of the run's processes share this host; None: unknown
+    origin: str  # where the values come from, in words, for errors
+
+    def local_device_ids(self) -> tuple[int, ...] | None:
+        """The GPUs this process should see: None for every GPU of its host.
+
+        JAX gives each process of a detected cluster the one GPU of its local index
+        (`local_device_ids=[local id]`): right for one task per GPU, but one task per host
+        would use GPU 0 only. A process alone on its host sees every GPU; several on a host
+        keep JAX's one GPU each. `JAX_LOCAL_DEVICE_IDS`, when set, is left to JAX.
+        """
+        if self.local_id is None or os.environ.get(LOCAL_IDS_VARIABLE):
+            return None
+        if self.tasks_on_host == 1:
+            return None
+        return (self.local_id,)
+
+
+def detect_cluster() -> Cluster | None:
     """The cluster JAX would detect, only when it runs several processes; else None.
 
-    Checked from environment variables only, as JAX's own detection does for SLURM and Open MPI.
-    A single SLURM task or MPI rank is one process. `KUBERNETES_SERVICE_HOST` is set in every
-    Kubernetes pod, so a pod counts only as a member of an Indexed Job (`JOB_COMPLETION_INDEX`),
-    which is what JAX's Kubernetes detection expects (a JobSet's pods are Indexed Jobs too).
+    Read from environment variables only, in JAX's order (Open MPI, then SLURM, then
+    Kubernetes). A single SLURM task or Open MPI rank is one process. `KUBERNETES_SERVICE_HOST`
+    is set in every Kubernetes pod, so a pod counts only as a member of an Indexed Job
+    (`JOB_COMPLETION_INDEX`), which is what JAX's Kubernetes detection expects (a JobSet's pods
+    are Indexed Jobs too).
     """
     env = os.environ
-    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
-    if all(name in env for name in slurm):
-        return "SLURM" if env["SLURM_NTASKS"] != "1" else None
-    if "OMPI_MCA_orte_hnp_uri" in env:
-        return "Open MPI" if env.get("OMPI_COMM_WORLD_SIZE", "2") != "1" else None
+    if _OMPI_URI in env:
+        return _open_mpi()
+    if all(name in env for name in _SLURM_STEP):
+        return _slurm()
+    _check_not_unseen_open_mpi()
     if "KUBERNETES_SERVICE_HOST" in env and "JOB_COMPLETION_INDEX" in env:
         if importlib.util.find_spec("kubernetes") is None:
             raise RuntimeError(
@@ -307,8 +461,122 @@ def detect_cluster() -> str | None:
                 "Install it (pip install 'jax[k8s]') or pass coordinator_address, "
                 "num_processes and process_id."
             )
-        return "Kubernetes"
+        index = _env_int("JOB_COMPLETION_INDEX", "Kubernetes")
+        return Cluster("Kubernetes", None, None, index, None, None, "JOB_COMPLETION_INDEX")
     return None
+
+
+def _open_mpi() -> Cluster | None:
+    """Open MPI 4's ranks, read as JAX's `OmpiCluster` reads them."""
+    count = _env_int("OMPI_COMM_WORLD_SIZE", "Open MPI")
+    if count == 1:
+        return None
+    uri = os.environ[_OMPI_URI]
+    # e.g. 1531576320.0;tcp://10.96.0.1,10.148.0.1:34911 or ...;tcp6://[fe80::1,fd00::2]:43370
+    found = re.search(r"tcp://(.+?)[,:]|tcp6://\[(.+?)[,\]]", uri)
+    job = uri.split(".", maxsplit=1)[0]
+    if found is None or not job.isdigit():
+        raise ValueError(
+            f"jm.distributed.initialize() found an Open MPI job ({_OMPI_URI}={uri!r}) but "
+            "cannot read mpirun's address and job id from it, as JAX does. Pass "
+            "coordinator_address, num_processes and process_id."
+        )
+    host = next(group for group in found.groups() if group is not None)
+    # JAX's port: the job id (a multiple of 2**12) over 2**12, in 61440-65535.
+    port = _override_port() or int(job) // 2**12 % 2**12 + 65536 - 2**12
+    return Cluster(
+        "Open MPI",
+        _address(host, port),
+        count,
+        _env_int("OMPI_COMM_WORLD_RANK", "Open MPI"),
+        _env_int("OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI"),
+        _env_int("OMPI_COMM_WORLD_LOCAL_SIZE", "Open MPI", required=False),
+        f"mpirun's address in {_OMPI_URI}, OMPI_COMM_WORLD_SIZE and OMPI_COMM_WORLD_RANK",
+    )
+
+
+def _slurm() -> Cluster | None:
+    """A SLURM job step's tasks, read as JAX's `SlurmCluster` reads them."""
+    count = _env_int("SLURM_NTASKS", "SLURM")
+    if count == 1:
+        return None
+    # JAX's coordinator: the step's first node, e.g. of 'node[001-015],gpu1' node001.
+    nodes = os.environ["SLURM_STEP_NODELIST"]
+    first = re.match(r"([^,\[]*)(?:\[([^,\-\]]*))?", nodes)
+    host = "".join(part or "" for part in first.groups()) if first else nodes
+    port = _override_port() or int(_env_int("SLURM_JOB_ID", "SLURM")) % 2**12 + 65536 - 2**12
+    return Cluster(
+        "SLURM",
+        _address(host, port),
+        count,
+        _env_int("SLURM_PROCID", "SLURM"),
+        _env_int("SLURM_LOCALID", "SLURM"),
+        _slurm_tasks_on_this_node(),
+        "the step's first node in SLURM_STEP_NODELIST, SLURM_JOB_ID, SLURM_NTASKS and SLURM_PROCID",
+    )
+
+
+def _slurm_tasks_on_this_node() -> int | None:
+    """This node's task count from SLURM_STEP_TASKS_PER_NODE ('2(x3),1': 2, 2, 2, 1), by
+    SLURM_NODEID; None when SLURM does not say."""
+    counts: list[int] = []
+    for part in os.environ.get("SLURM_STEP_TASKS_PER_NODE", "").split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            return None
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    node = os.environ.get("SLURM_NODEID", "")
+    if node.isdigit() and int(node) < len(counts):
+        return counts[int(node)]
+    return counts[0] if len(set(counts)) == 1 else None
+
+
+def _check_not_unseen_open_mpi() -> None:
+    """Open MPI 5's ranks (no OMPI_MCA_orte_hnp_uri), which JAX does not detect: an error, not
+    every rank silently running alone."""
+    size = os.environ.get("OMPI_COMM_WORLD_SIZE", "")
+    if size.isdigit() and int(size) > 1:
+        rank = os.environ.get("OMPI_COMM_WORLD_RANK", "?")
+        raise ValueError(
+            f"jm.distributed.initialize() found an Open MPI job of {size} ranks "
+            f"(OMPI_COMM_WORLD_SIZE={size}, OMPI_COMM_WORLD_RANK={rank}) without {_OMPI_URI}, "
+            "which JAX's cluster detection needs (Open MPI 4's mpirun sets it; Open MPI 5's "
+            "does not), so every rank would run alone. Pass them: jm.distributed.initialize("
+            "'<rank 0 host>:<free port>', num_processes=int(os.environ['OMPI_COMM_WORLD_SIZE']), "
+            "process_id=int(os.environ['OMPI_COMM_WORLD_RANK']))."
+        )
+
+
+def _override_port() -> int | None:
+    """JAX_COORDINATOR_PORT, which JAX's detection takes for the coordinator's port."""
+    text = os.environ.get(PORT_VARIABLE)
+    if not text:
+        return None
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(
+            f"jm.distributed.initialize() reads {PORT_VARIABLE} as the detected cluster's "
+            f"coordinator port, in 1-65535; found {PORT_VARIABLE}={text!r}. Fix or unset it."
+        )
+    return int(text)
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _env_int(name: str, cluster: str, required: bool = True) -> Any:
+    """The integer in variable `name` of a detected cluster; a ValueError naming it if it is
+    not one (JAX would raise a bare `int()` error); None if absent and not `required`."""
+    text = os.environ.get(name)
+    if text is None and not required:
+        return None
+    if text is None or not text.strip().isdigit():
+        raise ValueError(
+            f"jm.distributed.initialize() detected {cluster} but its variable {name}="
+            f"{text!r} is not a whole number >= 0. Start the program with the cluster's "
+            "launcher, or pass coordinator_address, num_processes and process_id."
+        )
+    return int(text)
 
 
 def bind_address(coordinator_address: str | None) -> str | None:

@@ -112,6 +112,19 @@ class _Wait:
     absent: tuple[int, ...] | None = None  # the absent processes, when known already
 
 
+def _ready(wait: _Wait) -> bool:
+    """Whether a watched call has completed although the waiter has not seen it yet.
+
+    On a loaded machine the waiter thread may run seconds after the call it waits for
+    completed; that time is not the call's.
+    """
+    token = wait.token
+    try:
+        return token is not None and bool(token.is_ready())
+    except Exception:  # noqa: BLE001 - e.g. a donated output: the waiter sees it at once
+        return False
+
+
 class _Watchdog:
     """The waiter and watchdog threads, and what they watch (one per process)."""
 
@@ -226,7 +239,7 @@ class _Watchdog:
                     if not w.paused and now - w.started > w.timeout_s
                 ]
                 head = self._head
-            if head is not None and now - head.started > head.timeout_s:
+            if head is not None and now - head.started > head.timeout_s and not _ready(head):
                 late.append(head)
             if late:
                 self.expire(late[0])

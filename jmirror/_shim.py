@@ -5,7 +5,8 @@
    `jm.replicate` notices a call that compiled (a new input signature, including a new input
    sharding, which does not retrace the Python function) without looking at every leaf of
    every call.
-3. `distributed_client`: the client of JAX's coordination service (key-value store, barriers).
+3. `distributed_client`: the client of JAX's coordination service (key-value store, barriers);
+   `distributed_configuration`: the coordinator, count and index it was started with.
 
 **put_rows.**
 
@@ -127,6 +128,20 @@ def compiled_count(jitted: Any) -> int | None:
     if cache_size is None:
         return None
     return cache_size()
+
+
+def distributed_configuration() -> tuple[str | None, int | None, int | None] | None:
+    """The coordinator address, process count and index `jax.distributed.initialize` is using
+    (also those its cluster detection found), or None where the internal is missing."""
+    try:
+        from jax._src import distributed  # the internal, read only here
+    except ImportError:
+        return None
+    state = getattr(distributed, "global_state", None)
+    if state is None:
+        return None
+    found = [getattr(state, name, None) for name in ("coordinator_address", "num_processes")]
+    return found[0], found[1], getattr(state, "process_id", None)
 
 
 def distributed_client() -> Any:

@@ -9,8 +9,16 @@ CPU collectives through gloo, from one of three sources, in this order:
    `JMIRROR_COORDINATOR` (`host:port` of process 0's coordination service),
    `JMIRROR_NUM_PROCESSES`, `JMIRROR_PROCESS_ID` and, optionally,
    `JMIRROR_DEVICES_PER_PROCESS` (the number of XLA:CPU host devices of each process);
-3. JAX's own cluster detection, used only when a cluster is detected: a SLURM job step of
-   several tasks, an Open MPI job of several ranks, or a Kubernetes Indexed Job or JobSet.
+3. JAX's own cluster detection, used only when a cluster is detected, in JAX's order: an
+   Open MPI job of several ranks (`mpirun` of Open MPI 4; also inside a SLURM step, as in
+   `srun -n1 mpirun -np 2`), a SLURM job step of several tasks, or a Kubernetes Indexed Job
+   or JobSet. jmirror reads the coordinator's address (`host:port`: mpirun's host, or the
+   step's first node, and a port derived from the job id, or `JAX_COORDINATOR_PORT`), the
+   process count and index from the cluster's variables as JAX does, before joining, so that
+   its checks and errors name them (Kubernetes, which JAX asks through its API, is left to
+   JAX). On GPUs a process alone on its host uses every GPU of the host; several processes on
+   a host use one GPU each, by local index (JAX's `local_device_ids=[local id]`, which JAX
+   would also impose on a process alone on its host).
 
 With none of them it is one process and `initialize` does nothing. The launcher also sets
 `JMIRROR_RESTART` (`ENV_RESTART`): how many times it restarted the run before this start
@@ -22,7 +30,9 @@ a wait of up to 300 s for a coordinator, or an `IndexError` from JAX): an addres
 `host:port` with a port in 1-65535, or a host that does not resolve, is a `ValueError` naming
 the argument or variable, its value and the fix; so are `JMIRROR_NUM_PROCESSES` /
 `JMIRROR_PROCESS_ID` without `JMIRROR_COORDINATOR` and the reverse. On process 0, a coordinator
-port that another program already listens on is an `OSError` (`EADDRINUSE`) naming the port.
+port that another program already listens on is an `OSError` (`EADDRINUSE`) naming the port;
+the other processes, which connect to it, raise the same within seconds when what answers
+there is not a gRPC server (JAX's coordination service is one).
 
 Lost processes: JAX's coordination service ends every process of the run when one stops
 sending heartbeats for `heartbeat_timeout_s` seconds. jmirror sets 10 s instead of JAX's
@@ -98,8 +108,9 @@ def initialize(
 
     Takes each of `coordinator_address`, `num_processes` and `process_id` from the arguments,
     else from the environment set by `python -m jmirror.launch` (`JMIRROR_*`, see the module
-    docstring), else lets JAX detect them when a SLURM, Open MPI or Kubernetes cluster is
-    detected. It then selects gloo for CPU collectives and calls `jax.distributed.initialize`.
+    docstring), else takes them from a detected Open MPI, SLURM or Kubernetes cluster as
+    JAX's detection would. It then selects gloo for CPU collectives and calls
+    `jax.distributed.initialize`.
     With no arguments, no launcher and no cluster it is one process and returns at once.
 
     Every process of the run must call it, before anything touches a device. Calling it again
@@ -142,7 +153,9 @@ def initialize(
         address that is not `host:port` with a port in 1-65535, a host that does not
         resolve), or only some of the three were given outside a cluster.
       TypeError: an argument has the wrong type.
-      OSError: on process 0, the coordinator's port is already in use (errno `EADDRINUSE`).
+      OSError: the coordinator's port is already in use (errno `EADDRINUSE`): on process 0,
+        found free of listeners before JAX starts; on the others, held by a program that is
+        not JAX's coordination service.
 
     Example:
       Alone (no arguments, no launcher, no cluster), it does nothing:
@@ -181,6 +194,7 @@ def initialize(
         )
     _cluster_config.check_port_free(request)
     _check_backends_not_initialized(_cluster_config.describe(request))
+    _cluster_config.check_coordinator_port(request)
     if request.devices_per_process is not None:
         jax.config.update("jax_num_cpu_devices", request.devices_per_process)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -202,6 +216,13 @@ def _join(request: _cluster_config.Request, timeout_s: float | None) -> None:
     """
     # JAX's default is 300 s; with jmirror's bound, JAX's comes a minute later.
     jax_timeout = 300 if timeout_s is None else math.ceil(timeout_s) + 60
+    method, local_ids = None, None
+    if not request.jax_detects:
+        # Everything is known; JAX's detection would only restrict each process of a detected
+        # cluster to one GPU (`local_device_ids=[local id]`), also when it is alone on its host.
+        method = "deactivate"
+        if request.local_device_ids is not None:
+            local_ids = list(request.local_device_ids)
     with _deadline.bounded(
         "jm.distributed.initialize()",
         timeout_s,
@@ -215,6 +236,8 @@ def _join(request: _cluster_config.Request, timeout_s: float | None) -> None:
             heartbeat_timeout_seconds=request.heartbeat_timeout_s,
             coordinator_bind_address=_cluster_config.bind_address(request.coordinator_address),
             initialization_timeout=jax_timeout,
+            local_device_ids=local_ids,
+            cluster_detection_method=method,
         )
 
 
@@ -252,10 +275,15 @@ _HOSTS_KEY = "jmirror/hosts"
 
 def _not_joined(request: _cluster_config.Request) -> str:
     """Who may be missing while `jax.distributed.initialize` waits (no one can be asked yet)."""
-    me, count = request.process_id, request.num_processes
-    where = f"the coordinator at {request.coordinator_address}"
+    address, count, me = _shim.distributed_configuration() or (None, None, None)
+    # What jmirror worked out, else what JAX's own detection found (Kubernetes).
+    address = request.coordinator_address or address
+    count = request.num_processes if request.num_processes is not None else count
+    me = request.process_id if request.process_id is not None else me
+    where = f"the coordinator at {address or '(not found yet)'}"
+    origin = f" (from {request.origin})" if request.origin else ""
     if me is None or count is None:
-        return f"jmirror: not every process of the run has joined {where}."
+        return f"jmirror: not every process of the run has joined {where}{origin}."
     others = [p for p in range(count) if p != me]
     if len(others) == 1:
         names = f"process {others[0]} did not"
@@ -263,7 +291,7 @@ def _not_joined(request: _cluster_config.Request) -> str:
         names = f"one or more of processes {', '.join(map(str, others))} did not"
     text = (
         f"jmirror: processes that did not arrive: {names} call jm.distributed.initialize() "
-        f"(or cannot reach {where}); this is process {me} of {count}."
+        f"(or cannot reach {where}); this is process {me} of {count}{origin}."
     )
     if me != 0:
         text += f" Process 0 runs the coordination service: check that it started at {where}."

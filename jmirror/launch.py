@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import selectors
 import signal
 import socket
@@ -304,6 +305,29 @@ def _program_start(argv: list[str]) -> int:
     return len(argv)
 
 
+# gloo (JAX's CPU collectives) prints "[Gloo] Rank R is connected to N peer ranks. Expected
+# number of connected peer ranks is : N" on stdout for every rank of every communicator it
+# makes (8 lines and more per run), from several threads at once, so that pieces of two
+# reports may share a line. A line made of such pieces only, every count the expected one,
+# tells the user nothing and is left out; one with a count short of the expected is kept.
+_GLOO_PIECE = re.compile(
+    r"\[Gloo\] Rank | is connected to | peer ranks\. |Expected number of connected peer "
+    r"ranks is : |\d+"
+)
+_GLOO_COUNTS = (" is connected to ", "Expected number of connected peer ranks is : ")
+
+
+def _is_gloo_report(line: str) -> bool:
+    """Whether `line` holds nothing but gloo's reports of fully connected ranks."""
+    if "[Gloo] Rank" not in line and " peer ranks" not in line:
+        return False
+    pieces = _GLOO_PIECE.findall(line)
+    if "".join(pieces) != line.strip():
+        return False
+    counts = {count for piece, count in zip(pieces, pieces[1:]) if piece in _GLOO_COUNTS}
+    return len(counts) <= 1 and all(count.isdigit() for count in counts)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -510,9 +534,13 @@ class _Launch:
 
     def _write(self, process: _Process, fd: int, lines: list[bytes]) -> None:
         assert process.popen.stdout is not None  # PIPE
-        stream = sys.stdout if fd == process.popen.stdout.fileno() else sys.stderr
+        out = fd == process.popen.stdout.fileno()
+        stream = sys.stdout if out else sys.stderr
         prefix = f"[{process.index}] "
-        text = "".join(prefix + line.decode(errors="replace") + "\n" for line in lines)
+        decoded = (line.decode(errors="replace") for line in lines)
+        text = "".join(
+            prefix + line + "\n" for line in decoded if not (out and _is_gloo_report(line))
+        )
         stream.write(text)
         stream.flush()
 

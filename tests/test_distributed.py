@@ -4,6 +4,7 @@ The tests that start processes run in the 8-device pass only (the suite runs twi
 """
 
 import errno
+import json
 import os
 import re
 import signal
@@ -40,10 +41,19 @@ CLUSTER_VARIABLES = (
     "SLURM_NTASKS",
     "SLURM_PROCID",
     "SLURM_LOCALID",
+    "SLURM_STEP_TASKS_PER_NODE",
+    "SLURM_STEP_NUM_NODES",
+    "SLURM_NODEID",
     "OMPI_MCA_orte_hnp_uri",
     "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
     "KUBERNETES_SERVICE_HOST",
     "JOB_COMPLETION_INDEX",
+    "JAX_COORDINATOR_ADDRESS",
+    "JAX_COORDINATOR_PORT",
+    "JAX_LOCAL_DEVICE_IDS",
 )
 
 
@@ -116,16 +126,18 @@ def test_bad_arguments(fresh, args, kwargs, error, message):
         ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n1", "SLURM_NTASKS": "1",
           "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, None),
         ({"SLURM_JOB_ID": "7"}, None),  # an allocation, not a job step
-        ({"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1", "OMPI_COMM_WORLD_SIZE": "4"},
-         "Open MPI"),
-        ({"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1", "OMPI_COMM_WORLD_SIZE": "1"}, None),
+        ({"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1", "OMPI_COMM_WORLD_SIZE": "4",
+          "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}, "Open MPI"),
+        ({"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1", "OMPI_COMM_WORLD_SIZE": "1",
+          "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}, None),
         ({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, None),  # any pod: not a cluster by itself
     ],
 )  # fmt: skip
 def test_a_cluster_is_detected_only_when_it_runs_several_processes(fresh, env, expected):
     for name, value in env.items():
         fresh.setenv(name, value)
-    assert _cluster_config.detect_cluster() == expected
+    cluster = _cluster_config.detect_cluster()
+    assert (cluster.name if cluster else None) == expected
 
 
 def test_a_kubernetes_job_without_the_kubernetes_package_is_explained(fresh):
@@ -134,6 +146,130 @@ def test_a_kubernetes_job_without_the_kubernetes_package_is_explained(fresh):
     fresh.setattr(_cluster_config.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RuntimeError, match=r"pip install 'jax\[k8s\]'"):
         jm.distributed.initialize()
+
+
+# --- a detected cluster, worked out as JAX's detection works it out --------------------------
+# The oracle is JAX's own cluster detection (jax._src.clusters), asked with the same variables.
+
+SLURM_STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "node[007-009],gpu1",
+              "SLURM_NTASKS": "3", "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
+              "SLURM_STEP_TASKS_PER_NODE": "1(x3)", "SLURM_STEP_NUM_NODES": "3",
+              "SLURM_NODEID": "2"}  # fmt: skip
+OPEN_MPI = {"OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://10.96.0.1,10.148.0.1:34911",
+            "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}  # fmt: skip
+# What every rank of `srun -n1 mpirun -np 2` inherits from its one-task step.
+ONE_TASK_STEP = {**SLURM_STEP, "SLURM_NTASKS": "1", "SLURM_PROCID": "0",
+                 "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_STEP_NUM_NODES": "1"}  # fmt: skip
+
+
+def _jax_detects():
+    """What `jax.distributed.initialize()` would take: (address, count, index, local ids)."""
+    from jax._src import clusters
+
+    return clusters.ClusterEnv.auto_detect_unset_distributed_params(
+        None, None, None, None, None, None
+    )
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        pytest.param(SLURM_STEP, id="slurm"),
+        pytest.param({**SLURM_STEP, "SLURM_STEP_NODELIST": "n1,n2,n3"}, id="slurm-list"),
+        pytest.param({**SLURM_STEP, "SLURM_STEP_NODELIST": "solo"}, id="slurm-one-name"),
+        pytest.param({**SLURM_STEP, "JAX_COORDINATOR_PORT": "12345"}, id="slurm-port"),
+        pytest.param(OPEN_MPI, id="open-mpi"),
+        pytest.param(
+            {
+                **OPEN_MPI,
+                "OMPI_MCA_orte_hnp_uri": "1314521088.0;tcp6://[fe80::b9b:ac5d:9cf0:b858,2620:10d::2]:43370",
+            },
+            id="open-mpi-ipv6",
+        ),  # fmt: skip
+        pytest.param({**ONE_TASK_STEP, **OPEN_MPI}, id="open-mpi-inside-a-slurm-step"),
+    ],
+)
+def test_the_cluster_is_worked_out_as_jax_works_it_out(fresh, env):
+    for name, value in env.items():
+        fresh.setenv(name, value)
+    fresh.setattr(_cluster_config.socket, "getaddrinfo", lambda *args, **kwargs: [])  # any host
+    address, count, index, _ = _jax_detects()
+    request = _cluster_config.resolve(None, None, None, 10)
+    assert (request.coordinator_address, request.num_processes, request.process_id) == (
+        address.replace("fe80::b9b:ac5d:9cf0:b858", "[fe80::b9b:ac5d:9cf0:b858]"),
+        count,
+        index,
+    )
+    assert request.source == "cluster" and not request.jax_detects
+    assert request.cluster == ("SLURM" if "OMPI_MCA_orte_hnp_uri" not in env else "Open MPI")
+
+
+def test_open_mpi_ranks_inside_a_one_task_slurm_step_are_an_open_mpi_job(fresh):
+    for name, value in {**ONE_TASK_STEP, **OPEN_MPI}.items():
+        fresh.setenv(name, value)
+    cluster = _cluster_config.detect_cluster()
+    assert cluster is not None and cluster.name == "Open MPI"
+    assert (cluster.num_processes, cluster.process_id) == (2, 1)
+    assert _jax_detects()[1:3] == (2, 1)  # JAX's order: Open MPI first
+
+
+@pytest.mark.parametrize(
+    "tasks_per_node, node, local_ids",
+    [
+        ("1(x3)", "2", None),  # one task per host: every GPU of the host
+        ("2(x3)", "2", (0,)),  # several: JAX's one GPU per task, by local index
+        ("2,1", "1", None),  # this node has one task of the step
+        ("2,1", "0", (0,)),
+        ("garbled", "0", (0,)),  # unknown: JAX's choice
+    ],
+)
+def test_a_task_alone_on_its_host_sees_every_gpu(fresh, tasks_per_node, node, local_ids):
+    env = {**SLURM_STEP, "SLURM_STEP_TASKS_PER_NODE": tasks_per_node, "SLURM_NODEID": node}
+    for name, value in env.items():
+        fresh.setenv(name, value)
+    fresh.setattr(_cluster_config.socket, "getaddrinfo", lambda *args, **kwargs: [])
+    assert _jax_detects()[3] == [0]  # JAX alone: GPU 0 only, whatever the shape
+    request = _cluster_config.resolve(None, None, None, 10)
+    assert request.local_device_ids == local_ids and not request.jax_detects
+    fresh.setenv("JAX_LOCAL_DEVICE_IDS", "0,1")  # the user's choice is JAX's to read
+    assert _cluster_config.resolve(None, None, None, 10).local_device_ids is None
+
+
+def test_open_mpi_without_jaxs_variable_is_an_error_not_lone_ranks(fresh):
+    # Open MPI 5's mpirun sets no OMPI_MCA_orte_hnp_uri: JAX detects nothing.
+    fresh.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    fresh.setenv("OMPI_COMM_WORLD_RANK", "1")
+    with pytest.raises(ValueError, match=r"Open MPI job of 2 ranks .*OMPI_MCA_orte_hnp_uri"):
+        jm.distributed.initialize()
+
+
+def test_a_process_that_never_joins_is_named_with_the_detected_coordinator(fresh):
+    for name, value in SLURM_STEP.items():
+        fresh.setenv(name, value)
+    fresh.setattr(_cluster_config.socket, "getaddrinfo", lambda *args, **kwargs: [])
+    message = distributed._not_joined(_cluster_config.resolve(None, None, None, 10))
+    assert "processes 0, 1 did not call jm.distributed.initialize()" in message, message
+    port = 4242 % 4096 + 61440
+    assert f"the coordinator at node007:{port}" in message and "process 2 of 3" in message
+    assert "from SLURM" in message and "None" not in message
+
+
+def test_a_port_held_by_another_program_ends_the_other_processes_at_once(port_in_use):
+    request = _cluster_config.Request("cluster", f"127.0.0.1:{port_in_use}", 2, 1, 10, None, None)
+    start = time.monotonic()
+    with pytest.raises(OSError, match=rf"coordinator port {port_in_use} .* not JAX's") as error:
+        _cluster_config.check_coordinator_port(request, answer_s=1)
+    assert error.value.errno == errno.EADDRINUSE
+    assert time.monotonic() - start < 5
+    assert "JAX_COORDINATOR_PORT=<port>" in str(error.value)  # the fix, for a cluster
+
+
+def test_a_coordinator_not_started_yet_is_left_to_jax():
+    request = _cluster_config.Request("cluster", f"127.0.0.1:{_free_port()}", 2, 1, 10, None, None)
+    start = time.monotonic()
+    _cluster_config.check_coordinator_port(request)  # refused: process 0 is not there yet
+    assert time.monotonic() - start < 3
 
 
 @pytest.mark.parametrize(
@@ -251,6 +387,36 @@ def test_an_uncaught_exception_ends_its_process_and_then_the_others(tmp_path):
     assert code != 0
     assert lost_s < LOST_PEER_S
     assert re.search(NAMES_LOST[1], workers[0].output()), workers[0].output()
+
+
+@starts_processes
+@pytest.mark.parametrize("tasks_per_node, visible", [("1(x2)", ["all", "all"]),
+                                                     ("2", ["0", "1"])])  # fmt: skip
+def test_jax_is_told_every_gpu_of_a_task_alone_on_its_host(tmp_path, tasks_per_node, visible):
+    # A SLURM step's variables, faked: two tasks on two hosts, or on one. No GPU here: what
+    # JAX was told to use is its jax_cuda_visible_devices ("all" unless restricted).
+    one_per_host = tasks_per_node != "2"
+    env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", JAX_COORDINATOR_PORT=str(_free_port()))
+    env.update(SLURM_JOB_ID="77", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
+               SLURM_STEP_TASKS_PER_NODE=tasks_per_node)  # fmt: skip
+    workers = []
+    for index in (0, 1):
+        task = {"SLURM_PROCID": str(index), "SLURM_LOCALID": "0" if one_per_host else str(index),
+                "SLURM_NODEID": str(index) if one_per_host else "0"}  # fmt: skip
+        args = [str(harness.HERE / "cluster_worker.py"), str(tmp_path), "join", "60"]
+        workers.append(harness.Background(args, tmp_path, f"task{index}", {**env, **task}))
+    try:
+        for worker in workers:
+            code, _ = worker.wait(STARTUP_S + 60)
+            assert code == 0, worker.output()
+    finally:
+        for worker in workers:
+            worker.kill()
+    for index in (0, 1):
+        seen = json.loads((tmp_path / f"joined{index}.json").read_text())
+        assert (seen["process_index"], seen["process_count"]) == (index, 2)
+        assert seen["visible_gpus"] == visible[index]
 
 
 # --- configuration checked at once (SPEC "9-10, round 3 notes") -------------------------------

@@ -46,6 +46,29 @@ def test_runs_every_process_and_prefixes_every_line(tmp_path):
         assert f"[{index}] process {index}: on stderr" in err
     for line in (out + err).splitlines():
         assert re.match(r"\[[01]\] ", line), f"unprefixed line {line!r}"
+    assert "[Gloo]" not in out  # gloo's reports of connected ranks are left out
+
+
+GLOO = "[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7"
+
+
+@pytest.mark.parametrize(
+    "line, left_out",
+    [
+        (GLOO, True),
+        # two of a process's threads reporting at once: pieces of two reports on one line
+        ("[Gloo] Rank [Gloo] Rank 1 is connected to 1 peer ranks. Expected number of "
+         "connected peer ranks is : 1", True),
+        ("1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1", True),
+        (GLOO.replace("connected to 7", "connected to 6"), False),  # a rank short: kept
+        (GLOO + " and more", False),
+        ("[Gloo] Rank 3 failed: Connection reset by peer", False),
+        ("42", False),
+        ("step 7: 3 peer ranks", False),
+    ],
+)  # fmt: skip
+def test_only_gloos_reports_of_connected_ranks_are_left_out(line, left_out):
+    assert launch._is_gloo_report(line) == left_out
 
 
 def test_runs_a_module_with_one_device_per_process_by_default(tmp_path):

@@ -9,11 +9,12 @@ the input position as `data`), resuming from `manager.latest_step()` when there 
 after a restart or a preemption). At each step it follows the README's preemption loop:
 `if manager.reached_preemption(step): save, close, exit 0` (or, with `--helper`,
 `manager.save_and_exit_if_preempted`). `--ignore-preemption` never checks, so only SIGKILL
-ends it. `--sigterm-before-manager`: process 1 sends itself SIGTERM before the
-manager opens (and waits until JAX's runtime has agreed on it), as a notice that comes during
-start-up. It prints `pid P`, `start S restart R`, `step K` and `preempted at step K`, sleeps
-S seconds (default 0.15) per step so that a test can signal it mid-run, and at the end writes
-the trained parameters and optimizer state to OUT_DIR/final<process>.npy.
+ends it. `--sigterm-before-manager`: process 1 sends itself SIGTERM before the manager opens
+(and waits until every process has given JAX's preemption sync its step counter, which fixes
+the step they agree on), as a notice that comes during start-up. It prints `pid P`, `start S
+restart R`, `step K` and `preempted at step K`, sleeps S seconds (default 0.15) per step so
+that a test can signal it mid-run, and at the end writes the trained parameters and optimizer
+state to OUT_DIR/final<process>.npy.
 """
 
 import argparse
@@ -25,6 +26,8 @@ import time
 import numpy as np
 from preamble import join
 from training import batches, init_state, make_step, save_final
+
+from jmirror import _shim
 
 # A watchdog: were a process ever stuck, it prints every thread's stack and ends.
 jm = join(watchdog_s=150)
@@ -39,6 +42,22 @@ parser.add_argument("--sigterm-before-manager", action="store_true")
 options = parser.parse_args()
 
 
+def _wait_until_the_step_is_fixed(count, bound_s=120):
+    """Waits until every process has given JAX's preemption sync its step counter.
+
+    The processes agree on one past the largest counter; each holds its counter from the
+    moment it gives it until they agree. So from then on the step is fixed, whenever the
+    agreement itself completes. (A fixed sleep here was too short on a loaded machine: the
+    other process then reached its first step first, and they agreed on the next one.)
+    """
+    client = _shim.distributed_client()
+    deadline = time.monotonic() + bound_s
+    while len(client.key_value_dir_get("PREEMPTION_CURRENT_COUNTER/")) < count:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"JAX's preemption sync did not start within {bound_s} s")
+        time.sleep(0.05)
+
+
 def main():
     strategy = jm.MultiWorkerMirroredStrategy()
     me = strategy.process_index
@@ -48,7 +67,7 @@ def main():
     count = strategy.sync_on_read(np.int32(0), "sum")
     if options.sigterm_before_manager and me == 1:
         os.kill(os.getpid(), signal.SIGTERM)  # JAX's runtime catches it
-        time.sleep(3)  # its notifier polls every second, then the processes agree
+        _wait_until_the_step_is_fixed(strategy.num_processes)
     manager = jm.checkpoint.CheckpointManager(
         f"{options.out_dir}/checkpoints", save_interval_steps=4, max_to_keep=3
     )
