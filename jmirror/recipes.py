@@ -446,7 +446,7 @@ def _unscaled_finite(grads: PyTree, loss_scale: DynamicLossScale) -> tuple[PyTre
 
 
 def _nnx_loss_scaled_step(loss_fn: LossFn, state: tuple, batch: PyTree) -> tuple[tuple, Any]:
-    """The loss-scaled step for an NNX `(model, optimizer, loss_scale)` triple."""
+    """Returns the loss-scaled step for an NNX `(model, optimizer, loss_scale)` triple."""
     if len(state) != 3 or not isinstance(state[2], DynamicLossScale):
         raise TypeError(
             "recipes.make_loss_scaled_train_step expects an NNX (model, optimizer, loss_scale) "
