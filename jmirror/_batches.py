@@ -297,8 +297,8 @@ def _global_size(
     warning that "drop" gives when that size is below G's.
 
     In a run that `jmirror.launch --min-processes` may continue on fewer processes, a first
-    batch that N does not divide is a `ValueError` (SPEC 10, round 4 notes): padding or
-    dropping would change the global batch from one start to the next."""
+    batch that N does not divide is a `ValueError`: padding or dropping would change the global
+    batch from one start to the next."""
     what = "first share" if shares.is_local else "first batch"
     if size == 0:
         raise ValueError(

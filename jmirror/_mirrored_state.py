@@ -1,4 +1,4 @@
-"""Mirrored state stays mirrored (SPEC 11, round 4 notes): the trace-time check of a step.
+"""Mirrored state stays mirrored: the trace-time check of a step.
 
 State that enters a replicated function mirrored (identical on every replica) must leave it
 proven mirrored, or be declared per replica (`per_replica=`). The static proof

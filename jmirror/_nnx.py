@@ -201,8 +201,8 @@ def _settle_metrics(
 
 
 def _check_mirrored(traced: Traced, aliases: tuple) -> None:
-    """Refuses a step whose written-back `Variable`s would lose their mirroring (SPEC 11,
-    round 4 notes): each that entered mirrored and comes back per replica, unless
+    """Refuses a step whose written-back `Variable`s would lose their mirroring: each
+    that entered mirrored and comes back per replica, unless
     `per_replica=` matches it, with the fix its type and owner call for."""
     nnx = _flax()
     dynamic, kwargs = traced.inputs

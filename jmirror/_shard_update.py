@@ -38,8 +38,8 @@ from jmirror._shard_jaxpr import Layout, Piece, Pieces, run
 from jmirror._topology import Topology
 from jmirror._values import PyTree, Sharded
 
-# The default `bucket_bytes`: measured best on 8 XLA:CPU host devices in round 3 (the largest
-# Adam model in a per-device budget 1.99x the mirrored one's, at the same step time;
+# The default `bucket_bytes`: measured best on 8 XLA:CPU host devices (the largest Adam model
+# in a per-device budget 1.99x the mirrored one's, at the same step time;
 # benchmarks/RESULTS.md). One buffer per dtype keeps a packed copy of every gradient alive.
 DEFAULT_BUCKET_BYTES = 4 * 2**20
 

@@ -56,7 +56,7 @@ class Leaf:
             raise _format.corrupt(where, f"Python scalar type {self.python!r} is unknown")
         self.scalar = node.get("scalar") is True
         self.sharded = self.kind == _sharded.KIND  # restored as a Sharded node
-        # The array of a sync-on-read leaf's N components (absent before round 4).
+        # The array of a sync-on-read leaf's N components (absent in older version 2 checkpoints).
         self.components: str | None = node.get("components")
         if self.components is not None and (
             self.kind != "aggregated" or not isinstance(self.components, str)
