@@ -459,8 +459,8 @@ def _too_large(
 
 
 def _place_local(topology: Topology, arrays: list[Any]) -> list[jax.Array]:
-    """This process's rows `(n_local, ...)` of each global `(N, ...)` array, placed on its own
-    replicas; no other process's rows are read. Each host array is copied first: on CPU, JAX
+    """Returns this process's rows `(n_local, ...)` of each global `(N, ...)` array, placed on its
+    own replicas; no other process's rows are read. Each host array is copied first: on CPU, JAX
     may place an aligned host buffer without copying it, and a loader may refill it."""
     n = topology.num_replicas
     return [

@@ -173,7 +173,8 @@ class ReplicaContext:
 
     @property
     def replica_id(self) -> jax.Array:
-        """This replica's index as a traced int32 scalar, 0..N-1 in `strategy.devices` order."""
+        """Returns this replica's index as a traced int32 scalar, 0..N-1 in `strategy.devices`
+        order."""
         return lax.axis_index(self.axis_name)
 
     def all_reduce(

@@ -107,12 +107,12 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
     @property
     def process_index(self) -> int:
-        """This process's index, in `[0, num_processes)`."""
+        """Returns this process's index, in `[0, num_processes)`."""
         return self.topology.process_index
 
     @property
     def local_devices(self) -> tuple[Device, ...]:
-        """This process's devices, in replica order."""
+        """Returns this process's devices, in replica order."""
         return self.topology.local_devices
 
     @property

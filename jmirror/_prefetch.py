@@ -403,7 +403,7 @@ class DistributedIterator:
             raise StopIteration
 
     def _next_local(self) -> tuple[str, Any]:
-        """This process's next element: `("item", value)`, `("end" | "closed", None)` or
+        """Returns this process's next element: `("item", value)`, `("end" | "closed", None)` or
         `("error", exception)`."""
         if self._prefetcher is None:
             try:

@@ -126,7 +126,8 @@ class ProcessHostOps(HostOps):
         return self._everywhere(_whole, x, _READ)
 
     def _on_first_device(self, x: jax.Array) -> jax.Array:
-        """This process's first replica's copy (on its device, or laid out on its devices)."""
+        """Returns this process's first replica's copy (on its device, or laid out on its
+        devices)."""
         return self._on_replica(x, self.topology.local_replica_ids[0])
 
     def _components(self, x: Any) -> list[Any] | None:
@@ -141,7 +142,7 @@ class ProcessHostOps(HostOps):
         return None
 
     def _local_component(self, stacked: Any, i: int) -> Any:
-        """This process's `i`-th replica's whole component of a stacked leaf (laid out over
+        """Returns this process's `i`-th replica's whole component of a stacked leaf (laid out over
         that replica's devices when k > 1)."""
         if isinstance(stacked, jax.Array) and not stacked.is_fully_addressable:
             replica = self.topology.local_replica_ids[i]

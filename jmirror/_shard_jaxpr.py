@@ -161,7 +161,8 @@ class Pieces:
         return self.layout(shape).length
 
     def take(self, x: Any, lay: Layout | None = None) -> jax.Array:
-        """This replica's piece of the whole value `x` (cut by `lay`, else by its shape's)."""
+        """Returns this replica's piece of the whole value `x` (cut by `lay`, else by its
+        shape's)."""
         lay = self.layout(np.shape(x)) if lay is None else lay
         if lay.blocks == 1:
             flat = jnp.ravel(x)

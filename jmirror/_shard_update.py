@@ -417,7 +417,7 @@ def _on_blocks(fn: Any, pieces: Pieces, in_specs: tuple, out_specs: tuple) -> An
 
 
 def _scatter_blocks(grads: list[Any], pieces: Pieces) -> list[Piece]:
-    """This replica's pieces of the mean of one bucket of gradient leaves, with replicas
+    """Returns this replica's pieces of the mean of one bucket of gradient leaves, with replicas
     spanning k > 1 devices: each model device packs its own block of every leaf (a local
     flatten: the block along the dimension the layout cuts), one reduce-scatter over the
     replica axis, and keeps its sub-piece (1/(N*k) of each leaf per device)."""

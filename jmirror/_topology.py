@@ -104,8 +104,9 @@ class Topology:
         layout: LayoutRules = None,
         call: str = "MirroredStrategy",
     ) -> Topology:
-        """Replicas over `devices` (distinct, one platform), in that order: replica i runs on
-        `devices[i*k:(i+1)*k]` for k = `devices_per_replica` (checked to divide them)."""
+        """Returns the topology of replicas over `devices` (distinct, one platform), in that order:
+        replica i runs on `devices[i*k:(i+1)*k]` for k = `devices_per_replica` (checked to divide
+        them)."""
         devices = tuple(devices)
         k = check_devices_per_replica(devices_per_replica, len(devices), call)
         _check_processes(devices, k, call)
@@ -357,7 +358,7 @@ class Topology:
         return spec[1:]
 
     def local_copy(self, x: jax.Array) -> jax.Array:
-        """This process's whole copy of the mirrored leaf `x`, without a transfer: the shard
+        """Returns this process's whole copy of the mirrored leaf `x`, without a transfer: the shard
         on its first device when `x` is replicated inside a replica, else its first replica's
         copy (`replica_copy`)."""
         copy = None

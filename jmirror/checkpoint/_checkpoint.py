@@ -260,7 +260,7 @@ def verify(path: pathlib.Path, call: str) -> bool:
 
 
 def read_data(path: pathlib.Path, call: str, group: _processes.Group) -> Any:
-    """This process's `data` saved with the checkpoint at `path`.
+    """Returns this process's `data` saved with the checkpoint at `path`.
 
     When as many processes saved as read, each reads its own; otherwise the saved data must
     be the same on every saving process (as an input position of `distribute_dataset` is).

@@ -284,7 +284,7 @@ class _Encoder:
         return {str(i): values[str(i)] for i in range(self.count)}
 
     def gather(self, spread: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        """This process's full copies of arrays spread over processes (one collective call).
+        """Returns this process's full copies of arrays spread over processes (one collective call).
 
         Bounded by the strategy's `timeout_s`: a process that skips the save its peers make
         (or exits) never joins the all-gather, and gloo would wait for it without end.

@@ -84,7 +84,7 @@ class Group:
 
     @property
     def rank(self) -> int:
-        """This process's position among `processes` (0 for the writer)."""
+        """Returns this process's position among `processes` (0 for the writer)."""
         return self.processes.index(self.me)
 
     @property
