@@ -141,7 +141,7 @@ def _check(batch: PyTree, num_micro_batches: int) -> None:
 def _sum_over_micro_batches(
     loss: MicroLoss, diff: PyTree, carry: PyTree, micro: PyTree
 ) -> tuple[jax.Array, PyTree, PyTree]:
-    """The sums of the micro-batches' losses and gradients (in at least float32), and the
+    """Returns the sums of the micro-batches' losses and gradients (in at least float32), and the
     carry after the last micro-batch: one `lax.scan`, no collective."""
     grad_fn = jax.value_and_grad(loss, has_aux=True)
     first = jax.tree.map(lambda x: x[0], micro)
@@ -159,14 +159,14 @@ def _sum_over_micro_batches(
 
 
 def _wide(dtype: Any) -> Any:
-    """The dtype a sum of `dtype` values is kept in: at least float32 for floating ones."""
+    """Returns the dtype a sum of `dtype` values is kept in: at least float32 for floating ones."""
     if jnp.issubdtype(dtype, jnp.floating):
         return jnp.promote_types(dtype, jnp.float32)
     return dtype
 
 
 def _own_dtypes(grads: PyTree, like: PyTree) -> PyTree:
-    """`grads` in the dtypes of the differentiated leaves they belong to."""
+    """Returns `grads` in the dtypes of the differentiated leaves they belong to."""
     return jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), grads, like)
 
 
@@ -178,7 +178,7 @@ def _plain_micro_loss(loss_fn: LossFn, args: tuple) -> MicroLoss:
 
 
 def _nothing(carry: PyTree) -> None:
-    """Nothing to write back: a plain pytree's loss changes no other state."""
+    """Writes nothing back: a plain pytree's loss changes no other state."""
 
 
 # --- equinox, only once the caller imported it ---------------------------------------------
@@ -192,7 +192,7 @@ def _is_equinox_module(x: Any) -> bool:
 def _equinox_micro_loss(
     loss_fn: LossFn, model: Any, args: tuple
 ) -> tuple[PyTree, PyTree, MicroLoss, Callable[[PyTree], None]]:
-    """An equinox model's micro-batch loss: its floating arrays differentiated, as
+    """Returns an equinox model's micro-batch loss: its floating arrays differentiated, as
     `eqx.filter_value_and_grad` does, the rest of the module closed over."""
     import equinox as eqx
 
@@ -285,7 +285,7 @@ def make_accumulating_train_step(
 
 
 def _is_sharded(opt_state: PyTree) -> bool:
-    """Whether an optimizer state is `jm.shard_update`'s (it holds `jm.Sharded` leaves)."""
+    """Returns whether an optimizer state is `jm.shard_update`'s (it holds `jm.Sharded` leaves)."""
     leaves = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, Sharded))
     return any(isinstance(x, Sharded) for x in leaves)
 
@@ -297,7 +297,7 @@ def _is_equinox_pair(state: Any) -> bool:
 def _equinox_step(
     state: tuple, tx: Any, accumulate: Callable[..., tuple], batch: PyTree, args: tuple
 ) -> tuple[tuple, jax.Array]:
-    """One step of an equinox `(model, opt_state)` pair with the optax `tx`."""
+    """Takes one step of an equinox `(model, opt_state)` pair with the optax `tx`."""
     import equinox as eqx
 
     if tx is None:

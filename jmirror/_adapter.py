@@ -101,7 +101,7 @@ class Adapter(Protocol):
     or whose nodes it polices."""
 
     def adapt(self, args: tuple, kwargs: dict, static_argnums: tuple[int, ...]) -> Adapted | None:
-        """The call's `Adapted`, or None when it holds nothing of this kind."""
+        """Returns the call's `Adapted`, or None when it holds nothing of this kind."""
         ...
 
     def check_plain(self, name: str, in_treedef: Any) -> None:

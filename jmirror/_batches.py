@@ -48,7 +48,7 @@ def _is_array_item(x: Any) -> bool:
 
 
 def _is_array_list(x: Any) -> bool:
-    """A non-empty list of numbers (or of such lists) is one array-like leaf.
+    """Returns whether `x` is a non-empty list of numbers (or of such lists): one array-like leaf.
 
     Any other list (of arrays, of dicts, empty) stays a pytree container, as JAX sees it.
     """
@@ -65,7 +65,8 @@ def _leaf_path(tree: PyTree, leaf_index: int, root: str = "batch") -> str:
 
 
 def _as_array(call: str, where: str, tree: PyTree, leaf: Any, leaf_index: int, root: str) -> Any:
-    """`leaf` as an array JAX can place: numeric, and 64-bit integers only where they fit."""
+    """Returns `leaf` as an array JAX can place: numeric, and 64-bit integers only where they
+    fit."""
     if isinstance(leaf, jax.Array):
         return leaf
     try:
@@ -107,7 +108,7 @@ _IINFO: dict[np.dtype, np.iinfo] = {}
 
 
 def _check_fits(call: str, where: str, tree: PyTree, x: np.ndarray, leaf_index: int, root: str):
-    """A 64-bit integer array must fit the 32-bit dtype JAX gives it without x64."""
+    """Checks that a 64-bit integer array fits the 32-bit dtype JAX gives it without x64."""
     if x.dtype.kind not in "iu":
         return
     target = jax.dtypes.canonicalize_dtype(x.dtype)
@@ -161,7 +162,7 @@ def _pad(x: Any, size: int) -> Any:
 
 
 def _place(topology: Topology, arrays: list[Any]) -> list[jax.Array]:
-    """Slice i of each (N, ...) array lands on device i, and only there.
+    """Places slice i of each (N, ...) array on device i, and only there.
 
     Host arrays go through `jmirror._shim.put_rows`, one C++ call per leaf that copies each
     row to its device (the least host time per batch, which is what the input pipeline costs
@@ -239,7 +240,7 @@ class Shares:
 
 
 def shares_of(call: str, topology: Topology, process_local: bool) -> Shares:
-    """The split of `distribute_dataset(..., process_local=...)` on `topology`, checked."""
+    """Returns the split of `distribute_dataset(..., process_local=...)` on `topology`, checked."""
     n, processes = topology.num_replicas, topology.process_count
     if not process_local or processes == 1:
         return Shares(1, n)
@@ -292,12 +293,12 @@ def global_batches(
 def _global_size(
     call: str, n: int, size: int, remainder: str, processes: int, shares: Shares
 ) -> tuple[int, _Warning | None]:
-    """G from the first batch's size (the first share's, for process-local input), and the
+    """Returns G from the first batch's size (the first share's, for process-local input), and the
     warning that "drop" gives when that size is below G's.
 
     In a run that `jmirror.launch --min-processes` may continue on fewer processes, a first
-    batch that N does not divide is a `ValueError` (SPEC 10, round 4 notes): padding or
-    dropping would change the global batch from one start to the next."""
+    batch that N does not divide is a `ValueError`: padding or dropping would change the global
+    batch from one start to the next."""
     what = "first share" if shares.is_local else "first batch"
     if size == 0:
         raise ValueError(
@@ -329,7 +330,7 @@ def _global_size(
 
 
 def _elastic_batch(call: str, size: int, n: int, processes: int, counts: tuple[int, int]) -> str:
-    """The error of a first batch of `size` examples that N does not divide, in an elastic
+    """Returns the error of a first batch of `size` examples that N does not divide, in an elastic
     run of `counts` = (M, P) processes: the replica counts it may run on and their multiple."""
     per_process = max(1, n // processes)
     least, most = counts
@@ -458,8 +459,8 @@ def _too_large(
 
 
 def _place_local(topology: Topology, arrays: list[Any]) -> list[jax.Array]:
-    """This process's rows `(n_local, ...)` of each global `(N, ...)` array, placed on its own
-    replicas; no other process's rows are read. Each host array is copied first: on CPU, JAX
+    """Returns this process's rows `(n_local, ...)` of each global `(N, ...)` array, placed on its
+    own replicas; no other process's rows are read. Each host array is copied first: on CPU, JAX
     may place an aligned host buffer without copying it, and a loader may refill it."""
     n = topology.num_replicas
     return [

@@ -158,22 +158,23 @@ class ReplicaContext:
 
     @property
     def strategy(self) -> Any:  # the strategy object itself (a MirroredStrategy)
-        """The `MirroredStrategy` running this replica."""
+        """Returns the `MirroredStrategy` running this replica."""
         return self._strategy
 
     @property
     def axis_name(self) -> str:
-        """The collective axis name of the replicas (`strategy.axis_name`)."""
+        """Returns the collective axis name of the replicas (`strategy.axis_name`)."""
         return self._strategy.axis_name
 
     @property
     def num_replicas(self) -> int:
-        """The number of replicas in sync."""
+        """Returns the number of replicas in sync."""
         return self._strategy.num_replicas
 
     @property
     def replica_id(self) -> jax.Array:
-        """This replica's index as a traced int32 scalar, 0..N-1 in `strategy.devices` order."""
+        """Returns this replica's index as a traced int32 scalar, 0..N-1 in `strategy.devices`
+        order."""
         return lax.axis_index(self.axis_name)
 
     def all_reduce(
@@ -275,7 +276,8 @@ class ReplicaContext:
         return lax.psum(first, self.axis_name).astype(x.dtype)
 
     def _sync_key(self, aggregation: Aggregation, key: jax.Array, varying: bool) -> jax.Array:
-        """A typed PRNG key array synchronized through its key data (`ONLY_FIRST_REPLICA`)."""
+        """Returns a typed PRNG key array synchronized through its key data
+        (`ONLY_FIRST_REPLICA`)."""
         if aggregation is not Aggregation.ONLY_FIRST_REPLICA:
             raise TypeError(
                 f"jm.sync(tree, {aggregation.name}) got a typed PRNG key array ({key.dtype}); "
@@ -379,7 +381,7 @@ class AllGather:
 
 
 def merge_per_replica(component: PyTree, axis_name: str) -> PerReplica:
-    """A `PerReplica` seen inside `merge_fn`, holding this replica's own component."""
+    """Returns a `PerReplica` seen inside `merge_fn`, holding this replica's own component."""
     return per_replica_component(component, AllGather(axis_name))
 
 
@@ -427,7 +429,7 @@ def check_identical(call: str, paths: Sequence[str], varying: Sequence[bool]) ->
 
 
 def reduction_dtype(dtype: Any, call: str, argument: str = "dtype") -> np.dtype | None:
-    """`dtype` as a floating numpy dtype (`None` stays `None`), checked for `call`'s
+    """Returns `dtype` as a floating numpy dtype (`None` stays `None`), checked for `call`'s
     `argument`."""
     if dtype is None:
         return None
@@ -445,7 +447,7 @@ def reduction_dtype(dtype: Any, call: str, argument: str = "dtype") -> np.dtype 
 
 
 def all_reduce_leaf(op: ReduceOp, x: Any, axis_name: str, dtype: np.dtype | None = None) -> Any:
-    """`psum` / `pmean` / `pmax` / `pmin` of one array over `axis_name`; a floating leaf of
+    """Returns `psum` / `pmean` / `pmax` / `pmin` of one array over `axis_name`; a floating leaf of
     another dtype than `dtype` (when given) is reduced in `dtype` and cast back."""
     if dtype is not None:
         x = jnp.asarray(x)
@@ -475,7 +477,7 @@ def exit_replica() -> None:
 
 
 def merge_context() -> ReplicaContext | None:
-    """The replica context whose `merge_call` is running, when inside a `merge_fn`."""
+    """Returns the replica context whose `merge_call` is running, when inside a `merge_fn`."""
     if _STACK.frames and isinstance(_STACK.frames[-1], _MergeFrame):
         return _STACK.frames[-1].context
     return None
@@ -491,7 +493,7 @@ def note_mirrored_in_merge(tree: PyTree) -> PyTree:
 
 
 def is_mirrored_in_merge(x: Any) -> bool:
-    """Whether the traced value `x` is known to be mirrored inside the running `merge_fn`:
+    """Returns whether the traced value `x` is known to be mirrored inside the running `merge_fn`:
     an argument proven identical on every replica, or a cross-replica operation's result."""
     if not (_STACK.frames and isinstance(_STACK.frames[-1], _MergeFrame)):
         return False
@@ -543,7 +545,7 @@ def pop_strategy() -> None:
 
 
 def current_strategy() -> Strategy:
-    """The innermost strategy in scope, else the default one (created once)."""
+    """Returns the innermost strategy in scope, else the default one (created once)."""
     if _STACK.strategies:
         return _STACK.strategies[-1]
     if not _DEFAULT:
@@ -668,6 +670,6 @@ def merge_call(
 
 
 def _is_key(x: Any) -> bool:
-    """Whether `x` is a typed PRNG key array (`jax.random.key`)."""
+    """Returns whether `x` is a typed PRNG key array (`jax.random.key`)."""
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)

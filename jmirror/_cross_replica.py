@@ -60,57 +60,59 @@ class CrossReplica(abc.ABC):
 
     @abc.abstractmethod
     def mirror(self, tree: PyTree) -> PyTree:
-        """Every leaf placed identically on every replica."""
+        """Places every leaf identically on every replica."""
 
     @abc.abstractmethod
     def sync_on_read(self, tree: PyTree, aggregation: Aggregation) -> SyncOnRead:
-        """A `SyncOnRead` whose every replica starts with `tree`."""
+        """Returns a `SyncOnRead` whose every replica starts with `tree`."""
 
     @abc.abstractmethod
     def sync_on_read_from(
         self, component: Callable[[jax.Array], PyTree], aggregation
     ) -> SyncOnRead:
-        """A `SyncOnRead` whose replica r holds `component(r)` (r a traced replica index)."""
+        """Returns a `SyncOnRead` whose replica r holds `component(r)` (r a traced replica
+        index)."""
 
     @abc.abstractmethod
     def distribute_values_from_function(self, value_fn: Callable[[ValueContext], PyTree]):
-        """A `PerReplica` whose component i is `value_fn(ValueContext(i, N))`."""
+        """Returns a `PerReplica` whose component i is `value_fn(ValueContext(i, N))`."""
 
     @abc.abstractmethod
     def split_key(self, key: jax.Array) -> PerReplica:
-        """N independent PRNG keys, one per replica."""
+        """Returns N independent PRNG keys, one per replica."""
 
     # --- reading -----------------------------------------------------------------------------
 
     @abc.abstractmethod
     def read(self, tree: PyTree) -> PyTree:
-        """Mirrored leaves as their value, `SyncOnRead` nodes aggregated (no `PerReplica`)."""
+        """Returns mirrored leaves as their value, `SyncOnRead` nodes aggregated (no
+        `PerReplica`)."""
 
     @abc.abstractmethod
     def stacked(self, x: Any) -> Any:
-        """Every replica's component of the stacked leaf `x` (a sync-on-read value), as one
+        """Returns every replica's component of the stacked leaf `x` (a sync-on-read value), as one
         array on which this process can combine them (the NNX metrics' own combines)."""
 
     @abc.abstractmethod
     def local_results(self, value: PyTree) -> tuple[PyTree, ...]:
-        """The N per-replica components of `value`, in replica order."""
+        """Returns the N per-replica components of `value`, in replica order."""
 
     @abc.abstractmethod
     def reduce_per_replica(self, op: ReduceOp, x: PerReplica, axis: int | None) -> PyTree:
-        """One `PerReplica` reduced across replicas (and over `axis` of each component)."""
+        """Returns one `PerReplica` reduced across replicas (and over `axis` of each component)."""
 
     @abc.abstractmethod
     def gather(self, value: PyTree, axis: int) -> PyTree:
-        """The replicas' components concatenated along `axis`."""
+        """Returns the replicas' components concatenated along `axis`."""
 
     @abc.abstractmethod
     def update(self, tree: PyTree, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """`fn(tree, *args, **kwargs)` on every replica's copy of `tree`."""
+        """Applies `fn(tree, *args, **kwargs)` to every replica's copy of `tree`."""
 
     # --- shared --------------------------------------------------------------------------------
 
     def check_readable(self, tree: PyTree) -> tuple[list[Any], Any]:
-        """The top-level nodes of `tree` and its structure; raises at a `PerReplica`."""
+        """Returns the top-level nodes of `tree` and its structure; raises at a `PerReplica`."""
         nodes, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_distributed)
         for i, node in enumerate(nodes):
             if isinstance(node, PerReplica):
@@ -122,7 +124,7 @@ class CrossReplica(abc.ABC):
         return nodes, treedef
 
     def reduce(self, op: ReduceOp, value: PyTree, axis: int | None) -> PyTree:
-        """`strategy.reduce`: `PerReplica` nodes reduced, other values by the plain rule."""
+        """Returns `strategy.reduce`: `PerReplica` nodes reduced, other values by the plain rule."""
         if type(value) is int and value == 0:
             return 0
         leaves = jax.tree.leaves(value, is_leaf=is_distributed)
@@ -137,7 +139,8 @@ class CrossReplica(abc.ABC):
         return jax.tree.map(one, value, is_leaf=is_distributed)
 
     def reduce_plain(self, op: ReduceOp, value: Any) -> Any:
-        """A value that is not per replica: `MEAN` returns it, `SUM` only with one replica."""
+        """Returns a value that is not per replica: `MEAN` returns it, `SUM` only with one
+        replica."""
         if op is ReduceOp.SUM and self.num_replicas > 1:
             raise ValueError(
                 f"strategy.reduce(SUM, value) got a value that is not a PerReplica "
@@ -148,7 +151,7 @@ class CrossReplica(abc.ABC):
         return value
 
     def assign(self, sync_on_read: SyncOnRead, value: PyTree) -> SyncOnRead:
-        """A `SyncOnRead` holding `value` such that reading it gives exactly `value`."""
+        """Returns a `SyncOnRead` holding `value` such that reading it gives exactly `value`."""
         if not isinstance(sync_on_read, SyncOnRead):
             raise TypeError(
                 f"strategy.assign expects a SyncOnRead, got {type(sync_on_read).__name__}. "

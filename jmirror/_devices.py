@@ -24,7 +24,7 @@ def _describe_available() -> str:
 
 
 def _platform_devices(platform: str) -> list[Device]:
-    """Local devices of `platform` in `jax.local_devices` order, or [] if it has none."""
+    """Returns local devices of `platform` in `jax.local_devices` order, or [] if it has none."""
     try:
         return list(jax.local_devices(backend=platform))
     except RuntimeError:
@@ -63,7 +63,7 @@ def _resolve_one(spec: Any) -> Device:
 
 
 def as_int(value: Any, call: str) -> int:
-    """An integer-like `value` (a Python or NumPy integer, not a bool) as an int."""
+    """Returns an integer-like `value` (a Python or NumPy integer, not a bool) as an int."""
     if not isinstance(value, bool):
         try:
             return operator.index(value)

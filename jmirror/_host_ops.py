@@ -128,7 +128,7 @@ class HostOps(CrossReplica):
             warnings.warn(message, UserWarning, stacklevel=4)
 
     def _place_mirrored(self, sources: list[Any], layouts: list[Any]) -> list[jax.Array]:
-        """Mirrored copies of `sources` that own their buffers, placed with `layouts`.
+        """Returns mirrored copies of `sources` that own their buffers, placed with `layouts`.
 
         `device_put` may reuse a source's buffer for the copy on its device (a `jax.Array`
         on one of the devices; on CPU, an aligned numpy array of the canonical dtype), and
@@ -150,7 +150,7 @@ class HostOps(CrossReplica):
         return SyncOnRead(self._stack_copies(self.mirror(tree)), aggregation)
 
     def _stack_copies(self, mirrored: PyTree) -> PyTree:
-        """N stacked copies of a mirrored tree, slice i on device i (no communication)."""
+        """Returns N stacked copies of a mirrored tree, slice i on device i (no communication)."""
         return _stack_fn(self.topology.stacked, self.num_replicas)(mirrored)
 
     def sync_on_read_from(self, component: Callable[[jax.Array], PyTree], aggregation):
@@ -231,19 +231,20 @@ class HostOps(CrossReplica):
         return self._on_replica(x, 0)
 
     def _on_replica(self, x: jax.Array, i: int) -> jax.Array:
-        """Replica `i`'s copy of the mirrored `x` (on its device, or laid out on its devices)."""
+        """Returns replica `i`'s copy of the mirrored `x` (on its device, or laid out on its
+        devices)."""
         copy = self.topology.replica_copy(x, i)  # its own shards: no transfer
         return copy if copy is not None else jax.device_put(x, self.topology.read_sharding(x, i))
 
     def _gathered(self, stacked: Any) -> jax.Array:
-        """The stacked components of a leaf, all on devices[0]."""
+        """Returns the stacked components of a leaf, all on devices[0]."""
         return jax.device_put(_copyable(stacked), self.topology.devices[0])
 
     def stacked(self, x: Any) -> Any:
         return self._gathered(x)
 
     def _component(self, stacked: Any, i: int) -> Any:
-        """Replica `i`'s whole component of a stacked leaf: from its own shards where they
+        """Returns replica `i`'s whole component of a stacked leaf: from its own shards where they
         hold it (laid out over its devices when k > 1), else moved to its first device."""
         if isinstance(stacked, jax.Array):
             component = self.topology.replica_component(stacked, i)
@@ -294,7 +295,7 @@ class HostOps(CrossReplica):
         return jax.tree.map(one, value, is_leaf=is_distributed)
 
     def _gather_stacked(self, stacked: jax.Array, axis: int) -> jax.Array:
-        """One leaf's stacked components concatenated along `axis`, on the first device."""
+        """Returns one leaf's stacked components concatenated along `axis`, on the first device."""
         return _gather_fn(axis)(self._gathered(stacked))
 
     def update(self, tree: PyTree, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
@@ -318,7 +319,7 @@ class _Updater:
 
 
 def _shares_memory(source: Any, placed: jax.Array) -> bool:
-    """Whether `placed` reuses a buffer of the device array `source`."""
+    """Returns whether `placed` reuses a buffer of the device array `source`."""
     if not isinstance(source, jax.Array):
         return False  # host values were copied on the host
     mine = {shard.data.unsafe_buffer_pointer() for shard in source.addressable_shards}
@@ -326,7 +327,7 @@ def _shares_memory(source: Any, placed: jax.Array) -> bool:
 
 
 def _copyable(x: Any) -> Any:
-    """`x`, or for a zero-size array the host zeros of its shape and dtype.
+    """Returns `x`, or for a zero-size array the host zeros of its shape and dtype.
 
     JAX lays out the outputs of a computation whose outputs are all zero-size with shards of
     the whole shape, which `device_put` cannot copy; such an array holds nothing to move.
@@ -342,13 +343,14 @@ def _is_key(dtype: Any) -> bool:
 
 @functools.cache
 def _copy_fn(layouts: tuple[Any, ...]) -> Callable[[list[jax.Array]], tuple[jax.Array, ...]]:
-    """Fresh copies of arrays, placed with `layouts` (one each)."""
+    """Returns a function giving fresh copies of arrays, placed with `layouts` (one each)."""
     return jax.jit(lambda xs: tuple(jnp.copy(x) for x in xs), out_shardings=layouts)
 
 
 @functools.cache
 def _stack_fn(sharding: Any, n: int) -> Callable[[PyTree], PyTree]:
-    """N stacked copies of a mirrored tree; each device writes its own slice."""
+    """Returns a function giving N stacked copies of a mirrored tree; each device writes its own
+    slice."""
 
     def stack(tree: PyTree) -> PyTree:
         return jax.tree.map(lambda x: jnp.broadcast_to(x[None], (n,) + jnp.shape(x)), tree)
@@ -361,8 +363,8 @@ _squeeze = jax.jit(lambda x: x[0])
 
 @functools.cache
 def unshard(shape: tuple[int, ...], k: int = 1) -> Callable[[jax.Array], jax.Array]:
-    """The whole leaf of shape `shape` from its stacked `Sharded` pieces (padding dropped),
-    cut for replicas of `k` devices (`jmirror._shard_jaxpr.layout`)."""
+    """Returns a function giving the whole leaf of shape `shape` from its stacked `Sharded` pieces
+    (padding dropped), cut for replicas of `k` devices (`jmirror._shard_jaxpr.layout`)."""
     shape = tuple(shape)
 
     def whole(x: jax.Array) -> jax.Array:
@@ -372,7 +374,7 @@ def unshard(shape: tuple[int, ...], k: int = 1) -> Callable[[jax.Array], jax.Arr
 
 
 def pieces_span(topology: Topology) -> int:
-    """The k that `jm.shard_update` cuts a `Sharded` leaf's pieces for on `topology`."""
+    """Returns the k that `jm.shard_update` cuts a `Sharded` leaf's pieces for on `topology`."""
     return 1 if topology.is_emulated else topology.devices_per_replica
 
 

@@ -92,7 +92,8 @@ class _Held:
             signal.signal(signal.SIGINT, self.handler)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        """jmirror's SIGINT handler: noted while a call runs, else the chained handler."""
+        """Handles SIGINT for jmirror: notes it while a call runs, else calls the chained
+        handler."""
         if self.depth > 0:
             self.pending = (signum, frame)
             return
@@ -107,13 +108,13 @@ HELD = _Held()
 
 
 def _no_new_frames(frame: FrameType, event: str, arg: Any) -> None:
-    """The global tracer while an interrupt waits for the caller's next line: it traces no
+    """Serves as the global tracer while an interrupt waits for the caller's next line: it traces no
     frame but the caller's."""
     return None
 
 
 def _caller_frame() -> FrameType | None:
-    """The innermost frame outside jmirror: the code that called it."""
+    """Returns the innermost frame outside jmirror: the code that called it."""
     frame = inspect.currentframe()
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame = frame.f_back

@@ -111,7 +111,7 @@ class MergeOps(CrossReplica):
         )
 
     def _components(self, x: Any) -> list[Any] | None:
-        """The N components of one node: all-gathered, or a mirrored value's N copies."""
+        """Returns the N components of one node: all-gathered, or a mirrored value's N copies."""
         if isinstance(x, PerReplica):
             stacked = x.values
         elif isinstance(x, SyncOnRead):

@@ -1,4 +1,4 @@
-"""Mirrored state stays mirrored (SPEC 11, round 4 notes): the trace-time check of a step.
+"""Mirrored state stays mirrored: the trace-time check of a step.
 
 State that enters a replicated function mirrored (identical on every replica) must leave it
 proven mirrored, or be declared per replica (`per_replica=`). The static proof
@@ -145,7 +145,7 @@ PathPredicate = Callable[[tuple, Any], bool]
 
 
 def as_predicate(per_replica: Any) -> PathPredicate | None:
-    """`per_replica=` as a `(path, leaf) -> bool` for plain pytrees (None when not given).
+    """Returns `per_replica=` as a `(path, leaf) -> bool` for plain pytrees (None when not given).
 
     An NNX filter that is not a callable (a `Variable` type, `...`, a string tag) matches no
     plain leaf but `...`, which matches every one.
@@ -188,7 +188,7 @@ class Traced:
     axis_name: str | None = None
 
     def diverged(self, x: Any) -> bool:
-        """Whether result node `x` is per replica by the proof (not declared so)."""
+        """Returns whether result node `x` is per replica by the proof (not declared so)."""
         return type(x) is PerReplica and id(x) not in self.forced
 
 
@@ -238,7 +238,8 @@ def check_returned(traced: Traced) -> list[Diverged]:
 
 
 def warning(name: str, diverged: Sequence[Diverged]) -> str:
-    """The `MirroredStateWarning` message for `diverged` leaves of returned plain pytrees."""
+    """Returns the `MirroredStateWarning` message for `diverged` leaves of returned plain
+    pytrees."""
     return _message(name, diverged, "came back", refused=False) + (
         " (In a plain pytree jmirror cannot tell state from a per-replica result: when this "
         "result is meant to differ per replica, per_replica= silences this warning.)"
@@ -389,14 +390,14 @@ def _plain_subtrees(tree: Any, path: tuple = ()) -> list[tuple[tuple, Any]]:
 
 
 def _same_leaves(a: Any, b: Any) -> bool:
-    """Whether two trees of one structure have leaves of equal shapes and dtypes."""
+    """Returns whether two trees of one structure have leaves of equal shapes and dtypes."""
     la = jax.tree_util.tree_leaves(a, is_leaf=is_distributed)
     lb = jax.tree_util.tree_leaves(b, is_leaf=is_distributed)
     return all(_aval(x) == _aval(y) for x, y in zip(la, lb))
 
 
 def _aval(x: Any) -> tuple:
-    """A leaf's shape and dtype as one replica sees it (a traced `PerReplica` output is
+    """Returns a leaf's shape and dtype as one replica sees it (a traced `PerReplica` output is
     stacked: its leading axis is the replicas'); a distributed input leaf by its kind; a
     static leaf by its type."""
     if type(x) is PerReplica:

@@ -102,32 +102,32 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
     @property
     def num_processes(self) -> int:
-        """How many processes run the replicas."""
+        """Returns how many processes run the replicas."""
         return self.topology.process_count
 
     @property
     def process_index(self) -> int:
-        """This process's index, in `[0, num_processes)`."""
+        """Returns this process's index, in `[0, num_processes)`."""
         return self.topology.process_index
 
     @property
     def local_devices(self) -> tuple[Device, ...]:
-        """This process's devices, in replica order."""
+        """Returns this process's devices, in replica order."""
         return self.topology.local_devices
 
     @property
     def timeout_s(self) -> float | None:
-        """The bound on a wait for the other processes, in seconds (None: no bound)."""
+        """Returns the bound on a wait for the other processes, in seconds (None: no bound)."""
         return self.topology.timeout_s
 
     @property
     def num_local_replicas(self) -> int:
-        """How many replicas run on this process's devices."""
+        """Returns how many replicas run on this process's devices."""
         return self.topology.num_local_replicas
 
 
 def _default_strategy() -> MirroredStrategy:
-    """`jm.get_strategy()`'s default: every device of every process."""
+    """Returns `jm.get_strategy()`'s default: every device of every process."""
     if jax.process_count() > 1:  # bounded as `initialize` was asked to bound the run
         return MultiWorkerMirroredStrategy(timeout_s=distributed.timeout_s_of_initialize())
     return MirroredStrategy()

@@ -50,7 +50,7 @@ PARAMS_STREAM = "params"
 
 
 def _flax() -> Any:
-    """`flax.nnx` when it has been imported (no NNX object can exist before), else None."""
+    """Returns `flax.nnx` when it has been imported (no NNX object can exist before), else None."""
     return sys.modules.get("flax.nnx")
 
 
@@ -59,7 +59,7 @@ def _graph_types(nnx: Any) -> tuple[type, ...]:
 
 
 def _has_nodes(args: tuple, kwargs: dict, static_argnums: tuple[int, ...]) -> bool:
-    """Whether a call passes NNX objects (at the top level or one container deep).
+    """Returns whether a call passes NNX objects (at the top level or one container deep).
 
     The fast path of every call: a set lookup per top-level argument whose type is known to
     hold no NNX object (arrays, `PerReplica`, numbers, ...).
@@ -190,7 +190,7 @@ ADAPTER = NnxAdapter()
 def _settle_metrics(
     dynamic: tuple, variables: list[Any], first_component: Callable[[Any], Any]
 ) -> None:
-    """Fresh metric state (not yet sync-on-read) as the components a step writes back: its
+    """Sets fresh metric state (not yet sync-on-read) as the components a step writes back: its
     value on replica 0 and zero elsewhere, which reads as the same value."""
     roles = _nnx_metrics.metric_roles(_flax(), dynamic)
     for k, aggregation in roles.items():
@@ -201,8 +201,8 @@ def _settle_metrics(
 
 
 def _check_mirrored(traced: Traced, aliases: tuple) -> None:
-    """Refuses a step whose written-back `Variable`s would lose their mirroring (SPEC 11,
-    round 4 notes): each that entered mirrored and comes back per replica, unless
+    """Refuses a step whose written-back `Variable`s would lose their mirroring: each
+    that entered mirrored and comes back per replica, unless
     `per_replica=` matches it, with the fix its type and owner call for."""
     nnx = _flax()
     dynamic, kwargs = traced.inputs
@@ -232,7 +232,7 @@ def _check_mirrored(traced: Traced, aliases: tuple) -> None:
 
 
 def _owners(root: Any, path: tuple) -> list[Any]:
-    """The NNX objects on the way to the leaf at `path`, outermost first."""
+    """Returns the NNX objects on the way to the leaf at `path`, outermost first."""
     node, owners = root, []
     for key in path[:-1]:
         node = _child(node, key)
@@ -242,7 +242,7 @@ def _owners(root: Any, path: tuple) -> list[Any]:
 
 
 def _cause(nnx: Any, variable: Any, owners: list[Any]) -> str | None:
-    """Why a `Variable` would diverge, where the message has a fix for it."""
+    """Returns why a `Variable` would diverge, where the message has a fix for it."""
     owner = owners[-1] if owners else None
     if isinstance(owner, nnx.BatchNorm) and getattr(owner, "axis_name", None) is None:
         return BATCH_NORM
@@ -252,7 +252,8 @@ def _cause(nnx: Any, variable: Any, owners: list[Any]) -> str | None:
 
 
 def _nnx_path(path: tuple) -> tuple:
-    """A `jax.tree_util` key path as NNX filters see paths: attribute names, indices, keys."""
+    """Returns a `jax.tree_util` key path as NNX filters see paths: attribute names, indices,
+    keys."""
     keys = []
     for key in path:
         if isinstance(key, jax.tree_util.GetAttrKey):
@@ -284,7 +285,7 @@ def _write_back(dynamic: tuple, variables: list[Any], aliases: tuple, out: tuple
 
 
 def _shared_nodes(root: Any) -> tuple[tuple[tuple, tuple], ...]:
-    """`(path, first path)` for every NNX object reached again after its first path (depth
+    """Returns `(path, first path)` for every NNX object reached again after its first path (depth
     first, in flattening order); only called when some `Variable` is reached twice."""
     seen: dict[int, tuple] = {}
     found: list[tuple[tuple, tuple]] = []
@@ -310,7 +311,7 @@ def _shared_nodes(root: Any) -> tuple[tuple[tuple, tuple], ...]:
 
 
 def _set_raw_value(variable: Any, value: Any) -> None:
-    """`variable.set_raw_value(value)` outside any trace, without its per-call trace check
+    """Calls `variable.set_raw_value(value)` outside any trace, without its per-call trace check
     (as flax's own `nnx.jit` applies its updates); `set_raw_value` where that slot is gone."""
     if isinstance(getattr(type(variable), "_raw_value", None), types.MemberDescriptorType):
         object.__setattr__(variable, "_raw_value", value)
@@ -328,7 +329,7 @@ def _variables(dynamic: tuple) -> list[Any]:
 
 
 def _tops(dynamic: tuple) -> list[Any]:
-    """The outermost NNX objects of the arguments, in flattening order."""
+    """Returns the outermost NNX objects of the arguments, in flattening order."""
     leaves = jax.tree_util.tree_leaves(dynamic, is_leaf=_is_graph)
     return [x for x in leaves if _is_graph(x)]
 
@@ -462,7 +463,7 @@ class _Written(OutputLayout):
 
 
 def _leaf_path(variable_path: tuple, variable: Any) -> tuple:
-    """The path of a Variable's array leaf as the arguments' flattening gives it (the
+    """Returns the path of a Variable's array leaf as the arguments' flattening gives it (the
     Variable's own key, `.value`, appended), without the `(arguments, kwargs)` prefix."""
     own = jax.tree_util.tree_flatten_with_path(variable)[0]
     return tuple(variable_path[2:]) + (tuple(own[0][0]) if len(own) == 1 else ())
@@ -518,7 +519,7 @@ def _child(node: Any, key: Any) -> Any:
 
 
 def _refs_of(nnx: Any, root: Any) -> dict[int, _Ref]:
-    """For every NNX object reachable from the arguments, the `_Ref` that names it."""
+    """Returns, for every NNX object reachable from the arguments, the `_Ref` that names it."""
     kinds = _graph_types(nnx)
     leaves = jax.tree_util.tree_leaves(root, is_leaf=lambda x: isinstance(x, kinds))
     refs: dict[int, _Ref] = {}
@@ -577,6 +578,6 @@ def _fold_in(key: jax.Array, data: jax.Array) -> jax.Array:
 
 
 def holds_metrics(tree: Any) -> bool:
-    """Whether `tree` holds NNX objects (metrics among them) at its top or one container
+    """Returns whether `tree` holds NNX objects (metrics among them) at its top or one container
     deep."""
     return _flax() is not None and _holds(tree)

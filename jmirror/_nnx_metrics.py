@@ -20,7 +20,7 @@ from jmirror._values import Aggregation, PerReplica, SyncOnRead
 
 
 def metric_roles(nnx: Any, root: Any) -> dict[int, Aggregation]:
-    """For each argument `Variable` (by position) that is a metric's state, how it is read:
+    """Returns, for each argument `Variable` (by position) that is a metric's state, how it is read:
     `SUM` for sums, `NONE` for a `Welford` (combined by `read_metrics`)."""
     is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     variables = [x for x in jax.tree_util.tree_leaves(root, is_leaf=is_variable) if is_variable(x)]
@@ -34,14 +34,14 @@ def metric_roles(nnx: Any, root: Any) -> dict[int, Aggregation]:
 
 
 def _where(path: tuple) -> str:
-    """`args[i]...` / `kwargs[...]` for a path into `([dynamic args], kwargs)`."""
+    """Returns `args[i]...` / `kwargs[...]` for a path into `([dynamic args], kwargs)`."""
     if path[0].idx == 1:
         return "kwargs" + jax.tree_util.keystr(path[1:])
     return f"args[{path[1].idx}]" + jax.tree_util.keystr(path[2:])
 
 
 def _leaf_metrics(nnx: Any, root: Any) -> list[tuple[str, Any, list]]:
-    """Every metric holding state of its own, with its path and its own `Variable`s."""
+    """Returns every metric holding state of its own, with its path and its own `Variable`s."""
     metric_type = nnx.metrics.Metric
     out = []
     is_metric = lambda x: isinstance(x, metric_type)  # noqa: E731
@@ -97,7 +97,7 @@ def _is_number(x: Any) -> bool:
 
 
 def start_metric(variable: Any, replica_id: jax.Array) -> None:
-    """A metric's state as this replica's component: its own if sync-on-read already, else
+    """Sets a metric's state to this replica's component: its own if sync-on-read already, else
     the value on replica 0 and zero elsewhere (so reading gives the value back exactly)."""
     value = variable.get_raw_value()
     if isinstance(value, SyncOnRead):
@@ -143,7 +143,7 @@ _METRIC_ITEM = (
 
 
 def read_metrics(gathered: Callable[[Any], jax.Array], tree: Any) -> Any:
-    """`tree` with every sync-on-read `Welford` combined across replicas (Chan et al.), as
+    """Returns `tree` with every sync-on-read `Welford` combined across replicas (Chan et al.), as
     a copy; `gathered(x)` gives a stacked leaf's components on one device."""
     from flax import nnx
 
@@ -167,7 +167,7 @@ def read_metrics(gathered: Callable[[Any], jax.Array], tree: Any) -> Any:
 
 @jax.jit
 def _chan(count: jax.Array, mean: jax.Array, m2: jax.Array) -> tuple[jax.Array, ...]:
-    """Chan, Golub and LeVeque's parallel combination of Welford states (leading axis)."""
+    """Returns Chan, Golub and LeVeque's parallel combination of Welford states (leading axis)."""
     n = jnp.sum(count, axis=0)
     weights = count.astype(mean.dtype)
     total = jnp.sum(weights, axis=0)

@@ -25,7 +25,8 @@ LossFn = Callable[..., Any]
 
 
 def pair(state: Any, recipe: str) -> tuple[Any, Any] | None:
-    """`(model, optimizer)` when `state` starts with an NNX model and optimizer, else None."""
+    """Returns `(model, optimizer)` when `state` starts with an NNX model and optimizer, else
+    None."""
     if not isinstance(state, (tuple, list)):
         return None
     if len(state) >= 2 and isinstance(state[0], nnx.Module):
@@ -41,17 +42,19 @@ def pair(state: Any, recipe: str) -> tuple[Any, Any] | None:
 
 
 def value_and_grad(loss_fn: LossFn, has_aux: bool, model: Any, *args: Any) -> tuple[Any, Any]:
-    """`loss_fn(model, *args)` and its gradients with respect to the model (`nnx.grad`'s)."""
+    """Returns `loss_fn(model, *args)` and its gradients with respect to the model
+    (`nnx.grad`'s)."""
     return nnx.value_and_grad(loss_fn, has_aux=has_aux)(model, *args)
 
 
 def optimizer_state(optimizer: Any) -> PyTree:
-    """The state of an `nnx.Optimizer` (its step count and optax state) as a pytree."""
+    """Returns the state of an `nnx.Optimizer` (its step count and optax state) as a pytree."""
     return nnx.state(optimizer)
 
 
 def apply(state: Any, pair: tuple[Any, Any] | None, grads: PyTree) -> Any:
-    """The state after one optimizer step: a new `TrainState`, or the pair updated in place."""
+    """Returns the state after one optimizer step: a new `TrainState`, or the pair updated in
+    place."""
     if pair is None:
         return state.apply_gradients(grads=grads)
     model, optimizer = pair
@@ -60,14 +63,14 @@ def apply(state: Any, pair: tuple[Any, Any] | None, grads: PyTree) -> Any:
 
 
 def is_model(x: Any) -> bool:
-    """Whether `x` is an NNX module (the `params` an accumulating recipe differentiates)."""
+    """Returns whether `x` is an NNX module (the `params` an accumulating recipe differentiates)."""
     return isinstance(x, nnx.Module)
 
 
 def micro_loss(
     loss_fn: LossFn, model: Any, args: Sequence[Any]
 ) -> tuple[PyTree, PyTree, Callable[..., tuple[jax.Array, PyTree]], Callable[[PyTree], None]]:
-    """An NNX model's micro-batch loss as a pure function, for `accumulate_gradients`.
+    """Returns an NNX model's micro-batch loss as a pure function, for `accumulate_gradients`.
 
     Returns `(params, rest, loss, finish)`: the `nnx.State` of the model's `nnx.Param`s (the
     differentiated tree, shaped as `nnx.grad` gives it); every other `Variable` of the model
@@ -102,7 +105,7 @@ def loss_scaled_step(
     batch: PyTree,
     unscaled_finite: Callable[[PyTree, Any], tuple[PyTree, jax.Array]],
 ) -> tuple[tuple, Any]:
-    """The loss-scaled step for an NNX `(model, optimizer, loss_scale)` triple.
+    """Returns the loss-scaled step for an NNX `(model, optimizer, loss_scale)` triple.
 
     `state` is checked by the caller (`loss_scale` a `recipes.DynamicLossScale`);
     `unscaled_finite(grads, loss_scale)` gives the gradients divided by the scale and the

@@ -87,7 +87,7 @@ class Position:
     state: SourceState | None = None
 
     def public(self, call: str) -> dict[str, Any]:
-        """The JSON-able dict a user saves; `TypeError` for a state that cannot be saved."""
+        """Returns the JSON-able dict a user saves; `TypeError` for a state that cannot be saved."""
         out: dict[str, Any] = {
             "format": POSITION_FORMAT,
             "version": POSITION_VERSION,
@@ -157,7 +157,7 @@ def _produce(
     control: Control,
     low_priority: bool,
 ) -> None:
-    """The prefetch thread: one slot per element, each element on the devices before queued."""
+    """Runs the prefetch thread: one slot per element, each element on the devices before queued."""
     stopped = control.stopped
     if low_priority:
         _lower_priority()
@@ -354,7 +354,7 @@ class DistributedIterator:
 
     @property
     def position(self) -> dict[str, Any]:
-        """Where the consumer stands: pass it as `start=position` to resume there.
+        """Returns where the consumer stands: pass it as `start=position` to resume there.
 
         A small JSON-able dict whose content is jmirror's own (treat it as opaque). It counts
         the global batches this iterator has returned (steps, for
@@ -403,7 +403,7 @@ class DistributedIterator:
             raise StopIteration
 
     def _next_local(self) -> tuple[str, Any]:
-        """This process's next element: `("item", value)`, `("end" | "closed", None)` or
+        """Returns this process's next element: `("item", value)`, `("end" | "closed", None)` or
         `("error", exception)`."""
         if self._prefetcher is None:
             try:
@@ -415,7 +415,7 @@ class DistributedIterator:
         return self._prefetcher.get()
 
     def _check_others(self, kind: str, value: Any) -> bool:
-        """Several processes: ends this pass where any process has no batch for this step.
+        """Ends this pass, with several processes, where any process has no batch for this step.
 
         Returns whether the step's batch is used: False when every process has one but some
         process's share is incomplete under `remainder="drop"` (every process drops it)."""
@@ -457,7 +457,7 @@ class DistributedIterator:
         raise StopIteration
 
     def _check_shares(self, share: int) -> None:
-        """Process-local input: every process's share of G must hold the same rows."""
+        """Checks, for process-local input, that every process's share of G holds the same rows."""
         assert self._agree is not None
         shares = list(self._agree(share))
         if len(set(shares)) == 1:

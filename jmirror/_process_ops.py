@@ -75,7 +75,8 @@ class ProcessHostOps(HostOps):
         return PerReplica(treedef.unflatten([self.place_local(x) for x in local]))
 
     def place_local(self, local: np.ndarray) -> jax.Array:
-        """A global stacked array from this process's components (leading axis: local ones)."""
+        """Returns a global stacked array from this process's components (leading axis: local
+        ones)."""
         shape = (self.num_replicas,) + tuple(local.shape[1:])
         return jax.make_array_from_process_local_data(self.topology.stacked, local, shape)
 
@@ -107,7 +108,8 @@ class ProcessHostOps(HostOps):
     def _everywhere(
         self, fn: Callable[[jax.Array], jax.Array], x: jax.Array, call: str
     ) -> jax.Array:
-        """`fn(x)` computed over the global array, as this process's copy (watched as `call`).
+        """Returns `fn(x)` computed over the global array, as this process's copy (watched as
+        `call`).
 
         The program is waited for before this returns: reads left in flight side by side (a
         dozen independent ones, or the two of one `metric.compute(strategy)`) can leave gloo's
@@ -120,11 +122,12 @@ class ProcessHostOps(HostOps):
         return mine
 
     def stacked(self, x: Any) -> Any:
-        """Every process's components, gathered onto this process's first device."""
+        """Returns every process's components, gathered onto this process's first device."""
         return self._everywhere(_whole, x, _READ)
 
     def _on_first_device(self, x: jax.Array) -> jax.Array:
-        """This process's first replica's copy (on its device, or laid out on its devices)."""
+        """Returns this process's first replica's copy (on its device, or laid out on its
+        devices)."""
         return self._on_replica(x, self.topology.local_replica_ids[0])
 
     def _components(self, x: Any) -> list[Any] | None:
@@ -139,7 +142,7 @@ class ProcessHostOps(HostOps):
         return None
 
     def _local_component(self, stacked: Any, i: int) -> Any:
-        """This process's `i`-th replica's whole component of a stacked leaf (laid out over
+        """Returns this process's `i`-th replica's whole component of a stacked leaf (laid out over
         that replica's devices when k > 1)."""
         if isinstance(stacked, jax.Array) and not stacked.is_fully_addressable:
             replica = self.topology.local_replica_ids[i]
@@ -164,7 +167,8 @@ _READ_SHARDED = "strategy.read of a jm.Sharded state"
 
 
 def globalize(topology: Topology, tree: PyTree) -> PyTree:
-    """`tree` with each `PerReplica` / `SyncOnRead` of this process's components made global.
+    """Returns `tree` with each `PerReplica` / `SyncOnRead` of this process's components made
+    global.
 
     Leaves that are already global arrays on the topology's devices are kept. Others must hold
     this process's components: a leading axis of `num_local_replicas`.

@@ -76,23 +76,23 @@ class Layout:
 
     @property
     def block(self) -> int:
-        """The elements of one block (padding excluded)."""
+        """Returns the elements of one block (padding excluded)."""
         return self.size // self.blocks
 
     @property
     def sub(self) -> int:
-        """The elements of one block's piece (padding included)."""
+        """Returns the elements of one block's piece (padding included)."""
         return -(-self.block // self.n)
 
     @property
     def length(self) -> int:
-        """The elements of one replica's piece (padding included)."""
+        """Returns the elements of one replica's piece (padding included)."""
         return self.blocks * self.sub
 
 
 def layout(shape: Sequence[int], n: int, k: int = 1) -> Layout:
-    """The layout of the pieces of a value of `shape` over `n` replicas of `k` devices: split
-    into k blocks along its last dimension that k divides (k > 1), else row-major."""
+    """Returns the layout of the pieces of a value of `shape` over `n` replicas of `k` devices:
+    split into k blocks along its last dimension that k divides (k > 1), else row-major."""
     shape = tuple(int(d) for d in shape)
     if k > 1:
         for d in reversed(range(len(shape))):
@@ -103,7 +103,7 @@ def layout(shape: Sequence[int], n: int, k: int = 1) -> Layout:
 
 
 def stack(x: Any, lay: Layout, xp: Any = jnp) -> Any:
-    """The `[N, length]` pieces of the whole value `x` (`xp`: `jax.numpy` or `numpy`)."""
+    """Returns the `[N, length]` pieces of the whole value `x` (`xp`: `jax.numpy` or `numpy`)."""
     if lay.blocks == 1:  # row-major: flattened, padded with zeros, cut in N
         flat = xp.ravel(x)
         return xp.pad(flat, (0, lay.n * lay.sub - flat.size)).reshape(lay.n, lay.sub)
@@ -115,7 +115,7 @@ def stack(x: Any, lay: Layout, xp: Any = jnp) -> Any:
 
 
 def unstack(pieces: Any, lay: Layout, shape: Sequence[int], xp: Any = jnp) -> Any:
-    """The whole value of `shape` from its `[N, length]` pieces (padding dropped)."""
+    """Returns the whole value of `shape` from its `[N, length]` pieces (padding dropped)."""
     shape = tuple(shape)
     if lay.blocks == 1:
         return pieces.reshape(-1)[: lay.size].reshape(shape)
@@ -153,15 +153,16 @@ class Pieces:
     model_axis_name: str = "model"
 
     def layout(self, shape: Sequence[int]) -> Layout:
-        """The layout of the pieces of a value of `shape`."""
+        """Returns the layout of the pieces of a value of `shape`."""
         return layout(shape, self.n, self.k)
 
     def length(self, shape: Sequence[int]) -> int:
-        """The elements per piece of a value of `shape`."""
+        """Returns the elements per piece of a value of `shape`."""
         return self.layout(shape).length
 
     def take(self, x: Any, lay: Layout | None = None) -> jax.Array:
-        """This replica's piece of the whole value `x` (cut by `lay`, else by its shape's)."""
+        """Returns this replica's piece of the whole value `x` (cut by `lay`, else by its
+        shape's)."""
         lay = self.layout(np.shape(x)) if lay is None else lay
         if lay.blocks == 1:
             flat = jnp.ravel(x)
@@ -173,14 +174,14 @@ class Pieces:
         return mine.reshape(lay.length)
 
     def valid(self, lay: Layout) -> jax.Array:
-        """Which entries of this replica's piece lie inside the value (not padding)."""
+        """Returns which entries of this replica's piece lie inside the value (not padding)."""
         inside = self.index * lay.sub + lax.iota(np.int32, lay.sub) < lay.block
         if lay.blocks == 1:
             return inside
         return jnp.broadcast_to(inside, (lay.blocks, lay.sub)).reshape(lay.length)
 
     def fill_padding(self, piece: Piece, value: Any = 0) -> jax.Array:
-        """The piece's local entries with the padding replaced by `value`.
+        """Returns the piece's local entries with the padding replaced by `value`.
 
         A `where`, not a product: element-wise work may have made the padding NaN or
         infinite (`0 / 0` where the real entries are finite), and NaN * 0 is NaN.
@@ -189,14 +190,14 @@ class Pieces:
         return jnp.where(self.valid(piece.layout), local, jnp.asarray(value, local.dtype))
 
     def whole(self, piece: Piece) -> jax.Array:
-        """The whole value of `piece` on every replica (an all-gather)."""
+        """Returns the whole value of `piece` on every replica (an all-gather)."""
         gathered = lax.all_gather(piece.local, self.axis_name)
         lay = piece.layout
         base = (lay.pre, lay.mid, lay.post)
         return unstack(gathered, lay, base).reshape(piece.shape)
 
     def relayout(self, piece: Piece, lay: Layout) -> Piece:
-        """`piece` cut by `lay` instead (the same piece when the layouts are equal)."""
+        """Returns `piece` cut by `lay` instead (the same piece when the layouts are equal)."""
         if piece.layout == lay:
             return piece
         return Piece(self.take(self.whole(piece), lay), piece.shape, lay)
@@ -230,7 +231,7 @@ def _eval(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any], pieces: 
 
 
 def _bind(eqn: Any, invals: Sequence[Any], **changes: Any) -> list[Any]:
-    """The equation's primitive applied to `invals` (with some parameters changed)."""
+    """Returns the equation's primitive applied to `invals` (with some parameters changed)."""
     params = eqn.primitive.get_bind_params({**eqn.params, **changes})
     subfuns: Sequence[Any] = ()
     if isinstance(params, tuple):  # JAX before 0.9: (subfuns, params)
@@ -326,7 +327,7 @@ def _unknown(eqn: Any, invals: list, pieces: Pieces) -> list:
 def _to_pieces(
     eqn: Any, invals: list, pieces: Pieces, shape: tuple[int, ...]
 ) -> tuple[list[Any], Layout]:
-    """The operands of an element-wise equation on the pieces of values of `shape`, all cut
+    """Returns the operands of an element-wise equation on the pieces of values of `shape`, all cut
     by one layout (the first piece operand's), and that layout."""
     size = math.prod(shape)
     lay = next(v.layout for v in invals if isinstance(v, Piece))
@@ -353,7 +354,8 @@ def _elementwise(eqn: Any, invals: list, pieces: Pieces) -> list:
 
 
 def _same_layout(eqn: Any, invals: list, pieces: Pieces) -> list:
-    """reshape / squeeze / broadcast_in_dim that keep the flattened order: the same piece."""
+    """Returns the same piece for a reshape / squeeze / broadcast_in_dim that keeps the flattened
+    order."""
     (x, *rest) = invals
     shape = tuple(eqn.outvars[0].aval.shape)
     name = eqn.primitive.name
@@ -369,7 +371,7 @@ def _same_layout(eqn: Any, invals: list, pieces: Pieces) -> list:
 
 
 def _all_axes(shape: tuple[int, ...], axes: Sequence[int]) -> bool:
-    """Whether reducing `axes` of `shape` reduces every element into one."""
+    """Returns whether reducing `axes` of `shape` reduces every element into one."""
     return all(d == 1 or i in axes for i, d in enumerate(shape))
 
 
@@ -452,7 +454,7 @@ def _call(eqn: Any, invals: list, pieces: Pieces) -> list:
 
 
 def _cond(eqn: Any, invals: list, pieces: Pieces) -> list:
-    """A `cond` on a whole index: each branch interpreted, its outputs in one layout."""
+    """Interprets a `cond` on a whole index: each branch interpreted, its outputs in one layout."""
     index, *operands = invals
     if isinstance(index, Piece):
         raise _refuse(eqn, invals, pieces, "the branch taken would differ along the leaf")

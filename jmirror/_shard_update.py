@@ -38,8 +38,8 @@ from jmirror._shard_jaxpr import Layout, Piece, Pieces, run
 from jmirror._topology import Topology
 from jmirror._values import PyTree, Sharded
 
-# The default `bucket_bytes`: measured best on 8 XLA:CPU host devices in round 3 (the largest
-# Adam model in a per-device budget 1.99x the mirrored one's, at the same step time;
+# The default `bucket_bytes`: measured best on 8 XLA:CPU host devices (the largest Adam model
+# in a per-device budget 1.99x the mirrored one's, at the same step time;
 # benchmarks/RESULTS.md). One buffer per dtype keeps a packed copy of every gradient alive.
 DEFAULT_BUCKET_BYTES = 4 * 2**20
 
@@ -192,7 +192,7 @@ def _pieces(name: str) -> Pieces:
 
 
 def _sharded_shapes(params: PyTree) -> set[tuple[int, ...]]:
-    """The shapes whose state leaves are sharded: those of the non-scalar parameters."""
+    """Returns the shapes whose state leaves are sharded: those of the non-scalar parameters."""
     return {tuple(np.shape(p)) for p in jax.tree.leaves(params) if np.ndim(p) >= 1 and np.size(p)}
 
 
@@ -201,8 +201,8 @@ def _is_sharded(leaf: Any, shapes: set[tuple[int, ...]]) -> bool:
 
 
 def stack(x: jax.Array, n: int, k: int = 1) -> jax.Array:
-    """The `[N, length]` pieces of a whole leaf over N replicas of k devices: flattened, padded
-    with zeros, cut in N (k = 1); cut in k blocks first (k > 1, `_shard_jaxpr.layout`)."""
+    """Returns the `[N, length]` pieces of a whole leaf over N replicas of k devices: flattened,
+    padded with zeros, cut in N (k = 1); cut in k blocks first (k > 1, `_shard_jaxpr.layout`)."""
     return _shard_jaxpr.stack(x, _shard_jaxpr.layout(np.shape(x), n, k))
 
 
@@ -211,8 +211,8 @@ def _devices_per_replica(topology: Topology) -> int:
 
 
 def _mirrored_on(params: PyTree) -> Topology | None:
-    """The topology of the mesh every parameter is mirrored over (as `strategy.mirror` places
-    them: one strategy's mesh, no leaf split over its replica axis), or None."""
+    """Returns the topology of the mesh every parameter is mirrored over (as `strategy.mirror`
+    places them: one strategy's mesh, no leaf split over its replica axis), or None."""
     shardings = {getattr(x, "sharding", None) for x in jax.tree.leaves(params)}
     meshes = {
         s.mesh for s in shardings if isinstance(s, NamedSharding) and isinstance(s.mesh, Mesh)
@@ -226,7 +226,7 @@ def _mirrored_on(params: PyTree) -> Topology | None:
 
 
 def _init_placed(inner: Any, params: PyTree, topology: Topology) -> PyTree:
-    """The sharded state of N replicas, placed: pieces stacked, the rest mirrored."""
+    """Returns the sharded state of N replicas, placed: pieces stacked, the rest mirrored."""
     n, k = topology.num_replicas, _devices_per_replica(topology)
     shapes = _sharded_shapes(params)
     leaves, treedef = jax.tree.flatten(jax.eval_shape(inner.init, params))
@@ -249,7 +249,7 @@ def _init_placed(inner: Any, params: PyTree, topology: Topology) -> PyTree:
 
 
 def _init_in_replica(inner: Any, params: PyTree, pieces: Pieces) -> PyTree:
-    """The sharded state made inside a replica function: this replica's pieces."""
+    """Returns the sharded state made inside a replica function: this replica's pieces."""
     shapes = _sharded_shapes(params)
     return jax.tree.map(
         lambda x: Sharded(pieces.take(x), x.shape) if _is_sharded(x, shapes) else x,
@@ -322,7 +322,7 @@ def _check_state(state: PyTree, pieces: Pieces) -> None:
 
 
 def _buffers(leaves: Sequence[Any], bucket_bytes: int | None) -> list[tuple[Any, list[int]]]:
-    """The leaves packed into buffers: one per dtype, or per dtype and bucket of at most
+    """Returns the leaves packed into buffers: one per dtype, or per dtype and bucket of at most
     `bucket_bytes` (in tree order; a larger leaf has a buffer of its own)."""
     groups: dict[Any, list[int]] = {}
     for i, x in enumerate(leaves):
@@ -347,7 +347,7 @@ def _buffers(leaves: Sequence[Any], bucket_bytes: int | None) -> list[tuple[Any,
 def _scatter_mean(
     leaves: list[Any], pieces: Pieces, bucket_bytes: int | None, reduce_dtype: Any = None
 ) -> list[Any]:
-    """The mean over the replicas of every gradient leaf: this replica's piece of each
+    """Returns the mean over the replicas of every gradient leaf: this replica's piece of each
     non-scalar leaf (one reduce-scatter per buffer), scalars whole (a small all-reduce);
     floating leaves reduced in `reduce_dtype` (when given) and cast back to their own."""
     own = [jnp.result_type(x) for x in leaves]
@@ -375,21 +375,22 @@ def _scatter_mean(
 
 
 def _on_wire(x: Any, reduce_dtype: Any) -> Any:
-    """`x` in the dtype it is reduced in: `reduce_dtype` for a floating leaf, else its own."""
+    """Returns `x` in the dtype it is reduced in: `reduce_dtype` for a floating leaf, else its
+    own."""
     if reduce_dtype is None or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
         return x
     return jnp.asarray(x).astype(reduce_dtype)
 
 
 def _cast(x: Any, dtype: Any) -> Any:
-    """A reduced gradient (a whole value or a `Piece`) back in its own `dtype`."""
+    """Returns a reduced gradient (a whole value or a `Piece`) back in its own `dtype`."""
     if isinstance(x, Piece):
         return x if x.local.dtype == dtype else dataclasses.replace(x, local=x.local.astype(dtype))
     return x if jnp.result_type(x) == dtype else jnp.asarray(x).astype(dtype)
 
 
 def _block_spec(lay: Layout, pieces: Pieces) -> P:
-    """The spec, over the model axis, of a whole value cut in `lay`'s blocks along its
+    """Returns the spec, over the model axis, of a whole value cut in `lay`'s blocks along its
     dimension `lay.dim` (replicated when the layout has one block)."""
     if lay.blocks == 1 or lay.dim is None:
         return P()
@@ -397,13 +398,13 @@ def _block_spec(lay: Layout, pieces: Pieces) -> P:
 
 
 def _piece_spec(lay: Layout, pieces: Pieces) -> P:
-    """The spec, over the model axis, of a piece cut by `lay`: block j's sub-piece on model
+    """Returns the spec, over the model axis, of a piece cut by `lay`: block j's sub-piece on model
     device j (replicated when the layout has one block)."""
     return P(pieces.model_axis_name) if lay.blocks > 1 else P()
 
 
 def _on_blocks(fn: Any, pieces: Pieces, in_specs: tuple, out_specs: tuple) -> Any:
-    """`fn` on each model device's own blocks (manual over the model axis too): every cut
+    """Runs `fn` on each model device's own blocks (manual over the model axis too): every cut
     and collective of the packing is local to a device, none rebuilds a whole leaf."""
     return jax.shard_map(
         fn,
@@ -416,7 +417,7 @@ def _on_blocks(fn: Any, pieces: Pieces, in_specs: tuple, out_specs: tuple) -> An
 
 
 def _scatter_blocks(grads: list[Any], pieces: Pieces) -> list[Piece]:
-    """This replica's pieces of the mean of one bucket of gradient leaves, with replicas
+    """Returns this replica's pieces of the mean of one bucket of gradient leaves, with replicas
     spanning k > 1 devices: each model device packs its own block of every leaf (a local
     flatten: the block along the dimension the layout cuts), one reduce-scatter over the
     replica axis, and keeps its sub-piece (1/(N*k) of each leaf per device)."""
@@ -443,7 +444,7 @@ def _scatter_blocks(grads: list[Any], pieces: Pieces) -> list[Piece]:
 
 
 def _gather(outs: list[Any], pieces: Pieces, bucket_bytes: int | None = None) -> list[Any]:
-    """Whole values of `outs`: the pieces all-gathered (one all-gather per buffer)."""
+    """Returns whole values of `outs`: the pieces all-gathered (one all-gather per buffer)."""
     whole = list(outs)
     split = [i for i, x in enumerate(outs) if isinstance(x, Piece)]
     n, axis = pieces.n, pieces.axis_name
@@ -466,7 +467,7 @@ def _gather(outs: list[Any], pieces: Pieces, bucket_bytes: int | None = None) ->
 
 
 def _gather_blocks(outs: list[Piece], pieces: Pieces) -> list[Any]:
-    """The whole values of one bucket of pieces, with replicas spanning k > 1 devices: each
+    """Returns the whole values of one bucket of pieces, with replicas spanning k > 1 devices: each
     model device gathers its sub-pieces over the replica axis (one all-gather) into its own
     blocks, laid out over the model axis as the layout cuts them."""
     n, axis = pieces.n, pieces.axis_name
@@ -493,7 +494,8 @@ def _gather_blocks(outs: list[Piece], pieces: Pieces) -> list[Any]:
 def _new_state(
     outs: list[Any], out_def: Any, inputs: list[Any], in_def: Any, pieces: Pieces
 ) -> PyTree:
-    """The new state in the layout of the old one: `Sharded` where it was, whole elsewhere."""
+    """Returns the new state in the layout of the old one: `Sharded` where it was, whole
+    elsewhere."""
     full_in_def = jax.tree.structure(in_def.unflatten([0] * in_def.num_leaves))
     if out_def != full_in_def:
         raise ValueError(

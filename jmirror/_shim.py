@@ -60,7 +60,7 @@ if _COPY_DURING_CALL is None:
 
 @functools.lru_cache(maxsize=64)
 def _row_devices(sharding: jax.sharding.Sharding, rows: int) -> tuple[Any, ...] | None:
-    """The device holding each row of a `(rows, ...)` array, or None if not one row each."""
+    """Returns the device holding each row of a `(rows, ...)` array, or None if not one row each."""
     if not isinstance(sharding, jax.sharding.NamedSharding) or sharding.num_devices != rows:
         return None
     indices = sharding.addressable_devices_indices_map((rows,))
@@ -123,7 +123,7 @@ def _put_public(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
 
 
 def compiled_count(jitted: Any) -> int | None:
-    """How many compiled entries `jitted` (a `jax.jit` function) caches; None if unknown."""
+    """Returns how many compiled entries `jitted` (a `jax.jit` function) caches; None if unknown."""
     cache_size = getattr(jitted, "_cache_size", None)
     if cache_size is None:
         return None
@@ -145,7 +145,8 @@ def distributed_configuration() -> tuple[str | None, int | None, int | None] | N
 
 
 def distributed_client() -> Any:
-    """The client of JAX's coordination service, or None (one process, or no such internal)."""
+    """Returns the client of JAX's coordination service, or None (one process, or no such
+    internal)."""
     try:
         from jax._src import distributed  # the internal, read only here
     except ImportError:

@@ -70,7 +70,7 @@ class Source:
         self._lock = threading.Lock()
 
     def describe(self) -> str:
-        """The source as warnings name it: its qualified name, or its type and id."""
+        """Returns the source as warnings name it: its qualified name, or its type and id."""
         name = getattr(self._given, "__qualname__", None)
         if not isinstance(name, str):
             name = f"{type(self._given).__qualname__} object at {id(self._given):#x}"

@@ -34,14 +34,15 @@ _GRAIN_ELASTIC = ("grain._src.python.dataset.elastic_iterator", "_ElasticMapData
 
 
 def has_state(iterator: Any) -> bool:
-    """Whether `iterator` can be positioned by its own state (`get_state` and `set_state`)."""
+    """Returns whether `iterator` can be positioned by its own state (`get_state` and
+    `set_state`)."""
     return callable(getattr(iterator, "get_state", None)) and callable(
         getattr(iterator, "set_state", None)
     )
 
 
 def is_movable(iterator: Any) -> bool:
-    """Whether `iterator`'s state restores on another number of processes (grain's
+    """Returns whether `iterator`'s state restores on another number of processes (grain's
     `ElasticIterator`, recognized only when grain is already imported)."""
     module = sys.modules.get(_GRAIN_ELASTIC[0])
     elastic = getattr(module, _GRAIN_ELASTIC[1], None) if module is not None else None
@@ -61,7 +62,8 @@ class SourceState:
     kind: str = ""
 
     def public(self, call: str) -> dict[str, Any]:
-        """The state as a position holds it: `{"json": value}` or `{"bytes": base64 text}`."""
+        """Returns the state as a position holds it: `{"json": value}` or `{"bytes": base64
+        text}`."""
         if self.text is None:
             raise TypeError(
                 f"{call}: the source iterator's get_state() returned a {self.kind}, which is "
@@ -72,14 +74,15 @@ class SourceState:
         return {"bytes": self.text} if self.is_bytes else {"json": json.loads(self.text)}
 
     def value(self) -> Any:
-        """The state to give `set_state`: the JSON value, or the bytes."""
+        """Returns the state to give `set_state`: the JSON value, or the bytes."""
         if self.text is None:
             raise TypeError(f"a source state of type {self.kind} has no saved form")
         return base64.b64decode(self.text) if self.is_bytes else json.loads(self.text)
 
 
 def take(iterator: Any) -> SourceState:
-    """`iterator.get_state()`, frozen: later changes to the object it returned do not count."""
+    """Returns `iterator.get_state()`, frozen: later changes to the object it returned do not
+    count."""
     state = iterator.get_state()
     if isinstance(state, bytes | bytearray | memoryview):
         return SourceState(base64.b64encode(bytes(state)).decode("ascii"), is_bytes=True)
@@ -90,7 +93,8 @@ def take(iterator: Any) -> SourceState:
 
 
 def read_public(call: str, entry: Any) -> SourceState:
-    """A position's `source_state` entry back as a `SourceState`; `ValueError` if damaged."""
+    """Returns a position's `source_state` entry back as a `SourceState`; `ValueError` if
+    damaged."""
     if isinstance(entry, dict) and set(entry) == {"json"}:
         return SourceState(json.dumps(entry["json"]))
     if isinstance(entry, dict) and set(entry) == {"bytes"} and isinstance(entry["bytes"], str):

@@ -104,8 +104,9 @@ class Topology:
         layout: LayoutRules = None,
         call: str = "MirroredStrategy",
     ) -> Topology:
-        """Replicas over `devices` (distinct, one platform), in that order: replica i runs on
-        `devices[i*k:(i+1)*k]` for k = `devices_per_replica` (checked to divide them)."""
+        """Returns the topology of replicas over `devices` (distinct, one platform), in that order:
+        replica i runs on `devices[i*k:(i+1)*k]` for k = `devices_per_replica` (checked to divide
+        them)."""
         devices = tuple(devices)
         k = check_devices_per_replica(devices_per_replica, len(devices), call)
         _check_processes(devices, k, call)
@@ -134,7 +135,8 @@ class Topology:
 
     @classmethod
     def emulated(cls, device: Device, num_replicas: int, axis_name: str) -> Topology:
-        """`num_replicas` replicas, all on `device` (replicas run through `jax.vmap`)."""
+        """Returns a topology of `num_replicas` replicas, all on `device` (replicas run through
+        `jax.vmap`)."""
         sharding = SingleDeviceSharding(device)
         return cls(
             devices=(device,) * num_replicas,
@@ -151,7 +153,7 @@ class Topology:
 
     @classmethod
     def of_mesh(cls, mesh: Mesh) -> Topology:
-        """The topology whose mesh is `mesh` (as a strategy made it): its first axis names
+        """Returns the topology whose mesh is `mesh` (as a strategy made it): its first axis names
         the replicas, a second one the devices inside a replica."""
         names = mesh.axis_names
         k = mesh.devices.shape[1] if len(names) == 2 else 1
@@ -164,22 +166,22 @@ class Topology:
 
     @property
     def num_replicas(self) -> int:
-        """How many replicas (one per `devices_per_replica` entries of `devices`)."""
+        """Returns how many replicas (one per `devices_per_replica` entries of `devices`)."""
         return len(self.devices) // self.devices_per_replica
 
     @property
     def num_local_replicas(self) -> int:
-        """How many replicas run on this process's devices."""
+        """Returns how many replicas run on this process's devices."""
         return len(self.local_devices) // self.devices_per_replica
 
     @property
     def first_local_device(self) -> Device:
-        """The first of this process's devices: where a value read on this process lives."""
+        """Returns the first of this process's devices: where a value read on this process lives."""
         return self.local_devices[0]
 
     @property
     def local_replica_ids(self) -> tuple[int, ...]:
-        """The replica index of each replica on this process's devices."""
+        """Returns the replica index of each replica on this process's devices."""
         if self.is_emulated:
             return tuple(range(self.num_replicas))
         k = self.devices_per_replica
@@ -187,7 +189,7 @@ class Topology:
         return tuple(index[d] for d in self.local_devices[::k])
 
     def replica_devices(self, i: int) -> tuple[Device, ...]:
-        """The devices replica `i` runs on, in the caller's order."""
+        """Returns the devices replica `i` runs on, in the caller's order."""
         if self.is_emulated:
             return (self.devices[i],)
         k = self.devices_per_replica
@@ -195,19 +197,19 @@ class Topology:
 
     @property
     def platform(self) -> str:
-        """The platform of the devices (`"cpu"`, `"gpu"`, `"tpu"`)."""
+        """Returns the platform of the devices (`"cpu"`, `"gpu"`, `"tpu"`)."""
         return self.devices[0].platform
 
     @property
     def num_devices(self) -> int:
-        """How many distinct devices the replicas run on (1 when emulated)."""
+        """Returns how many distinct devices the replicas run on (1 when emulated)."""
         return 1 if self.is_emulated else len(self.devices)
 
     # --- layouts -------------------------------------------------------------------------------
 
     def layout_spec(self, path: Any, leaf: Any, call: str = "strategy.mirror") -> P:
-        """The `PartitionSpec` inside a replica of the mirrored leaf `leaf` at `path`: its own
-        sharding metadata when that names only the model axis, else the `layout` rules, else
+        """Returns the `PartitionSpec` inside a replica of the mirrored leaf `leaf` at `path`: its
+        own sharding metadata when that names only the model axis, else the `layout` rules, else
         replicated (always replicated when k = 1). A bad spec is a `ValueError` naming the
         path, shape and spec."""
         if self.devices_per_replica == 1 or self.is_emulated:
@@ -221,7 +223,7 @@ class Topology:
         return spec
 
     def _own_spec(self, leaf: Any) -> P | None:
-        """The spec of `leaf`'s own metadata when it names only the model axis: a laid-out
+        """Returns the spec of `leaf`'s own metadata when it names only the model axis: a laid-out
         `jax.Array` of this mesh, an NNX `Variable`'s `sharding`, a linen `Partitioned` box."""
         names = _metadata_names(leaf)
         sharding = getattr(leaf, "sharding", None)
@@ -251,7 +253,7 @@ class Topology:
         return None
 
     def check_spec(self, path: Any, shape: tuple[int, ...], spec: Any, call: str) -> None:
-        """A `ValueError` naming the path, shape and spec unless `spec` lays out a leaf of
+        """Raises a `ValueError` naming the path, shape and spec unless `spec` lays out a leaf of
         `shape` inside one replica."""
         why = None
         if not isinstance(spec, P):
@@ -286,19 +288,19 @@ class Topology:
             )
 
     def mirrored_sharding(self, spec: P | None = None) -> Sharding:
-        """The layout of a mirrored leaf laid out by `spec` inside each replica (`mirrored`
+        """Returns the layout of a mirrored leaf laid out by `spec` inside each replica (`mirrored`
         for None or `P()`)."""
         if spec is None or not tuple(spec) or self.is_emulated:
             return self.mirrored
         return NamedSharding(self.mesh, spec)
 
     def leaf_sharding(self, path: Any, leaf: Any, call: str = "strategy.mirror") -> Sharding:
-        """The layout of the mirrored leaf `leaf` at `path` (`layout_spec`)."""
+        """Returns the layout of the mirrored leaf `leaf` at `path` (`layout_spec`)."""
         return self.mirrored_sharding(self.layout_spec(path, leaf, call))
 
     def replica_copy(self, x: jax.Array, replica: int) -> jax.Array | None:
-        """Replica `replica`'s whole copy of the mirrored leaf `x`, made of its own shards (no
-        transfer) and laid out as `read_sharding` says; None where this process does not hold
+        """Returns replica `replica`'s whole copy of the mirrored leaf `x`, made of its own shards
+        (no transfer) and laid out as `read_sharding` says; None where this process does not hold
         them."""
         devices = self.replica_devices(replica)
         by_device = {shard.device: shard.data for shard in x.addressable_shards}
@@ -312,7 +314,7 @@ class Topology:
         return jax.make_array_from_single_device_arrays(x.shape, sharding, parts)
 
     def replica_component(self, x: jax.Array, replica: int) -> jax.Array | None:
-        """Replica `replica`'s whole component of the per-replica stack `x` (leading axis
+        """Returns replica `replica`'s whole component of the per-replica stack `x` (leading axis
         split over the replicas), made of its own shards (no transfer): on its device (k = 1),
         or laid out over its devices as `x` is inside a replica (k > 1). None where this
         process does not hold them, or `x` is not split one component per replica."""
@@ -342,7 +344,7 @@ class Topology:
         return _first_row_as(NamedSharding(mesh, P(*inner)))(stacked)
 
     def _inner_spec(self, x: jax.Array) -> tuple | None:
-        """The spec of a component of the stack `x` inside a replica (the model axis only),
+        """Returns the spec of a component of the stack `x` inside a replica (the model axis only),
         or None when `x` is not laid out over this mesh's replica axis that way."""
         sharding = x.sharding
         if not isinstance(sharding, NamedSharding) or sharding.mesh.axis_names != (
@@ -356,7 +358,7 @@ class Topology:
         return spec[1:]
 
     def local_copy(self, x: jax.Array) -> jax.Array:
-        """This process's whole copy of the mirrored leaf `x`, without a transfer: the shard
+        """Returns this process's whole copy of the mirrored leaf `x`, without a transfer: the shard
         on its first device when `x` is replicated inside a replica, else its first replica's
         copy (`replica_copy`)."""
         copy = None
@@ -373,15 +375,15 @@ class Topology:
         return copy
 
     def stacked_sharding(self, spec: P | None = None) -> Sharding:
-        """The layout of a per-replica stack whose components are laid out by `spec` inside
+        """Returns the layout of a per-replica stack whose components are laid out by `spec` inside
         each replica (`stacked` for None or `P()`)."""
         if spec is None or not tuple(spec) or self.is_emulated:
             return self.stacked
         return NamedSharding(self.mesh, P(self.axis_name, *spec))
 
     def pieces_sharding(self, length: int) -> Sharding:
-        """The layout of `[N, length]` stacked pieces (`jm.shard_update`'s state): split over
-        the replica axis, and over the model axis too when k divides `length` (1/(N*k) of a
+        """Returns the layout of `[N, length]` stacked pieces (`jm.shard_update`'s state): split
+        over the replica axis, and over the model axis too when k divides `length` (1/(N*k) of a
         leaf per device)."""
         k = self.devices_per_replica
         if k == 1 or self.is_emulated or length % k:
@@ -389,8 +391,8 @@ class Topology:
         return self.stacked_sharding(P(self.model_axis_name))
 
     def read_sharding(self, x: jax.Array, replica: int = 0) -> Sharding:
-        """Where a read of the mirrored leaf `x` lands: replica `replica`'s device (k = 1), or
-        its devices, laid out as `x` is inside a replica (k > 1)."""
+        """Returns where a read of the mirrored leaf `x` lands: replica `replica`'s device (k = 1),
+        or its devices, laid out as `x` is inside a replica (k > 1)."""
         devices = self.replica_devices(replica)
         if len(devices) == 1:
             return SingleDeviceSharding(devices[0])
@@ -398,22 +400,22 @@ class Topology:
         return NamedSharding(Mesh(np.array(devices), (self.model_axis_name,)), spec)
 
     def spec(self, split: bool) -> P:
-        """The spec a backend maps a flat input or output with: split over the replica axis
+        """Returns the spec a backend maps a flat input or output with: split over the replica axis
         (a per-replica stack) or not (mirrored; its layout inside a replica stays automatic)."""
         return P(self.axis_name) if split else P()
 
     def specs(self, split: Sequence[bool]) -> tuple[P, ...]:
-        """`spec` of each flat input or output."""
+        """Returns `spec` of each flat input or output."""
         return tuple(self.spec(s) for s in split)
 
     @property
     def manual_axes(self) -> frozenset[str]:
-        """The mesh axes a backend maps by hand: the replica axis (inside a replica, XLA
+        """Returns the mesh axes a backend maps by hand: the replica axis (inside a replica, XLA
         partitions the model axis)."""
         return frozenset((self.axis_name,))
 
     def is_mirrored(self, x: jax.Array) -> bool:
-        """Whether `x` is laid out as a mirrored value of this topology."""
+        """Returns whether `x` is laid out as a mirrored value of this topology."""
         sharding = x.sharding
         if sharding == self.mirrored:
             return True
@@ -428,8 +430,8 @@ class Topology:
         )
 
     def is_stacked_elsewhere(self, x: Any) -> bool:
-        """Whether `x` is stacked per replica over a mesh of this replica axis name but other
-        devices (placed by another strategy)."""
+        """Returns whether `x` is stacked per replica over a mesh of this replica axis name but
+        other devices (placed by another strategy)."""
         sharding = getattr(x, "sharding", None)
         return (
             isinstance(sharding, NamedSharding)
@@ -438,7 +440,7 @@ class Topology:
         )
 
     def is_pmap_layout(self, x: jax.Array) -> bool:
-        """Whether `x` is laid out the `jax.pmap` way over these devices: a leading axis of
+        """Returns whether `x` is laid out the `jax.pmap` way over these devices: a leading axis of
         `num_replicas` whose slices lie one per device (what `flax.jax_utils.replicate` and
         `prefetch_to_device` return), rather than mirrored."""
         n = self.num_replicas
@@ -452,18 +454,18 @@ class Topology:
         )
 
     def is_placed(self, x: jax.Array) -> bool:
-        """Whether `x` lives on exactly this topology's devices."""
+        """Returns whether `x` lives on exactly this topology's devices."""
         return x.sharding.device_set == self.device_set
 
     def mesh_scope(self) -> contextlib.AbstractContextManager[Any]:
-        """The context of a strategy's `scope`: with k > 1 `mesh` is the current mesh there
+        """Returns the context of a strategy's `scope`: with k > 1 `mesh` is the current mesh there
         (`jax.set_mesh`), so that modules with partitioning metadata can be built inside."""
         if self.devices_per_replica == 1:
             return _NO_MESH
         return jax.set_mesh(self.mesh)
 
     def describe_spanning(self) -> str:
-        """The strategy repr's part about replicas spanning devices (empty when k = 1)."""
+        """Returns the strategy repr's part about replicas spanning devices (empty when k = 1)."""
         k = self.devices_per_replica
         return (
             f", devices_per_replica={k}, model_axis_name={self.model_axis_name!r}" if k > 1 else ""
@@ -477,8 +479,8 @@ class Topology:
 
 
 def check_devices_per_replica(k: Any, num_devices: int, call: str = "MirroredStrategy") -> int:
-    """`k` when it is an int >= 1 that divides `num_devices`, else a `ValueError` naming both
-    (a `TypeError` for a non-int)."""
+    """Returns `k` when it is an int >= 1 that divides `num_devices`, else raises a `ValueError`
+    naming both (a `TypeError` for a non-int)."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
         raise TypeError(
             f"{call}(devices_per_replica={k!r}): expected an int >= 1 (how many devices one "
@@ -495,7 +497,7 @@ def check_devices_per_replica(k: Any, num_devices: int, call: str = "MirroredStr
 
 
 def _check_processes(devices: Sequence[Device], k: int, call: str) -> None:
-    """A `ValueError` unless each process holds a multiple of k of `devices` (a replica's
+    """Raises a `ValueError` unless each process holds a multiple of k of `devices` (a replica's
     devices belong to one process)."""
     counts: dict[int, int] = {}
     for d in devices:
@@ -544,7 +546,7 @@ def _names_axis(spec: Any, axis: str) -> bool:
 
 
 def _check_rules(layout: Any) -> Any:
-    """`layout` as given (a callable), or its `(regex, PartitionSpec)` pairs as a tuple."""
+    """Returns `layout` as given (a callable), or its `(regex, PartitionSpec)` pairs as a tuple."""
     if layout is None or callable(layout):
         return layout
     if isinstance(layout, (str, bytes)) or not isinstance(layout, Sequence):
@@ -582,13 +584,14 @@ class Declared:
 
     @classmethod
     def of(cls, box: Any, shape: Sequence[int]) -> Declared:
-        """What `box` (a linen metadata box, an NNX `Variable`) declares of a leaf of `shape`."""
+        """Returns what `box` (a linen metadata box, an NNX `Variable`) declares of a leaf of
+        `shape`."""
         names = _metadata_names(box)
         return cls(tuple(shape), tuple(names) if names else None)
 
 
 def declared_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list:
-    """`(path, leaf, like)` for every leaf of `tree` in flattening order (with `is_leaf`):
+    """Returns `(path, leaf, like)` for every leaf of `tree` in flattening order (with `is_leaf`):
     `like` is what the layout rules look at (`Topology.layout_spec`), the leaf itself, or for
     the value of a registered metadata box (`register_box`: linen's `nn.Partitioned`, an NNX
     `Variable` with `out_sharding`) a `Declared` with the box's names (a leaf's own metadata
@@ -618,13 +621,13 @@ def _is_box(x: Any) -> bool:
 
 
 def _normal(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    """A shard's index as (start, stop) per dimension."""
+    """Returns a shard's index as (start, stop) per dimension."""
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
 def _rows(index: tuple, shape: tuple[int, ...]) -> tuple[int, int] | None:
-    """The (start, stop) of a shard's rows of the leading axis, or None for a scalar."""
+    """Returns the (start, stop) of a shard's rows of the leading axis, or None for a scalar."""
     return _normal(index, shape)[0] if shape else None
 
 
@@ -633,6 +636,6 @@ _first_row = jax.jit(lambda x: x[0])
 
 @functools.cache
 def _first_row_as(sharding: Sharding) -> Callable[[jax.Array], jax.Array]:
-    """`x[0]` of a one-row stack, laid out by `sharding` (no transfer: each device keeps its
-    part)."""
+    """Returns a function giving `x[0]` of a one-row stack, laid out by `sharding` (no transfer:
+    each device keeps its part)."""
     return jax.jit(lambda x: x[0], out_shardings=sharding)

@@ -116,14 +116,15 @@ class PerReplica:
 
     @property
     def values(self) -> PyTree:
-        """The stacked components (leading axis N); all-gathered when read inside `merge_fn`."""
+        """Returns the stacked components (leading axis N); all-gathered when read inside
+        `merge_fn`."""
         if self._gather is not None:
             return self._gather(self._values)
         return self._values
 
     @property
     def is_component(self) -> bool:
-        """Whether this node holds one replica's component (inside `merge_fn`)."""
+        """Returns whether this node holds one replica's component (inside `merge_fn`)."""
         return self._gather is not None
 
     def tree_flatten_with_keys(self):
@@ -139,7 +140,8 @@ class PerReplica:
     # --- reading like the contents -------------------------------------------------------------
 
     def _item(self, item: PyTree) -> PerReplica:
-        """The `PerReplica` of one item of the wrapped container (same arrays, same gather)."""
+        """Returns the `PerReplica` of one item of the wrapped container (same arrays, same
+        gather)."""
         return PerReplica.tree_unflatten(self._gather, (item,))
 
     def _wraps_leaf(self) -> bool:
@@ -229,19 +231,20 @@ class PerReplica:
 
 
 def per_replica_component(component: PyTree, gather: Callable[[PyTree], PyTree]) -> PerReplica:
-    """A `PerReplica` seen inside `merge_fn`: the calling replica's own component, and how to
-    all-gather every replica's (`gather`, supplied by the replica context)."""
+    """Returns a `PerReplica` seen inside `merge_fn`: the calling replica's own component, and how
+    to all-gather every replica's (`gather`, supplied by the replica context)."""
     return PerReplica.tree_unflatten(gather, (component,))
 
 
 def held_values(x: PerReplica) -> PyTree:
-    """What `x` holds, never all-gathered: its stacked components (leading axis N), or inside
-    `merge_fn` the calling replica's own component (`x.values` would all-gather it)."""
+    """Returns what `x` holds, never all-gathered: its stacked components (leading axis N), or
+    inside `merge_fn` the calling replica's own component (`x.values` would all-gather it)."""
     return x._values
 
 
 def _fields(values: Any) -> list[str]:
-    """The attribute names of the pytree children of `values` (NamedTuple, dataclass fields)."""
+    """Returns the attribute names of the pytree children of `values` (NamedTuple, dataclass
+    fields)."""
     children = jax.tree_util.tree_flatten_with_path(values, is_leaf=lambda x: x is not values)[0]
     keys = [path[0] for path, _ in children if path]
     return [k.name for k in keys if isinstance(k, jax.tree_util.GetAttrKey)]
@@ -354,12 +357,12 @@ class Sharded:
 
     @property
     def size(self) -> int:
-        """The number of elements of the whole leaf (padding excluded)."""
+        """Returns the number of elements of the whole leaf (padding excluded)."""
         return math.prod(self.shape)
 
     @property
     def dtype(self) -> Any:
-        """The leaf's dtype."""
+        """Returns the leaf's dtype."""
         return self.shards.dtype
 
     def __repr__(self) -> str:
@@ -369,5 +372,5 @@ class Sharded:
 
 
 def is_distributed(x: object) -> bool:
-    """True for the pytree nodes that hold one component per replica."""
+    """Returns True for the pytree nodes that hold one component per replica."""
     return isinstance(x, (PerReplica, SyncOnRead, Sharded))

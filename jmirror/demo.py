@@ -199,7 +199,7 @@ def _loss_and_logits(state: TrainState, params: Any, batch: dict[str, Any]):
 
 
 def _train_step(state: TrainState, batch: dict[str, Any], loss: Any, accuracy: Any):
-    """One replica's step: local gradients, all-reduced MEAN; metrics updated locally."""
+    """Runs one replica's step: local gradients, all-reduced MEAN; metrics updated locally."""
     grad_fn = jax.value_and_grad(lambda p: _loss_and_logits(state, p, batch), has_aux=True)
     (_, (losses, logits)), grads = grad_fn(state.params)
     grads = jm.all_reduce("mean", grads)
@@ -317,7 +317,8 @@ def _refuse(message: str) -> NoReturn:
 def _resume(
     args: argparse.Namespace, strategy: jm.MirroredStrategy
 ) -> tuple[jm.checkpoint.CheckpointManager | None, int]:
-    """The checkpoint manager of `--checkpoint-dir` and the epochs its newest step completed."""
+    """Returns the checkpoint manager of `--checkpoint-dir` and the epochs its newest step
+    completed."""
     if args.checkpoint_dir is None:
         return None, 0
     manager = jm.checkpoint.CheckpointManager(args.checkpoint_dir, strategy=strategy, max_to_keep=2)
@@ -435,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def _silent(*args: Any, **kwargs: Any) -> None:
-    """`print` on the processes that do not print (all but process 0)."""
+    """Stands in for `print` on the processes that do not print (all but process 0)."""
 
 
 if __name__ == "__main__":

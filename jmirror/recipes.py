@@ -439,14 +439,14 @@ def make_loss_scaled_train_step(
 
 
 def _unscaled_finite(grads: PyTree, loss_scale: DynamicLossScale) -> tuple[PyTree, jax.Array]:
-    """Gradients divided by the scale, and whether every replica's are finite."""
+    """Returns gradients divided by the scale, and whether every replica's are finite."""
     grads = jax.tree.map(lambda g: g / loss_scale.scale.astype(g.dtype), grads)
     finite_here = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
     return grads, all_reduce(ReduceOp.MIN, finite_here.astype(jnp.int32)) == 1
 
 
 def _nnx_loss_scaled_step(loss_fn: LossFn, state: tuple, batch: PyTree) -> tuple[tuple, Any]:
-    """The loss-scaled step for an NNX `(model, optimizer, loss_scale)` triple."""
+    """Returns the loss-scaled step for an NNX `(model, optimizer, loss_scale)` triple."""
     if len(state) != 3 or not isinstance(state[2], DynamicLossScale):
         raise TypeError(
             "recipes.make_loss_scaled_train_step expects an NNX (model, optimizer, loss_scale) "

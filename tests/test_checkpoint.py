@@ -1,4 +1,4 @@
-"""jm.checkpoint: save / restore and CheckpointManager against NumPy oracles (SPEC section 9)."""
+"""jm.checkpoint: save / restore and CheckpointManager against NumPy oracles."""
 
 import builtins
 import json
@@ -113,7 +113,7 @@ def test_sync_on_read_is_saved_aggregated_and_restored_as_assign(
     comps = components(other, out)
     assert comps.shape == (target_n, 3) and comps.dtype == dtype
     read = np.asarray(other.read(out))
-    if restore_n == "same":  # the components as they were (SPEC 11, round 4: bitwise resume)
+    if restore_n == "same":  # the components as they were (bitwise resume)
         np.testing.assert_array_equal(comps, parts)
         return
     if aggregation == "mean" and dtype == np.int32:

@@ -1,4 +1,4 @@
-"""Checkpoint faults (SPEC 9-10, round 3 notes): nothing lost at exit, damage detected, leaves
+"""Checkpoint faults: nothing lost at exit, damage detected, leaves
 checked before writing, I/O errors as `OSError`, PRNG keys and flax NNX objects.
 
 Each case damages real files on disk, fills a real (tmpfs) disk or ends a real interpreter.
@@ -47,7 +47,7 @@ def is_mirrored(x, strategy):
     return isinstance(x, jax.Array) and x.sharding.device_set == set(strategy.devices)
 
 
-# --- nothing lost at exit (W1, H5) -------------------------------------------------------------
+# --- nothing lost at exit ----------------------------------------------------------------------
 
 EXIT_CHILD = """
 import sys
@@ -273,7 +273,7 @@ except OSError as error:
 
 @pytest.mark.skipif(not ONCE, reason=ONCE_REASON)
 def test_a_caught_failed_save_never_keeps_the_process_from_exiting(tmp_path):
-    # orbax's threads of the failed save may wait for signals that never come (H5).
+    # orbax's threads of the failed save may wait for signals that never come.
     mount_point, wrap = _namespace_mount(tmp_path, "size=512k")
     children = [
         subprocess.Popen(
@@ -301,7 +301,7 @@ def test_a_caught_failed_save_never_keeps_the_process_from_exiting(tmp_path):
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's loop
 def test_orbax_threads_left_by_a_failed_save_are_daemons(tmp_path, monkeypatch):
     # A non-daemon thread waiting for a signal of a failed save is joined at exit, for as long
-    # as orbax's timeout (H5): every thread orbax starts for jmirror must be a daemon.
+    # as orbax's timeout: every thread orbax starts for jmirror must be a daemon.
     from jmirror.checkpoint import _checkpoint, _encode
 
     monkeypatch.setattr(_encode, "check_leaf", lambda *args, **kwargs: None, raising=False)
@@ -480,8 +480,8 @@ def test_every_array_is_written_with_its_checksum(strategy, tmp_path):
 def test_verification_over_threads_finds_a_flipped_bit_in_any_piece_of_a_large_array(
     strategy, tmp_path, monkeypatch, which
 ):
-    # Restore verifies over a few threads, a large array cut into pieces (round 4: the
-    # serial CRC pass was 9-13 ms of a 50 MiB restore). The bit is flipped in the values as
+    # Restore verifies over a few threads, a large array cut into pieces (a serial
+    # CRC pass was 9-13 ms of a 50 MiB restore). The bit is flipped in the values as
     # read (as a damaged file that still decodes gives them), so only the checksum sees it.
     big = np.random.default_rng(3).standard_normal((3 << 20) // 2).astype(np.float32)  # 6 MiB
     state = {"big": strategy.mirror(big), "small": np.arange(3.0), "empty": np.zeros((0, 2))}
@@ -782,10 +782,10 @@ def test_an_nnx_checkpoint_that_differs_from_target_names_the_path(strategy, tmp
     assert pathlib.Path(tmp_path / "c").is_dir()
 
 
-def test_a_round_2_checkpoint_without_checksums_still_restores(strategy, tmp_path):
+def test_an_old_format_checkpoint_without_checksums_still_restores(strategy, tmp_path):
     state = _state(strategy)
     jm.checkpoint.save(tmp_path / "c", state, strategy=strategy)
-    (tmp_path / "c" / _integrity.FILES).unlink()  # what a round-2 save wrote: version 1, no list
+    (tmp_path / "c" / _integrity.FILES).unlink()  # what a version 1 save wrote: no list
     doc = tmp_path / "c" / "jmirror" / "metadata"
     doc.write_text(doc.read_text().replace('"version": 3', '"version": 1'))
     out = jm.checkpoint.restore(tmp_path / "c", strategy=strategy)

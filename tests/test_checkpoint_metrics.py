@@ -1,4 +1,4 @@
-"""Checkpoints of sync-on-read metrics (SPEC 11, round 4 notes: bitwise resume includes metrics).
+"""Checkpoints of sync-on-read metrics: bitwise resume includes metrics.
 
 Oracle: the same training loop run without interruption. Restored on the replica count that
 saved it, a `SyncOnRead` (a `jm.metrics` counter, `nnx.metrics` state) gets its per-replica
@@ -150,7 +150,7 @@ def test_resume_on_another_replica_count_reads_equal(tmp_path, how):
 
 
 def save_without_components(path, state, strategy):
-    """Writes `state` as checkpoints were written before round 4: aggregated leaves without
+    """Writes `state` as older version 2 checkpoints were written: aggregated leaves without
     their components, the arrays numbered "0", "1", ... in the order of the leaves (its tree
     and array table were checked equal to those that commit 1d1966a writes for this state)."""
     group = _processes.Group.of(strategy)

@@ -1,4 +1,4 @@
-"""jm.checkpoint with replicas spanning several devices (SPEC sections 9 and 13).
+"""jm.checkpoint with replicas spanning several devices.
 
 A checkpoint saved with `devices_per_replica=2` (a regex layout, an NNX model with
 `nnx.with_partitioning`, `jm.shard_update` state split over the replica and model axes)

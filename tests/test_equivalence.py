@@ -58,7 +58,7 @@ def test_ten_steps_match_single_device_training(strategy, n, forget_all_reduce):
 
     m_params, m_opt = strategy.mirror((params0, tx.init(params0)))
     for i, (x, y) in enumerate(batches(n)):
-        # Forgotten, the all-reduce earns one warning (SPEC 11, round 4 notes), naming the fix.
+        # Forgotten, the all-reduce earns one warning, naming the fix.
         warns = pytest.warns(jm.MirroredStateWarning, match=r"\['params'\].*all_reduce")
         with warns if forget_all_reduce and i == 0 else contextlib.nullcontext():
             m_params, m_opt, loss = replica_step(

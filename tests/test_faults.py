@@ -21,7 +21,7 @@ import jmirror as jm
 import jmirror.testing as jmt
 from jmirror.metrics import Mean
 
-# --- composition with outer transformations (SPEC 5, round 2) ------------------------------------
+# --- composition with outer transformations ------------------------------------------------------
 
 
 def _replica(x):

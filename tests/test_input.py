@@ -1,4 +1,4 @@
-"""`strategy.distribute_dataset` and `strategy.distribute_datasets_from_function` (SPEC 7)."""
+"""`strategy.distribute_dataset` and `strategy.distribute_datasets_from_function`."""
 
 import gc
 import os
@@ -452,7 +452,7 @@ def test_input_context_per_replica_batch_size():
     assert jm.InputContext() == jm.InputContext(1, 0, 1)
 
 
-# --- a run that may continue on fewer processes (SPEC 10, round 4 notes) -------------------------
+# --- a run that may continue on fewer processes --------------------------------------------------
 
 
 def test_an_elastic_run_refuses_a_global_batch_that_n_does_not_divide(n, monkeypatch):

@@ -1,4 +1,4 @@
-"""Input faults (SPEC 7, round 2): stalled sources, 64-bit integers, bad leaves, the pad pair."""
+"""Input faults: stalled sources, 64-bit integers, bad leaves, the pad pair."""
 
 import gc
 import os

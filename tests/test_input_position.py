@@ -1,4 +1,4 @@
-"""Input position and resume (SPEC 9 "Input position", SPEC 7): `.position` and `start=`."""
+"""Input position and resume: `.position` and `start=`."""
 
 import json
 import threading

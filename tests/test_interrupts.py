@@ -1,4 +1,4 @@
-"""A keyboard interrupt during a replicated call never loses state (SPEC 5, round 4 note).
+"""A keyboard interrupt during a replicated call never loses state.
 
 A helper thread interrupts the main thread (`_thread.interrupt_main()`, what Ctrl-C and
 Jupyter's "interrupt kernel" do) at varied moments of a training loop; after every interrupt

@@ -1,5 +1,5 @@
-"""`merge_call` keeps what the proof knows (SPEC 6, 11 round 4 notes): a value proven identical
-on every replica and passed in `args` is a mirrored value inside `merge_fn`.
+"""`merge_call` keeps what the proof knows: a value proven identical on every replica and
+passed in `args` is a mirrored value inside `merge_fn`.
 
 Oracles: NumPy, and the same training run on one device (`jax.jit` on the global batch).
 """
@@ -89,7 +89,7 @@ def test_sum_of_a_mirrored_argument_is_the_mirrored_value_error(strategy, n, kin
         return jm.merge_call(lambda s, g: s.reduce("sum", g), args=(make(x, w),))
 
     x, w = _x(n), np.array([5.0, 6.0, 7.0], np.float32)
-    if n == 1:  # SPEC 4: SUM of a mirrored value with one replica returns it
+    if n == 1:  # SUM of a mirrored value with one replica returns it
         out = strategy.run(step, args=(jm.PerReplica(x), strategy.mirror(w)))
         np.testing.assert_allclose(strategy.read(out), _expected(kind, x, w), rtol=1e-6)
         return

@@ -1,4 +1,4 @@
-"""Mirrored state stays mirrored (SPEC 11, round 4 notes).
+"""Mirrored state stays mirrored.
 
 The two commonest data-parallel mistakes (a BatchNorm without `axis_name`, gradients not
 all-reduced) are a `jm.MirroredStateError` of the first call, before anything runs or is

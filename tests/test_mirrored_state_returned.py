@@ -1,4 +1,4 @@
-"""Returned state is checked leaf by leaf (SPEC 9–10, round 5 notes; SPEC 11, round 4 notes).
+"""Returned state is checked leaf by leaf.
 
 A linen `TrainState` (any dataclass state) that entered mirrored is checked wherever it comes
 back: whatever else it holds (a per-replica dropout key, a sync-on-read total, `jm.shard_update`

@@ -1,4 +1,4 @@
-"""flax NNX objects as arguments of replica functions (SPEC 11): write-back, rngs, keys.
+"""flax NNX objects as arguments of replica functions: write-back, rngs, keys.
 
 Oracles: one device's `nnx.jit` step on the global batch, NumPy, and `nnx.Dropout` run on
 one device with the key each replica is documented to draw from.
@@ -540,7 +540,7 @@ def test_recipes_loss_scaled_step_with_nnx_triple(strategy):
         np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-3)
 
 
-# --- together with the rest (round 3 integration) ----------------------------------------------
+# --- together with the rest --------------------------------------------------------------------
 
 
 def _noisy_step(strategy, donate):
@@ -618,7 +618,7 @@ def _functional_step(strategy, tx, reduce_grads):
 
 
 def test_shard_update_as_the_optimizer_of_an_nnx_model(strategy):
-    # Oracle: optax.adam on the all-reduced gradients (SPEC 12: rtol 1e-5).
+    # Oracle: optax.adam on the all-reduced gradients (rtol 1e-5).
     n = strategy.num_replicas
     xs, ys = _data(n, steps=3)
     models = []

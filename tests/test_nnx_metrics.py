@@ -1,4 +1,4 @@
-"""nnx.metrics updated inside replica functions are sync-on-read (SPEC 11).
+"""nnx.metrics updated inside replica functions are sync-on-read.
 
 Oracle: the same metrics updated on one device with the global batches.
 """

@@ -1,5 +1,5 @@
-"""pmap leftovers (SPEC 9–10, round 3 notes; issue 17, W3): arrays laid out the `jax.pmap`
-way by flax's `jax_utils` are recognised, never silently broadcast whole.
+"""pmap leftovers: arrays laid out the `jax.pmap` way by flax's `jax_utils` are recognised,
+never silently broadcast whole.
 
 `flax.jax_utils.prefetch_to_device` and `jax_utils.replicate` return a `jax.Array` whose
 leading axis of N is split over the devices. Passed to a replicated function as a plain

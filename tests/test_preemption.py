@@ -1,4 +1,4 @@
-"""Preemption (SPEC "9-10, round 3 notes"): `CheckpointManager.reached_preemption`.
+"""Preemption: `CheckpointManager.reached_preemption`.
 
 In this process (both device passes): the SIGTERM handler of one process without
 `jax.distributed` (installed in the main thread only, chaining the previous handler, put back
@@ -407,7 +407,7 @@ def test_sigkill_of_the_launcher_during_the_grace_period(tmp_path, uninterrupted
     run.wait_for(r"received SIGTERM; forwarded it", 10)
     run.popen.send_signal(signal.SIGKILL)
     run.popen.wait(10)
-    deadline = time.monotonic() + 10  # SPEC: the processes end within 10 s
+    deadline = time.monotonic() + 10  # the processes end within 10 s, as documented
     while any(harness.is_running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     left = [pid for pid in pids if harness.is_running(pid)]

@@ -1,4 +1,4 @@
-"""Exact resume (SPEC section 9): a run killed after its checkpoint resumes to the same result.
+"""Exact resume: a run killed after its checkpoint resumes to the same result.
 
 A child process trains a small flax MLP with optax Adam on 8 host devices (`jm.replicate`,
 `jm.all_reduce("mean", grads)`, a `SyncOnRead` SUM of the example losses), reading a

@@ -1,4 +1,4 @@
-"""jm.shard_update (SPEC section 12) against the mirrored update of the mean gradient."""
+"""jm.shard_update against the mirrored update of the mean gradient."""
 
 import os
 import sys

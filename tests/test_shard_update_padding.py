@@ -1,4 +1,4 @@
-"""jm.shard_update (SPEC section 12): "padding never changes a result".
+"""jm.shard_update: "padding never changes a result".
 
 Every leaf of `test_shard_update.SHAPES` is padded on 8 and on 4 replicas. Element-wise work
 on a zero-padded piece may make the padding NaN (`g / sqrt(nu)` is `0 / 0` there, while every

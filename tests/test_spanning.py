@@ -1,4 +1,4 @@
-"""Replicas spanning several devices (SPEC section 13): `devices_per_replica=k`.
+"""Replicas spanning several devices: `devices_per_replica=k`.
 
 The strategy's mesh is (N, k), named `(axis_name, model_axis_name)`; replica functions run on
 the shard_map backend, manual over the replica axis only, and XLA partitions each replica over
@@ -649,7 +649,7 @@ def test_shard_update_in_device_blocks_equals_k1_with_padding_and_both_layouts(k
 @pytest.mark.parametrize("k", SPANS)
 def test_shard_update_padding_in_blocks_never_reaches_a_reduction(k):
     """An update that is NaN on the padding (`g / sqrt(nu)` with eps 0) scaled by a whole-tree
-    vdot: the padding inside every block is masked (SPEC 12), as at k = 1."""
+    vdot: the padding inside every block is masked, as at k = 1."""
     import optax
 
     def make():

@@ -165,7 +165,7 @@ def test_assign_reads_back_the_value(strategy, n, agg, expected):
 
 @pytest.mark.parametrize("value", [7, 10, -10, 0, 2**20 + 3])
 def test_assign_integer_sum_spreads_the_remainder(strategy, n, value):
-    # SPEC 4 (round 2): value // N each, one more on the first value % N replicas.
+    # value // N each, one more on the first value % N replicas.
     v = strategy.assign(strategy.sync_on_read(np.int32(0), "sum"), value)
     assert v.value.dtype == np.int32
     expected = [value // n + (i < value % n) for i in range(n)]
@@ -338,7 +338,7 @@ def test_donating_mirrored_state_keeps_the_callers_arrays(strategy, n, make):
     np.testing.assert_array_equal(strategy.read(state), np.arange(4.0) * 100)
 
 
-# --- the topology owns layout (house issue 23); one device per replica ------------------------
+# --- the topology owns layout; one device per replica -----------------------------------------
 
 
 def test_topology_layouts_at_one_device_per_replica():

@@ -1,4 +1,4 @@
-"""`jm.sync_batch_norm` (SPEC 11, round 4 notes): flax's NNX MNIST model, converted as it is.
+"""`jm.sync_batch_norm`: flax's NNX MNIST model, converted as it is.
 
 Oracle: the unconverted model trained by `nnx.jit` on one device on the global batches.
 """

@@ -1,4 +1,4 @@
-"""Two hosts on one machine (SPEC 10, round 4 notes: several hosts).
+"""Two hosts on one machine: several hosts.
 
 Two Linux network namespaces joined by a veth pair are two hosts: each has its own network
 (10.77.0.1/24 or 10.77.0.2/24, and its own loopback), its own host name (a UTS namespace) and
@@ -37,7 +37,7 @@ kill_leftover_launchers = harness.kill_leftover_launchers
 
 SUBNET = "10.77.0"
 PORT = 12321  # each host's network is new and empty: any port is free there
-ERROR_S = 60  # SPEC: the loopback host name is an error on every process within 60 s
+ERROR_S = 60  # as documented, the loopback host name is an error on every process within 60 s
 _NAMESPACE = re.compile(r"^jmirror-(\d+)-[0-9a-f]+-[01]$")  # jmirror-<test pid>-<token>-<i>
 _tokens = itertools.count()
 

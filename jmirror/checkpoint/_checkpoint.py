@@ -134,7 +134,7 @@ def restore(
 def encode(
     state: PyTree, strategy: MirroredStrategy, group: _processes.Group, process_data: list[Any]
 ) -> tuple[dict, dict]:
-    """The metadata document and host arrays of `state` (fresh host copies).
+    """Returns the metadata document and host arrays of `state` (fresh host copies).
 
     Every process of `group` calls it (it may hold collectives); only the writer gets the
     arrays, the others an empty dict.
@@ -213,7 +213,7 @@ def _none_or_distributed(x: Any) -> bool:
 
 
 def with_fix(error: _format.CorruptCheckpointError, path: pathlib.Path, call: str) -> Exception:
-    """`error` with the fix: the newest other step of the series that reads whole.
+    """Returns `error` with the fix: the newest other step of the series that reads whole.
 
     The other steps (the sibling directories of a manager's step) are verified newest
     first, until one is complete; a corrupt step is never skipped silently.
@@ -239,7 +239,7 @@ def _read_tree(path: pathlib.Path, call: str) -> tuple[dict, int, _decode.Tree, 
 
 
 def _read_verified(path: pathlib.Path, doc: dict, tree: _decode.Tree, specs: dict) -> dict:
-    """The checkpoint's host arrays, each checked against its saved checksum."""
+    """Returns the checkpoint's host arrays, each checked against its saved checksum."""
     where = str(path)
     paths = _integrity.leaf_paths(tree) | _decode.component_paths(tree)
     kind = _integrity.CRC32C if doc["version"] >= 3 else _integrity.CRC32
@@ -250,7 +250,7 @@ def _read_verified(path: pathlib.Path, doc: dict, tree: _decode.Tree, specs: dic
 
 
 def verify(path: pathlib.Path, call: str) -> bool:
-    """Whether the checkpoint at `path` reads whole (every file and checksum verified)."""
+    """Returns whether the checkpoint at `path` reads whole (every file and checksum verified)."""
     try:
         doc, _, tree, specs = _read_tree(path, call)
         _read_verified(path, doc, tree, specs)
@@ -260,7 +260,7 @@ def verify(path: pathlib.Path, call: str) -> bool:
 
 
 def read_data(path: pathlib.Path, call: str, group: _processes.Group) -> Any:
-    """This process's `data` saved with the checkpoint at `path`.
+    """Returns this process's `data` saved with the checkpoint at `path`.
 
     When as many processes saved as read, each reads its own; otherwise the saved data must
     be the same on every saving process (as an input position of `distribute_dataset` is).

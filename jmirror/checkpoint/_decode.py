@@ -56,7 +56,7 @@ class Leaf:
             raise _format.corrupt(where, f"Python scalar type {self.python!r} is unknown")
         self.scalar = node.get("scalar") is True
         self.sharded = self.kind == _sharded.KIND  # restored as a Sharded node
-        # The array of a sync-on-read leaf's N components (absent before round 4).
+        # The array of a sync-on-read leaf's N components (absent in older version 2 checkpoints).
         self.components: str | None = node.get("components")
         if self.components is not None and (
             self.kind != "aggregated" or not isinstance(self.components, str)
@@ -172,7 +172,7 @@ def check_arrays(tree: Tree, specs: dict, saved_n: int, where: str) -> None:
 
 
 def component_paths(tree: Tree) -> dict[str, str]:
-    """Each components array's leaf path, for messages (as `_integrity.leaf_paths`)."""
+    """Returns each components array's leaf path, for messages (as `_integrity.leaf_paths`)."""
     return {
         leaf.components: jax.tree_util.keystr(leaf.path) + " (its components)"
         for leaf in tree.leaves()
@@ -249,7 +249,7 @@ def check_target(tree: Tree, target: Any, stacked: bool = False) -> None:
 
 
 def fit_metrics(tree: Tree, target: Any, n: int) -> Any:
-    """`target` with each NNX metric `Variable` holding the kind of state saved there.
+    """Returns `target` with each NNX metric `Variable` holding the kind of state saved there.
 
     A metric updated by a replicated function holds sync-on-read `MetricComponents`; a target
     made by `nnx.eval_shape` (or a metric not yet updated) holds a plain value there, and a
@@ -303,7 +303,7 @@ def _dtype(x: Any) -> Any:
 
 
 def _key_mismatch(tree: Tree, pairs: list, saved_keys: list, target_keys: list) -> ValueError:
-    """The error at the first key where the checkpoint's and target's containers differ."""
+    """Returns the error at the first key where the checkpoint's and target's containers differ."""
     i = next(i for i, (a, b) in enumerate(zip(saved_keys + [None], target_keys + [None])) if a != b)
     if i < len(saved_keys) and saved_keys[i] not in target_keys:
         entry, child = tree.children[i]
@@ -357,7 +357,7 @@ def place(
     saved_n: int,
     call: str = "jm.checkpoint.restore",
 ) -> PyTree:
-    """The restored state: `target`'s structure when given, else the saved plain containers.
+    """Returns the restored state: `target`'s structure when given, else the saved plain containers.
 
     `saved_n` is the replica count that saved it: on that count a `SyncOnRead` leaf saved with
     its components gets them back as they were. A mirrored leaf is laid out by the strategy's
@@ -381,7 +381,7 @@ def _place_leaves(
     as_saved: bool,
     call: str,
 ) -> list:
-    """The leaves' values, placed; `likes` holds each leaf's (path, leaf or `Variable`) in
+    """Returns the leaves' values, placed; `likes` holds each leaf's (path, leaf or `Variable`) in
     the result, which lay a mirrored leaf out."""
     n = strategy.num_replicas
     topology = strategy.topology
@@ -423,7 +423,7 @@ def _place_leaves(
 
 
 def _put(hosts: list[np.ndarray], shardings: list[Any], num_processes: int) -> list[jax.Array]:
-    """The host arrays (the whole values) placed, each with its sharding."""
+    """Returns the host arrays (the whole values) placed, each with its sharding."""
     if num_processes == 1:
         # The host arrays are private to this restore, so device_put may reuse them.
         return jax.device_put(hosts, shardings)
@@ -435,7 +435,7 @@ def _put(hosts: list[np.ndarray], shardings: list[Any], num_processes: int) -> l
 
 
 def _target_leaves(target: Any) -> list[tuple[tuple, Any]]:
-    """(path, leaf) of each leaf of `target` in flattening order; a leaf that is an NNX
+    """Returns (path, leaf) of each leaf of `target` in flattening order; a leaf that is an NNX
     `Variable`'s value comes with that `Variable` (its partitioning metadata)."""
     out = []
     for path, node in jax.tree_util.tree_flatten_with_path(target, is_leaf=is_nnx_variable)[0]:
@@ -448,7 +448,7 @@ def _target_leaves(target: Any) -> list[tuple[tuple, Any]]:
 
 
 def _rebuilt_leaves(tree: Tree, path: tuple = ()) -> list[tuple[tuple, Any]]:
-    """(path, None) of each leaf in the tree `_rebuild` makes of `tree`, in the saved order
+    """Returns (path, None) of each leaf in the tree `_rebuild` makes of `tree`, in the saved order
     (a class node is a dict of its fields there, an NNX `Variable` its value)."""
     if tree.leaf is not None:
         return [(path, None)]
@@ -467,7 +467,7 @@ def _rebuilt_leaves(tree: Tree, path: tuple = ()) -> list[tuple[tuple, Any]]:
 
 
 def _components(leaf: Leaf, value: np.ndarray, n: int) -> np.ndarray:
-    """N components whose aggregation is `value`, as `strategy.assign` places them."""
+    """Returns N components whose aggregation is `value`, as `strategy.assign` places them."""
     dtype = leaf.dtype
     aggregation = leaf.aggregation
     if aggregation is Aggregation.SUM and leaf.metric:

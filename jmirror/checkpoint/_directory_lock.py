@@ -66,7 +66,8 @@ class DirectoryLock:
 
 
 def _flock(root: pathlib.Path) -> int | None:
-    """An open descriptor of the directory's lock file, locked; None where it is read-only."""
+    """Returns an open descriptor of the directory's lock file, locked; None where it is
+    read-only."""
     path = root / LOCK_FILE
     while True:
         try:

@@ -61,7 +61,7 @@ class Encoded:
 
 
 def children(node: Any) -> list[tuple[Any, Any]] | None:
-    """The (key entry, child) pairs one level below `node`; `None` when `node` is a leaf.
+    """Returns the (key entry, child) pairs one level below `node`; `None` when `node` is a leaf.
 
     flax NNX objects flatten with a leafless internal child (`_pytree__state`), which is
     left out: it holds nothing to save, and a state restored without target has no
@@ -84,7 +84,8 @@ def _is_flax_internal(entry: Any, child: Any) -> bool:
 
 
 def is_nnx_variable(x: Any) -> bool:
-    """Whether `x` is a flax `nnx.Variable` (without importing flax when it is not loaded)."""
+    """Returns whether `x` is a flax `nnx.Variable` (without importing flax when it is not
+    loaded)."""
     nnx = sys.modules.get("flax.nnx")
     return nnx is not None and isinstance(x, nnx.Variable)
 
@@ -114,7 +115,7 @@ class _Encoder:
         return str(self.count - 1)
 
     def read_later(self, node: Sharded) -> str:
-        """The array name of `node`'s whole value, read with the state's other reads."""
+        """Returns the array name of `node`'s whole value, read with the state's other reads."""
         names = [self._name()]
         self.reads.append((node, names))
         return names[0]
@@ -179,7 +180,8 @@ class _Encoder:
         )
 
     def stacked(self, tree: PyTree, path: tuple) -> dict:
-        """A subtree whose leaves hold N stacked components (PerReplica, SyncOnRead NONE)."""
+        """Returns a subtree whose leaves hold N stacked components (PerReplica, SyncOnRead
+        NONE)."""
 
         def one(sub_path: tuple, x: Any) -> dict:
             where = jax.tree_util.keystr(path + sub_path)
@@ -189,7 +191,8 @@ class _Encoder:
         return self.subtree(tree, path, one)
 
     def components(self, x: Any, where: str) -> str:
-        """The array name of a per-replica leaf's N stacked components, fetched with the rest."""
+        """Returns the array name of a per-replica leaf's N stacked components, fetched with the
+        rest."""
         if self.several and not _is_global(x):
             x = self.globalize(x, where)
         if np.ndim(x) < 1 or np.shape(x)[0] != self.n:
@@ -206,7 +209,8 @@ class _Encoder:
         return name
 
     def globalize(self, x: Any, where: str) -> Any:
-        """A global stacked array of this process's components (leading axis: local ones)."""
+        """Returns a global stacked array of this process's components (leading axis: local
+        ones)."""
         local = self.topology.num_local_replicas
         if np.ndim(x) < 1 or np.shape(x)[0] != local:
             raise ValueError(
@@ -220,7 +224,7 @@ class _Encoder:
         return jax.make_array_from_process_local_data(self.topology.stacked, local_value, shape)
 
     def aggregated(self, node: SyncOnRead, path: tuple) -> dict:
-        """Each leaf stored as read, with its N components beside it (`"components"`)."""
+        """Returns each leaf stored as read, with its N components beside it (`"components"`)."""
         names: list[str] = []
         self.reads.append((node, names))
 
@@ -280,7 +284,7 @@ class _Encoder:
         return {str(i): values[str(i)] for i in range(self.count)}
 
     def gather(self, spread: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        """This process's full copies of arrays spread over processes (one collective call).
+        """Returns this process's full copies of arrays spread over processes (one collective call).
 
         Bounded by the strategy's `timeout_s`: a process that skips the save its peers make
         (or exits) never joins the all-gather, and gloo would wait for it without end.
@@ -295,12 +299,12 @@ class _Encoder:
 
 @functools.cache
 def _mirror_all(mirrored: Any) -> Any:
-    """A jitted identity whose outputs are mirrored: an all-gather of each array."""
+    """Returns a jitted identity whose outputs are mirrored: an all-gather of each array."""
     return jax.jit(lambda xs: xs, out_shardings=mirrored)
 
 
 def _is_global(x: Any) -> bool:
-    """Whether `x` is an array of which this process addresses only part."""
+    """Returns whether `x` is an array of which this process addresses only part."""
     return isinstance(x, jax.Array) and not x.is_fully_addressable
 
 
@@ -353,7 +357,7 @@ def _leaf(kind: str, name: str, shape: tuple, x: Any) -> dict:
 def encode(
     state: PyTree, strategy: MirroredStrategy, keep: bool = True, call: str = "jm.checkpoint.save"
 ) -> Encoded:
-    """The JSON tree of `state` and host copies of its arrays (see `_format`).
+    """Returns the JSON tree of `state` and host copies of its arrays (see `_format`).
 
     Every process of the strategy calls it; only where `keep` are the arrays copied (the
     others get an empty dict). `call` names the user's call in the message of a wait that

@@ -97,7 +97,7 @@ class CorruptCheckpointError(ValueError):
 
 
 def describe(where: str) -> str:
-    """'step 3 of /runs/a' for a manager's step, else 'the checkpoint at /path'."""
+    """Returns 'step 3 of /runs/a' for a manager's step, else 'the checkpoint at /path'."""
     head, _, name = where.rstrip("/").rpartition("/")
     if _STEP_NAME.fullmatch(name) and head:
         return f"step {name} of {head}"
@@ -112,12 +112,12 @@ def corrupt(where: str, what: str) -> CorruptCheckpointError:
 
 
 def dtype_name(dtype: Any) -> str:
-    """The JSON name of an array dtype (PRNG key dtypes included, e.g. 'key<fry>')."""
+    """Returns the JSON name of an array dtype (PRNG key dtypes included, e.g. 'key<fry>')."""
     return str(dtype) if jnp.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype).name
 
 
 def is_stored_dtype(dtype: Any) -> bool:
-    """Whether arrays of `dtype` can be written (plain numeric, bool, PRNG keys)."""
+    """Returns whether arrays of `dtype` can be written (plain numeric, bool, PRNG keys)."""
     try:
         return jnp.issubdtype(dtype, jax.dtypes.prng_key) or np.dtype(dtype).name in _DTYPES
     except TypeError:
@@ -125,7 +125,7 @@ def is_stored_dtype(dtype: Any) -> bool:
 
 
 def parse_dtype(name: object, where: str) -> np.dtype:
-    """The numpy dtype named `name`; only plain numeric and bool dtypes are accepted."""
+    """Returns the numpy dtype named `name`; only plain numeric and bool dtypes are accepted."""
     if not isinstance(name, str) or name not in _DTYPES:
         raise corrupt(where, f"dtype {name!r} is not one of the array dtypes jmirror writes")
     return np.dtype(jnp.dtype(name))
@@ -141,7 +141,7 @@ def parse_shape(shape: object, where: str) -> tuple[int, ...]:
 
 
 def field(obj: object, name: str, kind: type | tuple[type, ...], where: str) -> Any:
-    """`obj[name]`, which must be of type `kind` (bools are not ints)."""
+    """Returns `obj[name]`, which must be of type `kind` (bools are not ints)."""
     if not isinstance(obj, dict) or name not in obj:
         raise corrupt(where, f"a metadata entry lacks the field {name!r}")
     value = obj[name]
@@ -158,7 +158,7 @@ def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
 
 
 def entry_to_json(entry: Any, path: str) -> list[Any]:
-    """A `jax.tree_util` key entry as JSON, e.g. `DictKey('w')` -> `["key", "w"]`."""
+    """Returns a `jax.tree_util` key entry as JSON, e.g. `DictKey('w')` -> `["key", "w"]`."""
     if isinstance(entry, jax.tree_util.GetAttrKey):
         return ["attr", entry.name]
     if isinstance(entry, jax.tree_util.SequenceKey):
@@ -182,7 +182,7 @@ def entry_to_json(entry: Any, path: str) -> list[Any]:
 
 
 def entry_from_json(entry: object, where: str) -> Any:
-    """The `jax.tree_util` key entry written by `entry_to_json`."""
+    """Returns the `jax.tree_util` key entry written by `entry_to_json`."""
     if isinstance(entry, list) and len(entry) == 2:
         kind, key = entry
         if kind == "attr" and isinstance(key, str):
@@ -197,7 +197,7 @@ def entry_from_json(entry: object, where: str) -> Any:
 
 
 def entry_name(entry: Any) -> str | int:
-    """The key a rebuilt dict uses for a child: a field name, dict key or index."""
+    """Returns the key a rebuilt dict uses for a child: a field name, dict key or index."""
     for attr in ("name", "key", "idx"):
         if hasattr(entry, attr):
             return getattr(entry, attr)
@@ -210,7 +210,7 @@ def entry_name(entry: Any) -> str | int:
 def document(
     tree: dict, arrays: dict[str, np.ndarray], num_replicas: int, process_data: list[Any]
 ) -> dict:
-    """The metadata document of a checkpoint; `process_data` holds each process's data."""
+    """Returns the metadata document of a checkpoint; `process_data` holds each process's data."""
     doc = {
         "format": FORMAT,
         "version": VERSION,
@@ -228,7 +228,7 @@ def document(
 
 
 def process_data(doc: dict, where: str) -> list[Any]:
-    """Each saving process's `data` (one entry when one process saved)."""
+    """Returns each saving process's `data` (one entry when one process saved)."""
     if "process_data" not in doc:
         return [doc.get("data")]
     per_process = field(doc, "process_data", list, where)

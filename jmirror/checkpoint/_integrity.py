@@ -55,8 +55,8 @@ _OS_ERROR = re.compile(r"os_error_code\D{0,4}(\d+)|\[OS error (\d+)|errno[ =:]+(
 
 
 def _load_crc32c() -> Callable[[Any], int]:
-    """The CRC-32C of a bytes-like object without copying it: `crc32c_value` of the C library
-    that `google-crc32c` ships, called through `ctypes` (which lets go of the GIL, so pieces
+    """Returns the CRC-32C of a bytes-like object without copying it: `crc32c_value` of the C
+    library that `google-crc32c` ships, called through `ctypes` (which lets go of the GIL, so pieces
     run in parallel); where that library is not found, `google_crc32c.value` of a copy."""
     package = os.path.dirname(google_crc32c.__file__)
     candidates = sorted(glob.glob(os.path.join(package, "..", "google_crc32c.libs", "libcrc32c*")))
@@ -82,17 +82,17 @@ _CRC32C = _load_crc32c()
 
 
 def crc32c(data: Any) -> int:
-    """The CRC-32C of a bytes-like object (a contiguous buffer)."""
+    """Returns the CRC-32C of a bytes-like object (a contiguous buffer)."""
     return _CRC32C(data)
 
 
 def checksum(array: np.ndarray) -> int:
-    """The CRC-32 of an array's bytes in C order (any dtype, any size): format version 2."""
+    """Returns the CRC-32 of an array's bytes in C order (any dtype, any size): format version 2."""
     return zlib.crc32(_bytes(array))
 
 
 def piece_checksums(array: np.ndarray) -> list[int]:
-    """The CRC-32C of each `PIECE`-byte piece of an array's bytes in C order (one, of no
+    """Returns the CRC-32C of each `PIECE`-byte piece of an array's bytes in C order (one, of no
     bytes, for an empty array)."""
     view = _bytes(array)
     return [crc32c(view[i : i + PIECE]) for i in range(0, max(view.nbytes, 1), PIECE)]
@@ -101,7 +101,7 @@ def piece_checksums(array: np.ndarray) -> list[int]:
 def array_checksums(
     arrays: dict[str, np.ndarray], kind: str = CRC32C, parallel: bool = True
 ) -> dict[str, Any]:
-    """The checksums of each array, as a checkpoint of that `kind` stores them: a list of
+    """Returns the checksums of each array, as a checkpoint of that `kind` stores them: a list of
     the pieces' CRC-32C (`CRC32C`), or one CRC-32 (`CRC32`); computed over a few threads
     (one per core, at most `_MAX_THREADS`) when the arrays are large and `parallel`."""
     if kind == CRC32:
@@ -121,7 +121,7 @@ def array_checksums(
 
 
 def _map(fn: Callable[[Any], int], parts: list[Any], views: dict[str, Any]) -> list[int]:
-    """`fn` of each part, over a few threads when the arrays are large; the threads are
+    """Returns `fn` of each part, over a few threads when the arrays are large; the threads are
     joined before it returns."""
     threads = min(_MAX_THREADS, _cores(), len(parts))
     if threads < 2 or sum(v.nbytes for v in views.values()) < _PARALLEL_BYTES:
@@ -131,7 +131,7 @@ def _map(fn: Callable[[Any], int], parts: list[Any], views: dict[str, Any]) -> l
 
 
 def saved_checksums(root: pathlib.Path, kind: str = CRC32C) -> dict[str, Any]:
-    """The checksums of each array, from the file list (checked by `check_files` first): a
+    """Returns the checksums of each array, from the file list (checked by `check_files` first): a
     list of piece CRC-32Cs each (`CRC32C`), or one CRC-32 each (`CRC32`)."""
     table = _read_list(root).get("arrays")
 
@@ -150,7 +150,7 @@ def saved_checksums(root: pathlib.Path, kind: str = CRC32C) -> dict[str, Any]:
 
 
 def _crc32_combine() -> Any:
-    """zlib's `crc32_combine` (the CRC of two pieces joined, from theirs), or None."""
+    """Returns zlib's `crc32_combine` (the CRC of two pieces joined, from theirs), or None."""
     try:
         libz = ctypes.CDLL(ctypes.util.find_library("z") or "libz.so.1")
         combine = libz.crc32_combine
@@ -168,7 +168,7 @@ _MAX_THREADS = 4
 
 
 def parallel_checksums(arrays: dict[str, np.ndarray]) -> dict[str, int]:
-    """`checksum` (CRC-32, format version 2) of each array, over a few threads.
+    """Returns `checksum` (CRC-32, format version 2) of each array, over a few threads.
 
     Each array is cut into `_CHUNK`-byte pieces whose CRC-32s (`zlib.crc32` releases the
     GIL) are computed in parallel and joined with zlib's `crc32_combine`, so a single large
@@ -303,19 +303,20 @@ def check_files(root: pathlib.Path) -> None:
 
 
 def first_line(error: BaseException) -> str:
-    """The start of a library's error message (TensorStore appends kilobytes of spec)."""
+    """Returns the start of a library's error message (TensorStore appends kilobytes of spec)."""
     text = str(error).split("See full TensorStore details")[0].strip()
     text = text.splitlines()[0] if text else type(error).__name__
     return text[:300] + (" ..." if len(text) > 300 else "")
 
 
 def read_failed(where: str, what: str, error: BaseException) -> CorruptCheckpointError:
-    """The error for a read that a library below refused (`error` chained by the caller)."""
+    """Returns the error for a read that a library below refused (`error` chained by the caller)."""
     return corrupt(where, f"{what} could not be read ({type(error).__name__}: {first_line(error)})")
 
 
 def os_error(error: BaseException, directory: pathlib.Path, call: str) -> OSError | None:
-    """An `OSError` (errno kept) for an I/O failure of a write, or None if `error` is not one.
+    """Returns an `OSError` (errno kept) for an I/O failure of a write, or None if `error` is not
+    one.
 
     orbax and TensorStore report a full disk as a `ValueError` carrying the OS error code;
     here it becomes the `OSError` the OS gave, naming the directory.
@@ -365,7 +366,7 @@ def check_writable(directory: pathlib.Path, call: str) -> None:
 
 
 def steps_note(steps: list[int], complete: int | None) -> str:
-    """The fix of a corrupt step: which other step is complete, and every saved one."""
+    """Returns the fix of a corrupt step: which other step is complete, and every saved one."""
     if complete is not None:
         return (
             f" Restore another step: step {complete} is complete (verified); the saved steps "
@@ -377,10 +378,10 @@ def steps_note(steps: list[int], complete: int | None) -> str:
 
 
 def rethrow(error: CorruptCheckpointError, note: str) -> CorruptCheckpointError:
-    """A `CorruptCheckpointError` of the same message plus `note`."""
+    """Returns a `CorruptCheckpointError` of the same message plus `note`."""
     return CorruptCheckpointError(str(error).rstrip() + note)
 
 
 def leaf_paths(tree: Any) -> dict[str, str]:
-    """Each array name's leaf path (of a `_decode.Tree`), for messages."""
+    """Returns each array name's leaf path (of a `_decode.Tree`), for messages."""
     return {leaf.array: jax.tree_util.keystr(leaf.path) for leaf in tree.leaves()}

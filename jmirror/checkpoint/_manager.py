@@ -137,7 +137,7 @@ class CheckpointManager(PreemptionMixin):
 
     @property
     def directory(self) -> str:
-        """The directory of the series, as an absolute path."""
+        """Returns the directory of the series, as an absolute path."""
         return str(self._root)
 
     def __repr__(self) -> str:
@@ -185,7 +185,7 @@ class CheckpointManager(PreemptionMixin):
             raise
 
     def _is_written(self, step: int) -> bool:
-        """Whether `step` is saved, or was and `max_to_keep` newer steps replaced it."""
+        """Returns whether `step` is saved, or was and `max_to_keep` newer steps replaced it."""
         steps = _storage.steps(self._root)
         if step in steps:
             return True
@@ -294,7 +294,7 @@ class CheckpointManager(PreemptionMixin):
     # --- reading -----------------------------------------------------------------------------
 
     def all_steps(self) -> list[int]:
-        """The steps with a complete checkpoint, ascending (after the pending write).
+        """Returns the steps with a complete checkpoint, ascending (after the pending write).
 
         Example:
             >>> import tempfile, jmirror as jm
@@ -305,7 +305,7 @@ class CheckpointManager(PreemptionMixin):
         return _storage.steps(self._root)
 
     def latest_step(self) -> int | None:
-        """The newest step with a complete checkpoint, or None.
+        """Returns the newest step with a complete checkpoint, or None.
 
         Example:
             >>> import tempfile, jmirror as jm
@@ -352,7 +352,7 @@ class CheckpointManager(PreemptionMixin):
         return _checkpoint.read(path, target, strategy, "CheckpointManager.restore")
 
     def data(self, step: int | None = None) -> Any:
-        """The `data` saved with `step` (the latest when None), e.g. an input position.
+        """Returns the `data` saved with `step` (the latest when None), e.g. an input position.
 
         With several processes each process reads the data it saved. A step saved by another
         number of processes reads the same on every process when all saved the same data (an

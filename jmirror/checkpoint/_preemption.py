@@ -76,7 +76,7 @@ _NOTICE = _Notice()
 
 
 def _jax_runs_the_notice() -> bool:
-    """Whether JAX's distributed runtime is up: then its preemption service has the notice.
+    """Returns whether JAX's distributed runtime is up: then its preemption service has the notice.
 
     (With `jax_enable_preemption_service` turned off there is none, and `reached` says so:
     a flag of this process alone would let the processes disagree.)
@@ -178,7 +178,8 @@ def prime(latest: int | None) -> None:
 
 
 def reached(step: int) -> bool:
-    """Whether `step` is (or is after) the agreed preemption step; see the module docstring."""
+    """Returns whether `step` is (or is after) the agreed preemption step; see the module
+    docstring."""
     if _NOTICE.step is not None:
         return step >= _NOTICE.step
     if _NOTICE.before_any_step:
@@ -218,11 +219,12 @@ class PreemptionMixin:
             self._preemption.close()
 
     def _is_preemption_step(self, step: int) -> bool:
-        """Whether `step` is the agreed preemption step (a save there ignores the interval)."""
+        """Returns whether `step` is the agreed preemption step (a save there ignores the
+        interval)."""
         return _NOTICE.step is not None and step == _NOTICE.step
 
     def reached_preemption(self, step: int) -> bool:
-        """Whether to save and exit at `step` because a preemption notice (SIGTERM) came.
+        """Returns whether to save and exit at `step` because a preemption notice (SIGTERM) came.
 
         False until SIGTERM reached some process of the run, then True from one step on: the
         same step on every process (with several processes, one past the furthest step any of
@@ -259,7 +261,7 @@ class PreemptionMixin:
         return reached(_storage.check_step(step, "CheckpointManager.reached_preemption", _MAX_STEP))
 
     def save_and_exit_if_preempted(self, step: int, state: Any, *, data: Any = None) -> bool:
-        """At the preemption step: save `state`, close the manager and exit with status 0.
+        """Saves `state`, closes the manager and exits with status 0 at the preemption step.
 
         Exactly `if manager.reached_preemption(step): manager.save(step, state, data=data);
         manager.close(); sys.exit(0)`: call it at every step, after the step's update. The

@@ -84,7 +84,7 @@ class Group:
 
     @property
     def rank(self) -> int:
-        """This process's position among `processes` (0 for the writer)."""
+        """Returns this process's position among `processes` (0 for the writer)."""
         return self.processes.index(self.me)
 
     @property
@@ -96,7 +96,7 @@ class Group:
         return self.processes[0]
 
     def keys(self, what: str) -> tuple[str, str]:
-        """The keys of the two barriers around one write (draw in the caller's thread)."""
+        """Returns the keys of the two barriers around one write (draw in the caller's thread)."""
         n = next(_KEYS)
         return f"jmirror.checkpoint.{n}.start:{what}", f"jmirror.checkpoint.{n}.end:{what}"
 
@@ -148,7 +148,8 @@ class Group:
             raise error
 
     def gather_json(self, data: Any) -> list[Any]:
-        """Every process's JSON-able `data`, in process order (a collective of every process)."""
+        """Returns every process's JSON-able `data`, in process order (a collective of every
+        process)."""
         if self.size == 1:
             return [data]
         if self.size != jax.process_count():
@@ -172,7 +173,8 @@ class Group:
 
 
 def _timed_out_tasks(message: str) -> tuple[int, ...] | None:
-    """The process indices a barrier's timeout error lists as absent (JAX's task = process)."""
+    """Returns the process indices a barrier's timeout error lists as absent (JAX's task =
+    process)."""
     match = _TIMED_OUT_TASKS.search(message + "\n\n")
     if match is None:
         return None

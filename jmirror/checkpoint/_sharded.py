@@ -20,14 +20,14 @@ KIND = "sharded"
 
 
 def pieces(host: np.ndarray, n: int, k: int = 1) -> np.ndarray:
-    """The `[N, length]` pieces of a whole host array over N replicas of k devices, as
+    """Returns the `[N, length]` pieces of a whole host array over N replicas of k devices, as
     `jm.shard_update` cuts them (flattened, zero-padded, cut in N; in k blocks first when
     k > 1: `jmirror._shard_jaxpr.layout`)."""
     return _shard_jaxpr.stack(host, _shard_jaxpr.layout(np.shape(host), n, k), xp=np)
 
 
 def matches(leaf: Any, target: Any) -> bool | None:
-    """Whether `target` fits the saved `leaf` as a `Sharded` node, setting how it restores.
+    """Returns whether `target` fits the saved `leaf` as a `Sharded` node, setting how it restores.
 
     Returns `None` when neither side is sharded (the plain checks apply), `True` when they
     fit, `False` when they do not (the caller reports the mismatch).

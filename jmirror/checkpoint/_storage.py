@@ -58,7 +58,7 @@ _AT_FDCWD = -100
 
 
 def check_step(step: Any, call: str, maximum: int | None = None) -> int:
-    """`step` as an int of 0 or more (at most `maximum`), else the error naming `call`."""
+    """Returns `step` as an int of 0 or more (at most `maximum`), else the error naming `call`."""
     if isinstance(step, bool):
         raise TypeError(f"{call} expects an int step, got {step!r}.")
     try:
@@ -139,7 +139,7 @@ def write(
 
 
 def _orbax_save(path: pathlib.Path, arrays: dict[str, np.ndarray], doc: dict) -> None:
-    """orbax's save of the two items; zero-size arrays (orbax refuses them) live in `doc`."""
+    """Saves the two items with orbax; zero-size arrays (orbax refuses them) live in `doc`."""
     items: dict[str, Any] = {_format.METADATA_ITEM: ocp.args.JsonSave(doc)}
     stored = {name: a for name, a in arrays.items() if a.size}
     if stored:
@@ -178,7 +178,7 @@ _QUIET_USERS = [0]  # writes in progress (several managers may write at once)
 
 @contextlib.contextmanager
 def _quiet_orbax_errors() -> Iterator[None]:
-    """While jmirror's write runs, absl's logger drops orbax's errors about that write."""
+    """Makes absl's logger drop orbax's errors about jmirror's write while that write runs."""
     absl = logging.getLogger("absl")
     with _QUIET_LOCK:
         _QUIET_USERS[0] += 1
@@ -194,7 +194,7 @@ def _quiet_orbax_errors() -> Iterator[None]:
 
 
 def _checkpointer() -> ocp.Checkpointer:
-    """An orbax checkpointer of this process alone (no barriers with other processes)."""
+    """Returns an orbax checkpointer of this process alone (no barriers with other processes)."""
     me = jax.process_index()
     alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
     handler = ocp.CompositeCheckpointHandler(
@@ -233,7 +233,7 @@ def clean(root: pathlib.Path) -> None:
 
 
 def steps(root: pathlib.Path) -> list[int]:
-    """The steps with a complete checkpoint under `root`, ascending."""
+    """Returns the steps with a complete checkpoint under `root`, ascending."""
     if not root.is_dir():
         return []
     found = [int(p.name) for p in root.iterdir() if _STEP.fullmatch(p.name) and p.is_dir()]
@@ -241,7 +241,7 @@ def steps(root: pathlib.Path) -> list[int]:
 
 
 def listing(directory: pathlib.Path) -> str:
-    """What exists at `directory`, for a `FileNotFoundError` message."""
+    """Returns what exists at `directory`, for a `FileNotFoundError` message."""
     if directory.is_dir():
         names = sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
         shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
@@ -255,7 +255,7 @@ def listing(directory: pathlib.Path) -> str:
 
 
 def read_document(path: pathlib.Path, call: str) -> Any:
-    """The metadata document of the checkpoint at `path`, parsed as JSON only."""
+    """Returns the metadata document of the checkpoint at `path`, parsed as JSON only."""
     if not (path / _format.METADATA_ITEM).is_dir():
         if path.is_dir() and steps(path):
             raise FileNotFoundError(
@@ -292,7 +292,7 @@ def read_document(path: pathlib.Path, call: str) -> Any:
 
 
 def read_arrays(path: pathlib.Path, specs: dict[str, jax.ShapeDtypeStruct], paths: dict) -> dict:
-    """The checkpoint's arrays as host numpy arrays of the given shapes and dtypes.
+    """Returns the checkpoint's arrays as host numpy arrays of the given shapes and dtypes.
 
     orbax reads them as `jax.Array`s on the host CPU device (its faster path than reading
     numpy arrays); dtypes JAX cannot hold as they are (64-bit ones without
@@ -315,7 +315,7 @@ def read_arrays(path: pathlib.Path, specs: dict[str, jax.ShapeDtypeStruct], path
 
 
 def _failing_arrays(path: pathlib.Path, specs: dict[str, jax.ShapeDtypeStruct]) -> list[str]:
-    """The arrays that cannot be read alone, for the message (one file may hold several)."""
+    """Returns the arrays that cannot be read alone, for the message (one file may hold several)."""
     failing = []
     for name, spec in specs.items():
         try:

@@ -101,7 +101,7 @@ def _check_no_per_replica(index: int, tree: PyTree) -> None:
 
 
 def _columns(steps: list[PyTree]) -> tuple[tuple[tuple[Any, ...], ...], Any]:
-    """Each leaf position's values over the steps, after checking every step's layout."""
+    """Returns each leaf position's values over the steps, after checking every step's layout."""
     first, treedef = jax.tree_util.tree_flatten_with_path(steps[0])
     rows = [[leaf for _, leaf in first]]
     for index, tree in enumerate(steps[1:], start=1):

@@ -49,7 +49,7 @@ def _add(field: Any, delta: jax.Array) -> Any:
 
 
 def _expand_mask(call: str, mask: ArrayLike | None, shape: tuple[int, ...]) -> jax.Array:
-    """`mask` broadcast over the trailing axes of `shape` (all True when `mask` is None)."""
+    """Returns `mask` broadcast over the trailing axes of `shape` (all True when `mask` is None)."""
     if mask is None:
         return jnp.ones(shape, jnp.bool_)
     mask = jnp.asarray(mask)
@@ -130,7 +130,8 @@ class Metric:
 
     @property
     def is_distributed(self) -> bool:
-        """Whether the counters are `SyncOnRead` (made by `create`) rather than plain arrays.
+        """Returns whether the counters are `SyncOnRead` (made by `create`) rather than plain
+        arrays.
 
         Example:
             >>> from jmirror import metrics

@@ -18,7 +18,8 @@ def _strategy(strategy: MirroredStrategy | None) -> MirroredStrategy:
 
 
 def _host(x: Any) -> np.ndarray:
-    """`x` as a NumPy array; a typed PRNG key array as its key data (`jax.random.key_data`)."""
+    """Returns `x` as a NumPy array; a typed PRNG key array as its key data
+    (`jax.random.key_data`)."""
     if _is_key(x):
         x = jax.random.key_data(x)
     return np.asarray(x)
@@ -114,6 +115,6 @@ def assert_replicas_equal(
 
 
 def _is_key(x: Any) -> bool:
-    """Whether `x` is a typed PRNG key array (`jax.random.key`)."""
+    """Returns whether `x` is a typed PRNG key array (`jax.random.key`)."""
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)

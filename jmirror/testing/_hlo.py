@@ -109,7 +109,7 @@ def collectives(step: Any) -> list[Collective]:
 
 
 def _instructions(text: str) -> list[tuple[str, list[_Operand], str]]:
-    """The collective instructions of HLO text: opcode, operands and the computation that
+    """Returns the collective instructions of HLO text: opcode, operands and the computation that
     holds each, in order."""
     found = []
     where = ""
@@ -130,7 +130,7 @@ def _instructions(text: str) -> list[tuple[str, list[_Operand], str]]:
 
 
 def _runs(text: str) -> dict[str, int]:
-    """How many times one call of the module runs each computation: the entry once, a
+    """Returns how many times one call of the module runs each computation: the entry once, a
     loop body once per iteration of a known trip count, any other callee once per call."""
     calls: dict[str, list[tuple[str, int]]] = {}
     entry = None
@@ -163,7 +163,7 @@ def _runs(text: str) -> dict[str, int]:
 def _as_given(
     compiled: list[tuple[str, list[_Operand]]], given: list[tuple[str, list[_Operand]]]
 ) -> list[tuple[str, list[_Operand]]]:
-    """The compiled instructions with each operand's dtype as in the program given to XLA:
+    """Returns the compiled instructions with each operand's dtype as in the program given to XLA:
     matched, in order, to an operand of the same opcode and shape there (XLA combines
     collectives and may widen their dtype, but keeps each operand's shape)."""
     pool = [(op, dims, dtype) for op, operands in given for dtype, dims in operands]

@@ -18,7 +18,7 @@ _ENV = "JMIRROR_TEST_DEVICES"
 
 
 def _device_count(text: str) -> int:
-    """A device count of at least 1, or a usage error naming the option."""
+    """Returns a device count of at least 1, or raises a usage error naming the option."""
     try:
         count = int(text)
     except ValueError:
@@ -60,7 +60,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture
 def jmirror_strategy():
-    """A `MirroredStrategy` over every local device."""
+    """Returns a `MirroredStrategy` over every local device."""
     import jmirror
 
     return jmirror.MirroredStrategy()
@@ -68,7 +68,7 @@ def jmirror_strategy():
 
 @pytest.fixture
 def jmirror_emulated():
-    """An `EmulatedStrategy` with one replica per local device, all on the first device."""
+    """Returns an `EmulatedStrategy` with one replica per local device, all on the first device."""
     import jax
 
     from jmirror.testing import EmulatedStrategy
