@@ -43,21 +43,22 @@ def is_variable(x: Any) -> bool:
 
 
 def _linen_names(x: Any) -> Any:
-    """Returns the names of a linen metadata box (`nn.Partitioned`), else None."""
+    """Returns the names of a linen metadata box (`nn.Partitioned`; `()` for a box without
+    names), else None."""
     meta = sys.modules.get("flax.core.meta")
     if meta is None or not isinstance(x, getattr(meta, "AxisMetadata", ())):
         return None
-    return getattr(x, "names", None)
+    return getattr(x, "names", None) or ()
 
 
 def _variable_names(x: Any) -> Any:
     """Returns the `out_sharding` names of an NNX `Variable` (flax 0.12's name; reading its
-    deprecated `sharding_names` warns), else None."""
+    deprecated `sharding_names` warns; `()` for a Variable without them), else None."""
     if not is_variable(x):
         return None
     names = x.get_metadata("out_sharding", None)
     names = tuple(names.spec) if isinstance(names, NamedSharding) else names
-    return tuple(names) if names else None
+    return tuple(names) if names else ()
 
 
 def _linen_cause(path: tuple) -> str | None:

@@ -444,6 +444,7 @@ class _Entry:
             )
         return result, values, _Written(written)
 
+
 class _Written(OutputLayout):
     """The layout of a variant's outputs: per written-back value, the argument path of its
     Variable's leaf and what the Variable declares."""

@@ -512,8 +512,8 @@ def _check_processes(devices: Sequence[Device], k: int, call: str) -> None:
 
 
 # What a library's metadata boxes declare: functions giving the partitioning names of `x`
-# when it is such a box (a linen `Partitioned`, an NNX `Variable`), else None. Registered by
-# the module owning the library (`jmirror._flax`).
+# when it is such a box (a linen `Partitioned`, an NNX `Variable`; `()` for a box that names
+# none), else None. Registered by the module owning the library (`jmirror._flax`).
 BOX_NAMES: list[Callable[[Any], Any]] = []
 
 
@@ -537,7 +537,7 @@ def _metadata_names(leaf: Any) -> Any:
     `Declared`'s `sharding_names`, or None."""
     names = _box_names(leaf)
     if names is not None:
-        return names
+        return names or None
     return getattr(leaf, "sharding_names", None) or getattr(leaf, "names", None)
 
 

@@ -281,9 +281,7 @@ class SyncOnRead:
     """
 
     value: PyTree
-    aggregation: Aggregation = dataclasses.field(
-        default=Aggregation.SUM, metadata={"static": True}
-    )
+    aggregation: Aggregation = dataclasses.field(default=Aggregation.SUM, metadata={"static": True})
 
     def __post_init__(self) -> None:
         # Only the static aggregation is converted: unflattening (with tracers as the value)
