@@ -62,7 +62,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jmirror import _deadline
+from jmirror import _deadline, _step_stats
 from jmirror._batches import (
     DATASET_CALL,
     FUNCTION_CALL,
@@ -190,6 +190,8 @@ class DistributedDataset:
         start: int | None = None,
         source: str = "the source",
         agree: Agree | None = None,
+        stats: _step_stats.Recorder | None = None,
+        name: str = "",
     ):
         # open_elements(control, skip) opens one pass; `start` is None for streams without a
         # position, else the number of batches the first pass skips (later passes skip none).
@@ -202,13 +204,16 @@ class DistributedDataset:
         self._low_priority = topology.devices[0].platform == "cpu"
         self._agree = agree
         self._iterators: weakref.WeakSet[DistributedIterator] = weakref.WeakSet()
+        # Where the time goes (jmirror._step_stats): this dataset's row, its waits for batches.
+        self._row = None if stats is None else stats.row(self, name, _step_stats.DATASET)
 
     def __iter__(self) -> DistributedIterator:
         control = Control()
         start = self._start
         if start is not None:
             self._start = 0  # `start` applies to the first pass only
-        iterator = DistributedIterator(
+        row = self._row
+        iterator = (DistributedIterator if row is None else functools.partial(_Counted, row))(
             self._open_elements(control, start or 0),
             self._prefetch,
             self._low_priority,
@@ -244,6 +249,24 @@ class DistributedDataset:
 
     def __repr__(self) -> str:
         return f"<{self._call}(prefetch={self._prefetch})>"
+
+
+class _Counted(DistributedIterator):
+    """A pass whose waits for batches count in its dataset's row (`strategy.step_stats()`)."""
+
+    def __init__(self, row: Any, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._row = row
+
+    def __next__(self) -> Any:
+        began = _step_stats.clock()  # where the time goes: the loop waits for a batch here
+        try:
+            batch = super().__next__()
+        except StopIteration:
+            self._row.waited_for_batch(began, 0)
+            raise
+        self._row.waited_for_batch(began, 1)
+        return batch
 
 
 # --- several processes ---------------------------------------------------------------------------
@@ -296,6 +319,7 @@ def distribute_dataset(
     remainder: str = "pad",
     prefetch: int = 2,
     start: Mapping[str, Any] | None = None,
+    stats: _step_stats.Recorder | None = None,
 ) -> DistributedDataset:
     """Splits each global batch of `dataset` into per-replica shards on the devices.
 
@@ -315,6 +339,8 @@ def distribute_dataset(
         batches that iterator had not returned, skipping the others without converting or
         placing them. `dataset` may be a new object (in a new process) yielding the same
         batches: a callable or a re-iterable. Later passes start at their beginning.
+      stats: the strategy's counts of where the time goes, where the waits for batches
+        count (None: not counted).
 
     Returns:
       A `DistributedDataset` yielding `jm.PerReplica` batches (leaves of shape
@@ -369,7 +395,15 @@ def distribute_dataset(
         start=skip,
         source=source.describe(),
         agree=_agreement(topology),
+        stats=stats,
+        name=f"distribute_dataset({_short_name(dataset)})",
     )
+
+
+def _short_name(source: Any) -> str:
+    """A source as a row of `strategy.step_stats()` names it: its name, else its type's."""
+    name = getattr(source, "__name__", None)
+    return name if isinstance(name, str) else type(source).__name__
 
 
 def _check_start(start: Any) -> int:
@@ -405,7 +439,11 @@ def _check_start(start: Any) -> int:
 
 
 def distribute_datasets_from_function(
-    topology: Topology, dataset_fn: Callable[[InputContext], Any], *, prefetch: int = 2
+    topology: Topology,
+    dataset_fn: Callable[[InputContext], Any],
+    *,
+    prefetch: int = 2,
+    stats: _step_stats.Recorder | None = None,
 ) -> DistributedDataset:
     """Deals the per-replica batches of `dataset_fn(jm.InputContext(...))` to the replicas.
 
@@ -423,6 +461,8 @@ def distribute_datasets_from_function(
         batches (pytrees of array-likes; the N elements of a step share shapes).
       prefetch: how many steps a background thread keeps on the devices ahead of the
         consumer; 0 runs synchronously, without a thread.
+      stats: the strategy's counts of where the time goes, where the waits for batches
+        count (None: not counted).
 
     Returns:
       A `DistributedDataset` yielding one `jm.PerReplica` per step. Its iterators have no
@@ -465,4 +505,6 @@ def distribute_datasets_from_function(
         topology,
         source=source.describe(),
         agree=_agreement(topology),
+        stats=stats,
+        name=f"distribute_datasets_from_function({_short_name(dataset_fn)})",
     )

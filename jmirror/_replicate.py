@@ -30,7 +30,7 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from jmirror import _context, _dispatch, _mirrored_state, _nnx
+from jmirror import _context, _dispatch, _mirrored_state, _nnx, _step_stats
 from jmirror._adapter import Adapted, Adapter
 from jmirror._backends import Output, executable
 from jmirror._context import Runner
@@ -107,7 +107,10 @@ class Replicated:
         self._own = self._compile(fn, None, None)
         # The variants of `fn` that adapters ask for (`jmirror._adapter`), by key.
         self._variants: dict[Hashable, _Step] = {}
+        self._calls = 0  # the calls so far: the next call's number in a profiler trace
         functools.update_wrapper(self, fn)
+        name = getattr(fn, "__name__", None)  # the name of its row and its profiler steps
+        self._name = name if isinstance(name, str) else repr(self)
 
     def _compile(
         self, fn: Callable[..., Any], variant: Hashable, check: Callable[[Traced], None] | None
@@ -166,6 +169,19 @@ class Replicated:
     # --- calling -------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Where the time goes (jmirror._step_stats): this call's time in jmirror counts in
+        # strategy.step_stats(), and inside a jax.profiler trace the call is a step event.
+        number, began = self._calls, _step_stats.clock()
+        self._calls = number + 1
+        try:
+            if not _step_stats.tracing():
+                return self._call(args, kwargs)
+            with _step_stats.annotation(self._name, number):
+                return self._call(args, kwargs)
+        finally:
+            _step_stats.ended(began)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         # A keyboard interrupt waits for the call: a step that returned has donated nothing
         # in vain, and an NNX object is never left half written back.
         with HELD:
