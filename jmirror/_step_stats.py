@@ -18,9 +18,9 @@ nor device time of the steady loop: the spans JAX reports for tracing, lowering 
 (`jax.monitoring`'s time spans, on the thread that compiles) inside a call are left out of
 its `dispatch_s` and of `wall_s`, and summed in `StepStats.compile_s`.
 
-What one call costs: two clock reads, a thread-local read and write, a dict lookup by the
-function's id, a few float additions (benchmarks/RESULTS.md: the per-call benchmark). Rows are
-zeroed in place by a reset, so that a function or dataset keeps its row object.
+What one call costs: two clock reads, a dict lookup by the function's id, a few attribute
+reads and float additions (benchmarks/RESULTS.md). Rows are zeroed in place by a reset, so
+that a function or dataset keeps its row object.
 
 Inside an active `jax.profiler` trace each replicated call is also a
 `jax.profiler.StepTraceAnnotation` named after the function, with its call number (from 0):
@@ -79,17 +79,23 @@ _FIXES = {
 _NOTHING = "nothing recorded: no replicated call or batch since the last reset"
 
 
-class _Call(threading.local):
-    """What the replicated call open on this thread has seen so far."""
+class _Open:
+    """What the replicated call open now has seen so far.
 
-    row: _Row | None = None  # the row it counts in, once it dispatched a step
-    room_s = 0.0  # seconds it waited for room
+    One per process, not per thread: a thread-local costs about ten times a plain attribute
+    on this path. Replicated calls made at the same time from several threads may then count
+    in one another's rows (the totals, and the verdict, stay right).
+    """
+
+    __slots__ = ("row", "room_s", "spans")
 
     def __init__(self) -> None:
+        self.row: _Row | None = None  # the row it counts in, once it dispatched a step
+        self.room_s = 0.0  # seconds it waited for room
         self.spans: list[tuple[float, float]] = []  # compilation spans (time.time())
 
 
-_CALL = _Call()
+_OPEN = _Open()
 
 
 class _Row:
@@ -142,9 +148,9 @@ class Recorder:
         entry = self._owners.get(id(call))
         if entry is None or entry[0]() is not call:
             name = getattr(call, "_name", None)  # a replicated function's
-            _CALL.row = self.row(call, name if isinstance(name, str) else repr(call), FUNCTION)
+            _OPEN.row = self.row(call, name if isinstance(name, str) else repr(call), FUNCTION)
         else:
-            _CALL.row = entry[1]
+            _OPEN.row = entry[1]
 
     def covered(self, began: float, now: float) -> None:
         if self.first is None:
@@ -206,33 +212,40 @@ def _verdict(rows: list[dict[str, Any]], wall_s: float) -> str:
 
 
 def waited_for_room(seconds: float) -> None:
-    """Counts `seconds` waited for room by the call open on this thread."""
-    _CALL.room_s += seconds
+    """Counts `seconds` waited for room by the call open now."""
+    _OPEN.room_s += seconds
 
 
 def ended(began: float) -> None:
-    """Ends the call open on this thread, begun at `began` (`clock()`): counts it in the row
-    of the function whose step it dispatched (none: traced by the caller, not counted)."""
-    state = _CALL
+    """Ends the call open now, begun at `began` (`clock()`): counts it in the row of the
+    function whose step it dispatched (none: traced by the caller, not counted)."""
+    state = _OPEN
     row = state.row
     if row is None:
-        state.room_s = 0.0
+        if state.room_s:
+            state.room_s = 0.0
         return
-    now = clock()
     state.row = None
-    room = state.room_s
-    if room:
-        state.room_s = 0.0
-    compiling = _compiling(state.spans, now - began) if state.spans else 0.0
+    now = clock()
+    spent = now - began
+    if state.room_s or state.spans:  # it waited, or compiled: set those apart
+        spent = _set_apart(state, row, spent)
     row.calls += 1
-    row.dispatch_s += max(0.0, now - began - room - compiling)
-    row.room_wait_s += room
+    row.dispatch_s += spent
     recorder = row.recorder
     if recorder.first is None:
         recorder.first = began
     recorder.last = now
-    if compiling:
-        recorder.compile_s += compiling
+
+
+def _set_apart(state: _Open, row: _Row, spent: float) -> float:
+    """Counts the open call's wait for room and compilation apart from its `spent` seconds;
+    returns the rest."""
+    room, state.room_s = state.room_s, 0.0
+    compiling = _compiling(state.spans, spent) if state.spans else 0.0
+    row.room_wait_s += room
+    row.recorder.compile_s += compiling
+    return max(0.0, spent - room - compiling)
 
 
 def _compiling(spans: list[tuple[float, float]], length: float) -> float:
@@ -252,7 +265,7 @@ def _compiling(spans: list[tuple[float, float]], length: float) -> float:
 
 def _on_span(event: str, start_time: float, end_time: float, **kwargs: Any) -> None:
     if event.startswith("/jax/core/compile/"):
-        spans = _CALL.spans
+        spans = _OPEN.spans
         if len(spans) > 1000:  # compiled outside replicated calls, never read: forget them
             spans.clear()
         spans.append((start_time, end_time))
