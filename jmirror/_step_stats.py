@@ -352,4 +352,5 @@ class StepStats:
         out = io.StringIO()
         Console(file=out, width=100, color_system=None, force_terminal=False).print(table)
         compiled = f" ({self.compile_s:.3f} s compiling, not counted)" if self.compile_s else ""
-        return f"{out.getvalue()}{self.verdict}{compiled}: {self.fix}"
+        table_text = "\n".join(line.rstrip() for line in out.getvalue().splitlines())
+        return f"{table_text}\n{self.verdict}{compiled}: {self.fix}"
