@@ -10,7 +10,6 @@ its entries by each process's own devices, so the others compile again; see the 
 import os
 import re
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -28,44 +27,7 @@ RUN_S = 240  # two starts of a JAX process, compiling, on two busy CI cores
 
 kill_leftover_launchers = harness.kill_leftover_launchers  # every launcher, after each test
 
-# Times the first call of a small CNN's train step (XLA:CPU takes seconds to compile its
-# convolutions, against a fraction of a second to trace it), then fails on the first start so
-# that the launcher restarts it.
-_WORKER = """\
-import os, sys, time
-import jmirror as jm
-jm.distributed.initialize()
-import flax.linen as nn, jax, jax.numpy as jnp, numpy as np, optax
-
-class CNN(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        for features in (16, 32):
-            x = nn.avg_pool(nn.relu(nn.Conv(features, (3, 3))(x)), (2, 2), (2, 2))
-        return nn.Dense(10)(nn.relu(nn.Dense(64)(x.reshape(x.shape[0], -1))))
-
-strategy = jm.MultiWorkerMirroredStrategy()
-model, tx = CNN(), optax.sgd(1e-3)
-
-@jm.replicate(strategy=strategy)
-def step(params, opt_state, x, y):
-    def loss_fn(p):
-        return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
-    grads = jm.all_reduce("mean", jax.grad(loss_fn)(params))
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 16, 16, 1)))
-state = strategy.mirror((params, tx.init(params)))
-x, y = strategy.mirror((np.ones((4, 16, 16, 1), np.float32), np.zeros((4,), np.int32)))
-jax.block_until_ready((state, x, y))
-began = time.perf_counter()
-jax.block_until_ready(step(*state, x, y))
-first_call = time.perf_counter() - began
-restart = os.environ["JMIRROR_RESTART"]
-print(f"first call restart {restart} process {jax.process_index()} {first_call:.4f}")
-sys.exit(3 if restart == "0" else 0)
-"""
+WORKER = Path(__file__).parent / "multiprocess" / "compile_worker.py"
 
 
 def _env(argv, environ=None):
@@ -100,12 +62,10 @@ def test_a_directory_given_wins_and_off_disables_it(tmp_path):
 
 def _first_calls(tmp_path, cache: str) -> dict[str, float]:
     """The first call's seconds by restart (`"0"`, `"1"`) of a run with `cache`."""
-    worker = tmp_path / "worker.py"
-    worker.write_text(textwrap.dedent(_WORKER))
     run = harness.launch(
         [
             *("--processes", "1", "--devices-per-process", "2", "--max-restarts", "1"),
-            *("--compilation-cache", cache, str(worker)),
+            *("--compilation-cache", cache, str(WORKER)),
         ],
         tmp_path,
         f"cache-{os.path.basename(cache)}",
