@@ -24,6 +24,10 @@ of the leaves' abstract values, which JAX shares between every output of one com
 the flattened leaves (no Python code runs per leaf); paths are worked out only to explain a
 problem.
 
+**Where the time goes.** `Dispatch.stats` is the strategy's `jmirror._step_stats.Recorder`:
+the wait for room reports the seconds it blocked (none when there is room, which costs
+nothing), and `track` names the function whose row the call counts in.
+
 **Timeout.** With several processes and `timeout_s` (`jm.MultiWorkerMirroredStrategy`), each
 tracked step is also watched by `jmirror._deadline`, which ends the process when one has not
 completed `timeout_s` seconds after it was waited on: so the wait for room here is bounded too.

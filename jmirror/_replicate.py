@@ -107,7 +107,7 @@ class Replicated:
         self._own = self._compile(fn, None, None)
         # The variants of `fn` that adapters ask for (`jmirror._adapter`), by key.
         self._variants: dict[Hashable, _Step] = {}
-        self._calls = 0  # the calls so far: the next call's number in a profiler trace
+        self._calls = 0  # the calls so far: a call's number in a profiler trace is one less
         functools.update_wrapper(self, fn)
         name = getattr(fn, "__name__", None)  # the name of its row and its profiler steps
         self._name = name if isinstance(name, str) else repr(self)
@@ -171,12 +171,12 @@ class Replicated:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Where the time goes (jmirror._step_stats): this call's time in jmirror counts in
         # strategy.step_stats(), and inside a jax.profiler trace the call is a step event.
-        number, began = self._calls, _step_stats.clock()
-        self._calls = number + 1
+        began = _step_stats.clock()
+        self._calls += 1
         try:
             if not _step_stats.tracing():
                 return self._call(args, kwargs)
-            with _step_stats.annotation(self._name, number):
+            with _step_stats.annotation(self._name, self._calls - 1):
                 return self._call(args, kwargs)
         finally:
             _step_stats.ended(began)

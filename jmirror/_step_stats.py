@@ -87,12 +87,13 @@ class _Open:
     in one another's rows (the totals, and the verdict, stay right).
     """
 
-    __slots__ = ("row", "room_s", "spans")
+    __slots__ = ("row", "room_s", "spans", "apart")
 
     def __init__(self) -> None:
         self.row: _Row | None = None  # the row it counts in, once it dispatched a step
         self.room_s = 0.0  # seconds it waited for room
         self.spans: list[tuple[float, float]] = []  # compilation spans (time.time())
+        self.apart = False  # whether either of the two above has something
 
 
 _OPEN = _Open()
@@ -101,22 +102,36 @@ _OPEN = _Open()
 class _Row:
     """One function's or dataset's counts in one recorder."""
 
-    __slots__ = ("name", "kind", "calls", "dispatch_s", "room_wait_s", "input_wait_s", "recorder")
+    __slots__ = (
+        "name",
+        "kind",
+        "calls",
+        "dispatch_s",
+        "room_wait_s",
+        "input_wait_s",
+        "compile_s",
+        "first",
+        "last",
+    )
 
-    def __init__(self, name: str, kind: str, recorder: Recorder):
-        self.name, self.kind, self.recorder = name, kind, recorder
+    def __init__(self, name: str, kind: str):
+        self.name, self.kind = name, kind
         self.zero()
 
     def zero(self) -> None:
         self.calls = 0
-        self.dispatch_s = self.room_wait_s = self.input_wait_s = 0.0
+        self.dispatch_s = self.room_wait_s = self.input_wait_s = self.compile_s = 0.0
+        self.first: float | None = None  # the start of its first call or wait counted
+        self.last = 0.0  # the end of its last one
 
     def waited_for_batch(self, began: float, batches: int) -> None:
         """Counts a wait for a batch that began at `began` (`clock()`) and ends now."""
         now = clock()
         self.calls += batches
         self.input_wait_s += now - began
-        self.recorder.covered(began, now)
+        if self.first is None:
+            self.first = began
+        self.last = now
 
 
 class Recorder:
@@ -128,9 +143,6 @@ class Recorder:
         # id(owner) -> (a weak reference to the owner, its row): the owner's id is checked
         # against the reference, so an id reused after the owner is gone gets a new row.
         self._owners: dict[int, tuple[Callable[[], Any], _Row]] = {}
-        self.first: float | None = None  # the start of the first call or wait counted
-        self.last = 0.0  # the end of the last one
-        self.compile_s = 0.0
 
     def row(self, owner: Any, name: str, kind: str) -> _Row:
         """Returns the row of `owner` (a replicated function or a dataset), made if new."""
@@ -138,36 +150,42 @@ class Recorder:
         if entry is not None and entry[0]() is owner:
             return entry[1]
         with self._lock:
-            row = _Row(name, kind, self)
+            row = _Row(name, kind)
             self._rows.append(row)
             self._owners[id(owner)] = (_reference(owner), row)
             return row
 
     def dispatched(self, call: Any) -> None:
-        """Notes that the call open on this thread dispatched a step of `call`."""
-        entry = self._owners.get(id(call))
-        if entry is None or entry[0]() is not call:
-            name = getattr(call, "_name", None)  # a replicated function's
-            _OPEN.row = self.row(call, name if isinstance(name, str) else repr(call), FUNCTION)
-        else:
-            _OPEN.row = entry[1]
-
-    def covered(self, began: float, now: float) -> None:
-        if self.first is None:
-            self.first = began
-        self.last = now
+        """Notes that the call open now dispatched a step of `call`."""
+        # The row in the recorder `call` last ran on is kept on it: one attribute read per
+        # call, where the lookup by id and weak reference takes several.
+        kept = getattr(call, "_step_stats_row", _NOT_KEPT)
+        if kept[0] is self:
+            _OPEN.row = kept[1]
+            return
+        name = getattr(call, "_name", None)  # a replicated function's
+        row = self.row(call, name if isinstance(name, str) else repr(call), FUNCTION)
+        try:
+            call._step_stats_row = (self, row)
+        except AttributeError:  # an object that takes no attributes: looked up each call
+            pass
+        _OPEN.row = row
 
     def stats(self, reset: bool, process_index: int | None) -> StepStats:
         """Returns the counts as a `StepStats` (and zeroes them with `reset`)."""
         with self._lock:
-            rows = [_as_dict(row, process_index) for row in self._rows if _counted(row)]
-            first = self.first
-            compile_s = self.compile_s
-            wall = max(0.0, self.last - first - compile_s) if first is not None else 0.0
+            counted = [row for row in self._rows if row.first is not None]
+            rows = [_as_dict(row, process_index) for row in counted]
+            compile_s = sum(row.compile_s for row in counted)
+            firsts = [row.first for row in counted if row.first is not None]
+            wall = (
+                max(0.0, max(row.last for row in counted) - min(firsts) - compile_s)
+                if firsts
+                else 0.0
+            )
             if reset:
                 for row in self._rows:
                     row.zero()
-                self.first, self.last, self.compile_s = None, 0.0, 0.0
         return StepStats(rows, wall, _verdict(rows, wall), compile_s)
 
 
@@ -179,8 +197,7 @@ def _reference(owner: Any) -> Callable[[], Any]:
         return lambda: owner
 
 
-def _counted(row: _Row) -> bool:
-    return bool(row.calls or row.dispatch_s or row.input_wait_s)
+_NOT_KEPT = (None, None)
 
 
 def _as_dict(row: _Row, process_index: int | None) -> dict[str, Any]:
@@ -213,7 +230,9 @@ def _verdict(rows: list[dict[str, Any]], wall_s: float) -> str:
 
 def waited_for_room(seconds: float) -> None:
     """Counts `seconds` waited for room by the call open now."""
-    _OPEN.room_s += seconds
+    state = _OPEN
+    state.room_s += seconds
+    state.apart = True
 
 
 def ended(began: float) -> None:
@@ -222,29 +241,28 @@ def ended(began: float) -> None:
     state = _OPEN
     row = state.row
     if row is None:
-        if state.room_s:
-            state.room_s = 0.0
+        if state.apart:
+            state.room_s, state.apart = 0.0, False
         return
     state.row = None
     now = clock()
     spent = now - began
-    if state.room_s or state.spans:  # it waited, or compiled: set those apart
+    if state.apart:  # it waited, or compiled: set those apart
         spent = _set_apart(state, row, spent)
     row.calls += 1
     row.dispatch_s += spent
-    recorder = row.recorder
-    if recorder.first is None:
-        recorder.first = began
-    recorder.last = now
+    if row.first is None:
+        row.first = began
+    row.last = now
 
 
 def _set_apart(state: _Open, row: _Row, spent: float) -> float:
     """Counts the open call's wait for room and compilation apart from its `spent` seconds;
     returns the rest."""
-    room, state.room_s = state.room_s, 0.0
+    room, state.room_s, state.apart = state.room_s, 0.0, False
     compiling = _compiling(state.spans, spent) if state.spans else 0.0
     row.room_wait_s += room
-    row.recorder.compile_s += compiling
+    row.compile_s += compiling
     return max(0.0, spent - room - compiling)
 
 
@@ -265,10 +283,11 @@ def _compiling(spans: list[tuple[float, float]], length: float) -> float:
 
 def _on_span(event: str, start_time: float, end_time: float, **kwargs: Any) -> None:
     if event.startswith("/jax/core/compile/"):
-        spans = _OPEN.spans
-        if len(spans) > 1000:  # compiled outside replicated calls, never read: forget them
-            spans.clear()
-        spans.append((start_time, end_time))
+        state = _OPEN
+        if len(state.spans) > 1000:  # compiled outside replicated calls, never read: forget
+            state.spans.clear()
+        state.spans.append((start_time, end_time))
+        state.apart = True
 
 
 jax.monitoring.register_event_time_span_listener(_on_span)
