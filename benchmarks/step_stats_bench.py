@@ -1,18 +1,15 @@
 """What counting where the time goes costs a replicated call, in one process: prints figures.
 
-    python benchmarks/step_stats_bench.py [--repeat 9]
+    python benchmarks/step_stats_bench.py [--rounds 40] [--calls 500]
 
-Times the hook of `strategy.step_stats()` and of the profiler's steps on its own, in pure
-Python, so that the figure does not drown in the scatter of whole calls on a loaded machine:
-a replicated function whose body is replaced by a stub that only does what a dispatched step
-does for the counts (`Dispatch.track`'s `Recorder.dispatched`), called through its
-`__call__` (A: the hook and the stub) and through a `__call__(self, *args, **kwargs)` that
-calls the stub (B: a call as it was before the hook). Prints, in nanoseconds
-per call, the best of `--repeat` runs of A - B (`hook_ns`) and of the stub's lookup
-(`dispatched_ns`), their sum (`total_ns`, what counting adds to a call), the same in calls of
-an empty Python function (`total_in_noop_calls`: a figure that a loaded machine scales less),
-the median time of a real call of a tiny step on one device (`call_us`), and `total_ns`
-against it (`ratio`).
+A tiny replicated step on one device (`w + x`: the call is almost all host work), called
+`--calls` times per round, alternately (A B, then B A) as users call it (A: `step(w, x)`,
+through the hook of `strategy.step_stats()` and of the profiler's steps) and through a
+`__call__(self, *args, **kwargs)` that runs the same call without the hook (B: a call as it
+was before it). Every call is timed on its own; prints the medians of A and B in nanoseconds,
+their difference (what counting adds to a call) and their ratio. Pairing A and B in one
+process, call by call, keeps the difference meaningful on a loaded machine, where
+whole-process timings scatter by more than it.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ import argparse
 import os
 import statistics
 import time
-import timeit
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 
@@ -33,45 +29,31 @@ import jmirror as jm  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--calls", type=int, default=500)
     args = parser.parse_args()
 
     strategy = jm.MirroredStrategy(num_devices=1)
     step = jm.replicate(lambda w, x: w + x, strategy=strategy)
     w, x = strategy.mirror((jnp.zeros(()), jnp.ones(())))
-    calls = []
-    for _ in range(2000):
-        began = time.perf_counter()
-        w = step(w, x)
-        calls.append(time.perf_counter() - began)
+
+    class Before:  # the call without the hook
+        def __call__(self, *args: object, **kwargs: object) -> object:
+            return step._call(args, kwargs)
+
+    before, clock = Before(), time.perf_counter
+    with_hook: list[float] = []
+    without: list[float] = []
+    for i in range(args.rounds):
+        pairs = [(with_hook, step), (without, before)]
+        for times, call in pairs if i % 2 == 0 else pairs[::-1]:
+            for _ in range(args.calls):
+                began = clock()
+                w = call(w, x)
+                times.append(clock() - began)
     jax.block_until_ready(w)
-    call_us = statistics.median(calls[500:]) * 1e6
-
-    recorder = strategy.dispatch.stats
-
-    def stub(args: tuple, kwargs: dict) -> None:
-        recorder.dispatched(step)  # what Dispatch.track does for the counts
-
-    step._call = stub  # type: ignore[method-assign]
-    number = 200_000
-
-    def best(call) -> float:
-        return min(timeit.repeat(call, number=number, repeat=args.repeat)) / number * 1e9
-
-    class Before:  # a replicated function's call as it was without the hook
-        def __call__(self, *args: object, **kwargs: object) -> None:
-            stub(args, kwargs)
-
-    before = Before()
-    hook = best(lambda: step(w, x)) - best(lambda: before(w, x))
-    dispatched = best(lambda: recorder.dispatched(step)) - best(lambda: None)
-    total = hook + dispatched
-    noop = best(lambda: None)  # the load on the machine: about 30-40 ns when idle
-    print(
-        f"hook_ns {hook:.0f} dispatched_ns {dispatched:.0f} total_ns {total:.0f} "
-        f"noop_call_ns {noop:.0f} total_in_noop_calls {total / noop:.1f} "
-        f"call_us {call_us:.2f} ratio {1 + total / (call_us * 1e3):.4f}"
-    )
+    a, b = statistics.median(with_hook) * 1e9, statistics.median(without) * 1e9
+    print(f"with_hook_ns {a:.0f} without_ns {b:.0f} hook_ns {a - b:.0f} ratio {a / b:.4f}")
 
 
 if __name__ == "__main__":
