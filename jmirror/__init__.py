@@ -19,6 +19,7 @@ from jmirror._mirrored_state import MirroredStateWarning as MirroredStateWarning
 from jmirror._multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from jmirror._replicate import replicate as replicate
 from jmirror._shard_update import shard_update as shard_update
+from jmirror._step_stats import StepStats as StepStats
 from jmirror._strategy import MirroredStrategy as MirroredStrategy
 from jmirror._strategy import get_strategy as get_strategy
 from jmirror._sync_batch_norm import sync_batch_norm as sync_batch_norm  # SPEC 11, round 4
@@ -42,6 +43,7 @@ __all__ = [
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",
+    "StepStats",
     "SyncOnRead",
     "Synchronization",
     "ValueContext",

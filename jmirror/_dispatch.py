@@ -24,6 +24,10 @@ of the leaves' abstract values, which JAX shares between every output of one com
 the flattened leaves (no Python code runs per leaf); paths are worked out only to explain a
 problem.
 
+**Where the time goes.** `Dispatch.stats` is the strategy's `jmirror._step_stats.Recorder`:
+the wait for room reports the seconds it blocked (none when there is room, which costs
+nothing), and `track` names the function whose row the call counts in.
+
 **Timeout.** With several processes and `timeout_s` (`jm.MultiWorkerMirroredStrategy`), each
 tracked step is also watched by `jmirror._deadline`, which ends the process when one has not
 completed `timeout_s` seconds after it was waited on: so the wait for room here is bounded too.
@@ -45,7 +49,7 @@ from typing import Any
 import jax
 import jax.core
 
-from jmirror import _deadline
+from jmirror import _deadline, _step_stats
 from jmirror._topology import Topology
 
 DONATIONS = ("auto", "always")
@@ -109,8 +113,8 @@ class InFlight:
     def __getitem__(self, i: int) -> jax.Array:
         return self._queue[i]
 
-    def wait_for_room(self, limit: int) -> None:
-        """Blocks until fewer than `limit` steps are queued.
+    def wait_for_room(self, limit: int) -> float:
+        """Blocks until fewer than `limit` steps are queued; returns the seconds it blocked.
 
         When the queue is full, the older steps are waited for together (one batched
         `jax.block_until_ready`), down to half the bound: the next `limit // 2` calls then
@@ -119,9 +123,11 @@ class InFlight:
         """
         with self._lock:
             if len(self._queue) < limit:
-                return
+                return 0.0
             done = [self._queue.popleft() for _ in range(len(self._queue) - limit // 2)]
+        began = _step_stats.clock()
         jax.block_until_ready(done)
+        return _step_stats.clock() - began
 
     def track(self, token: jax.Array) -> None:
         """Records a dispatched step by its token (a concrete scalar the step returns, which
@@ -142,6 +148,8 @@ class Dispatch:
     topology: Topology
     in_flight: InFlight
     timeout_s: float | None = None  # the bound on a step across processes (None: one process)
+    # The strategy's counts of where the time goes (strategy.step_stats).
+    stats: _step_stats.Recorder = dataclasses.field(default_factory=_step_stats.Recorder)
 
     @classmethod
     def create(cls, topology: Topology, max_in_flight: Any, donation: Any, call: str) -> Dispatch:
@@ -156,16 +164,21 @@ class Dispatch:
         return donates(self.donation, self.topology.platform, self.topology.num_devices, donated)
 
     def wait_for_room(self) -> None:
-        """Blocks until fewer than `max_in_flight` steps are queued on the platform."""
-        self.in_flight.wait_for_room(self.max_in_flight)
+        """Blocks until fewer than `max_in_flight` steps are queued on the platform (the wait
+        counts as the open call's `room_wait_s`)."""
+        waited = self.in_flight.wait_for_room(self.max_in_flight)
+        if waited:
+            _step_stats.waited_for_room(waited)
 
     def bounded(self, call: Any) -> contextlib.AbstractContextManager[None]:
         """The bound on dispatching a step across processes (a cheap one may run inline)."""
         return _deadline.bounded(call, self.timeout_s)
 
     def track(self, token: Any, call: Any = "a replicated step") -> None:
-        """Records a dispatched step by one of its outputs (`call` names it if it times out)."""
+        """Records a dispatched step by one of its outputs (`call` names it if it times out,
+        and its row in `stats`)."""
         self.in_flight.track(token)
+        self.stats.dispatched(call)
         if self.timeout_s is not None:
             _deadline.watch(token, call, self.timeout_s)
 

@@ -73,7 +73,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jmirror import _deadline
+from jmirror import _deadline, _step_stats
 from jmirror._batches import (
     DATASET_CALL,
     FUNCTION_CALL,
@@ -203,6 +203,8 @@ class DistributedDataset:
         process_local: bool = False,
         source: str = "the source",
         agree: Agree | None = None,
+        stats: _step_stats.Recorder | None = None,
+        name: str = "",
     ):
         # open_elements(control, start) opens one pass, resumed at `start` (the first pass
         # only; later passes start at their beginning).
@@ -216,11 +218,14 @@ class DistributedDataset:
         self._low_priority = topology.devices[0].platform == "cpu"
         self._agree = agree
         self._iterators: weakref.WeakSet[DistributedIterator] = weakref.WeakSet()
+        # Where the time goes (jmirror._step_stats): this dataset's row, its waits for batches.
+        self._row = None if stats is None else stats.row(self, name, _step_stats.DATASET)
 
     def __iter__(self) -> DistributedIterator:
         control = Control()
         start, self._start = self._start, None  # `start` applies to the first pass only
-        iterator = DistributedIterator(
+        row = self._row
+        iterator = (DistributedIterator if row is None else functools.partial(_Counted, row))(
             self._open_elements(control, start),
             self._prefetch,
             self._low_priority,
@@ -257,6 +262,24 @@ class DistributedDataset:
 
     def __repr__(self) -> str:
         return f"<{self._call}(prefetch={self._prefetch})>"
+
+
+class _Counted(DistributedIterator):
+    """A pass whose waits for batches count in its dataset's row (`strategy.step_stats()`)."""
+
+    def __init__(self, row: Any, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._row = row
+
+    def __next__(self) -> Any:
+        began = _step_stats.clock()  # where the time goes: the loop waits for a batch here
+        try:
+            batch = super().__next__()
+        except StopIteration:
+            self._row.waited_for_batch(began, 0)
+            raise
+        self._row.waited_for_batch(began, 1)
+        return batch
 
 
 # --- several processes ---------------------------------------------------------------------------
@@ -310,6 +333,7 @@ def distribute_dataset(
     prefetch: int = 2,
     start: Mapping[str, Any] | None = None,
     process_local: bool = False,
+    stats: _step_stats.Recorder | None = None,
 ) -> DistributedDataset:
     """Splits each global batch of `dataset` into per-replica shards on the devices.
 
@@ -339,6 +363,11 @@ def distribute_dataset(
         `ShardByJaxProcess` with a per-process batch of G/P yields). One global batch is
         assembled from the shares without any process reading another's rows. With one
         process it is a global source.
+        batches that iterator had not returned, skipping the others without converting or
+        placing them. `dataset` may be a new object (in a new process) yielding the same
+        batches: a callable or a re-iterable. Later passes start at their beginning.
+      stats: the strategy's counts of where the time goes, where the waits for batches
+        count (None: not counted).
 
     Returns:
       A `DistributedDataset` yielding `jm.PerReplica` batches (leaves of shape
@@ -405,7 +434,15 @@ def distribute_dataset(
         process_local=shares.is_local,
         source=source.describe(),
         agree=_agreement(topology),
+        stats=stats,
+        name=f"distribute_dataset({_short_name(dataset)})",
     )
+
+
+def _short_name(source: Any) -> str:
+    """A source as a row of `strategy.step_stats()` names it: its name, else its type's."""
+    name = getattr(source, "__name__", None)
+    return name if isinstance(name, str) else type(source).__name__
 
 
 _POSITION_EXAMPLE = (
@@ -472,6 +509,7 @@ def distribute_datasets_from_function(
     *,
     prefetch: int = 2,
     start: Mapping[str, Any] | None = None,
+    stats: _step_stats.Recorder | None = None,
 ) -> DistributedDataset:
     """Deals the per-replica batches of `dataset_fn(jm.InputContext(...))` to the replicas.
 
@@ -494,6 +532,8 @@ def distribute_datasets_from_function(
         iterator had returned, giving the pipeline's iterator its saved state when it has
         `get_state()` and `set_state()`, else reading and skipping `num_local_replicas`
         elements per step received.
+      stats: the strategy's counts of where the time goes, where the waits for batches
+        count (None: not counted).
 
     Returns:
       A `DistributedDataset` yielding one `jm.PerReplica` per step. Its iterators have
@@ -542,4 +582,6 @@ def distribute_datasets_from_function(
         process_local=topology.process_count > 1,
         source=source.describe(),
         agree=_agreement(topology),
+        stats=stats,
+        name=f"distribute_datasets_from_function({_short_name(dataset_fn)})",
     )

@@ -28,7 +28,15 @@ from typing import Any
 import jax
 import jax.core
 
-from jmirror import _adapter, _context, _dispatch, _equinox, _flax, _nnx  # noqa: F401 (_flax registers)
+from jmirror import (  # noqa: F401 (_flax registers what it knows)
+    _adapter,
+    _context,
+    _dispatch,
+    _equinox,
+    _flax,
+    _nnx,
+    _step_stats,
+)
 from jmirror._adapter import Adapted
 from jmirror._arguments import Arguments, Prepared
 from jmirror._call_warnings import CallWarnings
@@ -90,7 +98,10 @@ class Replicated:
         self._own = self._compile(fn, None)
         # The variants of `fn` that adapters ask for (`jmirror._adapter`), by key.
         self._variants: dict[Hashable, _Step] = {}
+        self._calls = 0  # the calls so far: a call's number in a profiler trace is one less
         functools.update_wrapper(self, fn)
+        name = getattr(fn, "__name__", None)  # the name of its row and its profiler steps
+        self._step_name = name if isinstance(name, str) else repr(self)
 
     def _compile(self, fn: Callable[..., Any], check: Callable[..., None] | None) -> _Step:
         """Returns the `_Step` of replica function `fn` (`check`: an adapter's)."""
@@ -120,6 +131,19 @@ class Replicated:
     # --- calling -------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Where the time goes (jmirror._step_stats): this call's time in jmirror counts in
+        # strategy.step_stats(), and inside a jax.profiler trace the call is a step event.
+        began = _step_stats.clock()
+        self._calls += 1
+        try:
+            if not _step_stats.tracing():
+                return self._call(args, kwargs)
+            with _step_stats.annotation(self._step_name, self._calls - 1):
+                return self._call(args, kwargs)
+        finally:
+            _step_stats.ended(began)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         # A keyboard interrupt waits for the call: a step that returned has donated nothing
         # in vain, and an NNX object is never left half written back.
         with HELD:

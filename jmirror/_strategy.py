@@ -28,6 +28,7 @@ from jmirror._input import DistributedDataset, distribute_dataset, distribute_da
 from jmirror._merge_ops import MergeOps
 from jmirror._process_ops import ProcessHostOps
 from jmirror._replicate import replicate
+from jmirror._step_stats import StepStats
 from jmirror._topology import LayoutRules, Topology
 from jmirror._values import (
     Aggregation,
@@ -496,6 +497,33 @@ class MirroredStrategy:
             self._run_cache.move_to_end(key)
         return replicated(*args, **(kwargs or {}))
 
+    def step_stats(self, reset: bool = False) -> StepStats:
+        """Returns where the time went since the last reset: a `jm.StepStats`.
+
+        Each replicated function run on this strategy and each dataset it distributed has a
+        row: its calls (or batches), the caller's time inside jmirror, the waits for room
+        behind earlier steps (the devices are the bottleneck) and the waits for a batch (the
+        input is). The verdict names the largest part; `print(stats)` shows a table and the
+        fix. Compiling is left out. With several processes each process reports its own.
+
+        Args:
+          reset: also start counting again from zero.
+
+        Example:
+            >>> import jax.numpy as jnp, jmirror as jm
+            >>> strategy = jm.MirroredStrategy()
+            >>> step = jm.replicate(lambda w: w + 1.0, strategy=strategy)
+            >>> w = strategy.mirror(jnp.zeros(()))
+            >>> for _ in range(3):
+            ...     w = step(w)
+            >>> strategy.step_stats(reset=True).rows[0]["calls"]
+            3
+            >>> strategy.step_stats().rows
+            []
+        """
+        several = self._topology.process_count > 1
+        return self._dispatch.stats.stats(reset, self._topology.process_index if several else None)
+
     # --- input ---------------------------------------------------------------------------------
 
     def distribute_dataset(
@@ -535,6 +563,7 @@ class MirroredStrategy:
             prefetch=prefetch,
             start=start,
             process_local=process_local,
+            stats=self._dispatch.stats,
         )
 
     def distribute_datasets_from_function(
@@ -558,7 +587,11 @@ class MirroredStrategy:
             2
         """
         return distribute_datasets_from_function(
-            self._topology, dataset_fn, prefetch=prefetch, start=start
+            self._topology,
+            dataset_fn,
+            prefetch=prefetch,
+            start=start,
+            stats=self._dispatch.stats,
         )
 
 

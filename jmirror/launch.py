@@ -1,7 +1,8 @@
 """`python -m jmirror.launch`: run one program as several local processes, as on several machines.
 
     python -m jmirror.launch --processes P [--min-processes M] [--devices-per-process D]
-        [--max-restarts K] [--grace-period S] (script.py | -m module) [args]
+        [--max-restarts K] [--grace-period S] [--compilation-cache DIR|off]
+        (script.py | -m module) [args]
 
 starts P processes of `script.py args` (or `python -m module args`) on this machine, each told
 by environment variables (`jm.distributed.ENV_*`) to join one run: a coordinator on
@@ -51,6 +52,15 @@ no orphans: on Linux each process has the kernel kill it when the launcher dies
 process group) SIGKILLs the whole group, the program's own children included, once a pipe held
 only by the launcher reaches end-of-file.
 
+Compilation survives restarts (`--compilation-cache DIR|off`): the processes use JAX's
+persistent compilation cache in DIR, by default `jmirror/compilation` under the user's cache
+directory (`$XDG_CACHE_HOME`, else `~/.cache`), for every step however quickly it compiles
+(`JAX_COMPILATION_CACHE_DIR`, `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0`,
+`JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1` in their environment), so that a restart, and
+a start on fewer processes that ran before, finds the steps it has compiled. A
+`JAX_COMPILATION_CACHE_DIR` already in the environment is kept unless the option is given;
+`off` disables the cache (`JAX_ENABLE_COMPILATION_CACHE=false`).
+
 Each process runs the program under a short bootstrap that reports a failing exit code to the
 launcher through a pipe as soon as the program ends, before JAX's exit hook starts waiting for
 the other processes; this is how the launcher sees `sys.exit(3)` at once.
@@ -76,7 +86,8 @@ __all__ = ["main"]
 
 USAGE = (
     "python -m jmirror.launch --processes P [--min-processes M] [--devices-per-process D] "
-    "[--max-restarts K] [--grace-period S] (script.py | -m module) [args]"
+    "[--max-restarts K] [--grace-period S] [--compilation-cache DIR|off] "
+    "(script.py | -m module) [args]"
 )
 STOP_GRACE_S = 3.0  # after a failure or Ctrl-C: SIGTERM, then SIGKILL this much later
 GRACE_PERIOD_S = 30.0  # after SIGTERM to the launcher (--grace-period)
@@ -92,7 +103,17 @@ _OPTIONS_WITH_VALUE = (
     "--devices-per-process",
     "--max-restarts",
     "--grace-period",
+    "--compilation-cache",
 )
+CACHE_OFF = "off"  # --compilation-cache off
+# What the processes read (JAX's own configuration variables): the cache, and every step in
+# it however small or quick to compile (JAX's defaults keep only steps compiled in 1 s or more).
+_CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"
+_CACHE_ENABLED = "JAX_ENABLE_COMPILATION_CACHE"
+_CACHE_EVERY_STEP = {
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+}
 
 # Runs in each process: the program as `python script.py` / `python -m module` would run it,
 # then a failing exit code written to the launcher's pipe before the interpreter exits (and
@@ -175,6 +196,7 @@ class _Options:
     grace_period: float
     program: list[str]  # ["-m", module, *args] or ["script", path, *args]
     min_processes: int  # --min-processes, P when not given
+    compilation_cache: str | None = None  # --compilation-cache: a directory, "off", or None
 
 
 @dataclass
@@ -195,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Args:
       argv: the command line after `python -m jmirror.launch` (default `sys.argv[1:]`):
         `--processes P [--min-processes M] [--devices-per-process D] [--max-restarts K]
-        [--grace-period S] (script.py | -m module) [args]`.
+        [--grace-period S] [--compilation-cache DIR|off] (script.py | -m module) [args]`.
 
     Returns:
       0 when every process exited with 0; else the first failing process's exit code (128 +
@@ -231,6 +253,7 @@ def _parse(argv: list[str]) -> _Options | int:
     parser.add_argument("--devices-per-process", type=int, default=1, metavar="D")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K")
     parser.add_argument("--grace-period", type=float, default=GRACE_PERIOD_S, metavar="S")
+    parser.add_argument("--compilation-cache", metavar="DIR|off")
     try:
         options = parser.parse_args(argv[:split])
     except SystemExit as exit:  # argparse printed the usage error or the help
@@ -265,6 +288,11 @@ def _parse(argv: list[str]) -> _Options | int:
         return _usage_error(
             f"--grace-period expects S, a finite number of seconds >= 0; got {grace}."
         )
+    cache = options.compilation_cache
+    if cache is not None and not cache.strip():
+        return _usage_error(
+            "--compilation-cache expects a directory or 'off'; got an empty string."
+        )
     if not program:
         return _usage_error("expected a script.py or -m module to run; got neither.")
     if program[0] == "-m":
@@ -285,7 +313,30 @@ def _parse(argv: list[str]) -> _Options | int:
         grace,
         [kind, target, *args],
         least,
+        cache,
     )
+
+
+def _default_compilation_cache() -> str:
+    """Returns the launcher's default cache directory: `jmirror/compilation` under the user's
+    cache directory (`$XDG_CACHE_HOME`, else `~/.cache`)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jmirror", "compilation")
+
+
+def _compilation_cache_env(env: dict[str, str], given: str | None) -> None:
+    """Sets, in the processes' environment `env`, JAX's persistent compilation cache as
+    `--compilation-cache` says (`given`: a directory, "off", or None for the default)."""
+    if given == CACHE_OFF:
+        env.pop(_CACHE_DIR, None)
+        env[_CACHE_ENABLED] = "false"
+        return
+    if given is not None:
+        env[_CACHE_DIR] = os.path.abspath(given)  # the processes may change directory
+    elif not env.get(_CACHE_DIR):
+        env[_CACHE_DIR] = _default_compilation_cache()
+    for name, value in _CACHE_EVERY_STEP.items():
+        env.setdefault(name, value)
 
 
 def _program_start(argv: list[str]) -> int:
@@ -453,6 +504,7 @@ class _Launch:
             env[_ALIVE_FD] = str(self.alive_read)
             env[_PARENT] = str(os.getpid())
             env.setdefault("JAX_PLATFORMS", "cpu")
+            _compilation_cache_env(env, self.options.compilation_cache)
             try:
                 popen = subprocess.Popen(
                     [sys.executable, "-c", _BOOTSTRAP, *self.options.program],

@@ -24,7 +24,7 @@ PROCESS_TESTS=(
   tests/test_launch_restarts.py tests/test_distributed.py tests/test_multi_worker.py
   tests/test_checkpoint_processes.py tests/test_input_processes.py tests/test_resume.py
   tests/test_two_hosts.py tests/test_launch_elastic.py tests/test_input_local.py
-  tests/test_launchers.py
+  tests/test_launchers.py tests/test_launch_cache.py
 )
 # A session still running after this long is stopped (its log says where it was: pytest's
 # faulthandler_timeout prints every thread's stack of a test that runs past 7 minutes).

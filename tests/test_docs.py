@@ -23,6 +23,7 @@ EXPECTED_ALL = {
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",
+    "StepStats",
     "SyncOnRead",
     "Synchronization",
     "ValueContext",

@@ -1,0 +1,61 @@
+"""Times the first call of a small CNN's train step, then fails on the first start.
+
+Run by `python -m jmirror.launch --max-restarts 1 ...` (tests/test_launch_cache.py,
+benchmarks/restart_cache_bench.py): XLA:CPU takes seconds to compile the step's convolutions
+against a fraction of a second to trace it, so its first call after a restart shows whether
+the compiled step was found in the persistent compilation cache. Prints
+`first call restart R process I SECONDS cpu CPU_SECONDS` (wall and this process's CPU time);
+exits 3 on the first start (JMIRROR_RESTART=0), so
+that the launcher restarts it, and 0 after.
+"""
+
+import os
+import sys
+import time
+
+import jmirror as jm
+
+jm.distributed.initialize()  # before JAX starts its backends
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+
+class CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for features in (16, 32, 32):
+            x = nn.avg_pool(nn.relu(nn.Conv(features, (3, 3))(x)), (2, 2), (2, 2))
+        return nn.Dense(10)(nn.relu(nn.Dense(64)(x.reshape(x.shape[0], -1))))
+
+
+strategy = jm.MultiWorkerMirroredStrategy()
+model, tx = CNN(), optax.sgd(1e-3)
+
+
+@jm.replicate(strategy=strategy)
+def step(params, opt_state, x, y):
+    def loss_fn(p):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
+
+    grads = jm.all_reduce("mean", jax.grad(loss_fn)(params))
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 16, 16, 1)))
+state = strategy.mirror((params, tx.init(params)))
+x, y = strategy.mirror((np.ones((4, 16, 16, 1), np.float32), np.zeros((4,), np.int32)))
+jax.block_until_ready((state, x, y))
+began, began_cpu = time.perf_counter(), time.process_time()
+jax.block_until_ready(step(*state, x, y))
+first_call, first_call_cpu = time.perf_counter() - began, time.process_time() - began_cpu
+restart = os.environ["JMIRROR_RESTART"]
+print(
+    f"first call restart {restart} process {jax.process_index()} {first_call:.4f} "
+    f"cpu {first_call_cpu:.4f}"
+)
+sys.exit(3 if restart == "0" else 0)
