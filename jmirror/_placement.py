@@ -75,7 +75,7 @@ class Placement:
           ValueError: a leaf of a distributed value whose leading axis is not the replica
             count (a `PerReplica` made for another strategy).
         """
-        if _traced(types):
+        if has_tracers(types):
             return None
         expected = self._expected_of(name, layout, leaves, tree) if self._laid_out else None
         if np.ndarray not in types:
@@ -220,7 +220,7 @@ _TRACER_TYPES: set[type] = set()
 _NOT_TRACER_TYPES: set[type] = set()
 
 
-def _traced(types: set[type]) -> bool:
+def has_tracers(types: set[type]) -> bool:
     """Returns whether a leaf of one of `types` is a tracer (the caller's transformation)."""
     if types <= _NOT_TRACER_TYPES:
         return False

@@ -43,7 +43,7 @@ from jmirror._call_warnings import CallWarnings
 from jmirror._compilations import Counter
 from jmirror._context import Runner
 from jmirror._interrupts import HELD
-from jmirror._placement import Placement
+from jmirror._placement import Placement, has_tracers
 from jmirror._process_ops import globalize
 from jmirror._step import Body
 from jmirror._topology import Topology
@@ -151,8 +151,8 @@ class Replicated:
             step, adapted = self._adapt(args, kwargs)
             if adapted is not None and not step.settled:
                 adapted.settle(functools.partial(_first_component, strategy.topology))
-            prepared, donate = self._prepare(strategy, args, kwargs)
-            result = self._run(strategy, step, prepared, donate)
+            prepared, donate, traced = self._prepare(strategy, args, kwargs)
+            result = self._run(strategy, step, prepared, donate, traced)
             return result if adapted is None else adapted.finish(result)
 
     def _adapt(self, args: tuple, kwargs: dict) -> tuple[_Step, Adapted | None]:
@@ -166,8 +166,9 @@ class Replicated:
             step = self._variants[adapted.variant] = self._compile(fn, adapted.check)
         return step, adapted
 
-    def _prepare(self, strategy: Runner, args: tuple, kwargs: dict) -> tuple[Prepared, bool]:
-        """Splits, places and checks a call's arguments; returns them and whether it donates."""
+    def _prepare(self, strategy: Runner, args: tuple, kwargs: dict) -> tuple[Prepared, bool, bool]:
+        """Splits, places and checks a call's arguments; returns them, whether the call
+        donates and whether it is inside the caller's own transformation (holds tracers)."""
         topology = strategy.topology
         if topology.process_count > 1:
             args, kwargs = self._globalize(topology, args, kwargs)
@@ -183,9 +184,11 @@ class Replicated:
             self._warnings.of_arguments(*self._warning_args(strategy, prepared))
             prepared = prepared.with_leaves(placed)
         donate = self._donation_on(strategy).check_prepared(self, prepared)
-        return prepared, donate
+        return prepared, donate, has_tracers(types)
 
-    def _run(self, strategy: Runner, step: _Step, prepared: Prepared, donate: bool) -> Any:
+    def _run(
+        self, strategy: Runner, step: _Step, prepared: Prepared, donate: bool, traced: bool
+    ) -> Any:
         """Runs the step within the bound on steps in flight; warns after it compiled."""
         strategy.dispatch.wait_for_room()
         jitted = step.jitted[donate]
@@ -199,9 +202,12 @@ class Replicated:
                 # Name pmap leftovers and host batches before JAX's own error about them.
                 self._warnings.of_arguments(*self._warning_args(strategy, prepared))
                 raise
+        if traced:
+            # Called inside the caller's own transformation (jit, grad, vmap, scan, ...): what
+            # an eager grad or vmap compiled is the transformation's program, not a step's.
+            self._compilations.count = before
         if isinstance(token, jax.core.Tracer):
-            # Traced by the caller's own transformation (jit, grad, vmap, scan, ...): JAX
-            # dispatches it, so there is nothing to bound and no compilation of ours to count.
+            # Traced by that transformation: JAX dispatches it, nothing to bound.
             return result
         strategy.dispatch.track(token, self)
         if self._compilations.count != before:
@@ -241,10 +247,17 @@ class Replicated:
         """
         strategy = self._check_call(args)
         step, _ = self._adapt(args, kwargs)
-        prepared, _ = self._prepare(strategy, args, kwargs)
+        prepared = self._prepare(strategy, args, kwargs)[0]
         donates = self._donation_on(strategy).donates(args)
         with strategy.topology.mesh_scope():
-            return step.lowerable[donates].lower(prepared.plan, prepared.donated, prepared.others)
+            lowered = step.lowerable[donates].lower(
+                prepared.plan, prepared.donated, prepared.others
+            )
+
+        def prepare(args: tuple, kwargs: dict) -> Prepared:
+            return self._prepare(strategy, args, kwargs)[0]
+
+        return _Lowered.of(lowered, prepare)
 
     @property
     def num_compilations(self) -> int:
@@ -267,6 +280,44 @@ class Replicated:
         if self._strategy is not None:
             return self._strategy
         return _context.current_strategy()
+
+
+class _Lowered(jax.stages.Lowered):
+    """A replicated step's `jax.stages.Lowered`, whose `compile()` gives a step called with
+    the replicated function's own arguments."""
+
+    __slots__ = ("_prepare_call",)
+
+    @classmethod
+    def of(cls, lowered: jax.stages.Lowered, prepare: Callable[[tuple, dict], Prepared]):
+        """Returns `lowered` as a `_Lowered` that prepares calls with `prepare`."""
+        new = cls.__new__(cls)
+        for klass in type(lowered).__mro__:
+            for name in getattr(klass, "__slots__", ()):
+                if hasattr(lowered, name):
+                    object.__setattr__(new, name, getattr(lowered, name))
+        object.__setattr__(new, "_prepare_call", prepare)
+        return new
+
+    def compile(self, *args: Any, **kwargs: Any) -> Any:
+        """Returns the compiled step, called like the replicated function."""
+        return _Compiled(super().compile(*args, **kwargs), self._prepare_call)
+
+
+class _Compiled:
+    """A compiled replicated step called with the replicated function's own arguments
+    (`jax.stages.Compiled`'s other attributes are the compiled program's)."""
+
+    def __init__(self, compiled: Any, prepare: Callable[[tuple, dict], Prepared]):
+        self._compiled = compiled
+        self._prepare_call = prepare
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        prepared = self._prepare_call(args, kwargs)
+        return self._compiled(prepared.donated, prepared.others)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._compiled, name)
 
 
 def _result_only(entry: Callable[..., Any]) -> Callable[..., Any]:
