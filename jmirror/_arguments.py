@@ -25,8 +25,10 @@ inside a policed node.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.core
@@ -38,6 +40,8 @@ from jmirror._values import PerReplica, Sharded, SyncOnRead
 LeafPolicy = Callable[[type], "Callable[[Any], bool] | None"]
 
 _DISTRIBUTED_NODES = (PerReplica, SyncOnRead, Sharded)
+# `jax.tree_util.tree_flatten` without its Python wrapper (one call per replicated call).
+_flatten = jax.tree_util.default_registry.flatten
 _NUMBERS = (int, float, bool, complex)
 # Leaf types `jax.jit` traces, and those it cannot (static here), learned as they are met.
 _TRACED: set[type] = {*_NUMBERS, np.ndarray}
@@ -212,10 +216,13 @@ class Positions:
 
     def split(self, args: tuple) -> tuple[tuple, tuple, tuple]:
         """Returns `(donated args, other args, static args)`."""
-        groups: tuple[list, list, list] = ([], [], [])
-        for g, a in zip(self.groups, args):
-            groups[g].append(a)
-        return tuple(groups[0]), tuple(groups[1]), tuple(groups[2])
+        donated, others, static = self.take
+        return donated(args), others(args), static(args)
+
+    @functools.cached_property
+    def take(self) -> tuple[Callable[[tuple], tuple], ...]:
+        """Returns, per group, a function picking that group's arguments out of `args`."""
+        return tuple(_picker([i for i, g in enumerate(self.groups) if g == k]) for k in range(3))
 
     def where(self, path: Sequence[Any]) -> str:
         """Names a path into `(donated args, other args, kwargs)`: `args[i]...`, `kwargs[...]`."""
@@ -224,6 +231,19 @@ class Positions:
             return "kwargs" + jax.tree_util.keystr(tuple(path[1:]))
         index = [i for i, g in enumerate(self.groups) if g == group][path[1].idx]
         return f"args[{index}]" + jax.tree_util.keystr(tuple(path[2:]))
+
+
+def _picker(indices: list[int]) -> Callable[[tuple], tuple]:
+    """Returns a function giving the items at `indices` of a tuple, as a tuple."""
+    if not indices:
+        return lambda args: ()
+    if indices == list(range(indices[-1] + 1)):  # a prefix (all of them, often)
+        stop = indices[-1] + 1
+        return lambda args: args[:stop]
+    if len(indices) == 1:
+        i = indices[0]
+        return lambda args: (args[i],)
+    return operator.itemgetter(*indices)
 
 
 def check_hashable(
@@ -255,8 +275,7 @@ def unhashable_message(name: str, where: str, value: Any) -> str:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class Prepared:
+class Prepared(NamedTuple):
     """One call's arguments as its step takes them.
 
     Attributes:
@@ -337,7 +356,7 @@ class Arguments:
             )
             kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         tree = (donated, others, kwargs)
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        leaves, treedef = _flatten(tree)
         layout = self._layouts.get(treedef)
         if layout is None:
             layout = self._layouts[treedef] = Layout.of(treedef, self._policy_of)

@@ -2,11 +2,10 @@
 
 JAX reports every backend compilation through `jax.monitoring` (the event
 `/jax/core/compile/backend_compile_duration`, on the thread that compiles, inside the call
-that needed it). A replicated call marks itself as the thread's current call while it runs
-its `jax.jit`; the one listener, registered the first time a counter is made, adds each
-compilation to the current call's counter. Nothing is recorded at trace time, a call traced
-by the caller's own transformation compiles nothing of its own, and `.lower()` compiles
-nothing: neither counts.
+that needed it). One listener, registered the first time a replicated function is made,
+counts them per thread; a replicated call reads its thread's count before and after its
+`jax.jit` and keeps the difference as its own. Nothing is recorded at trace time, and
+`.lower()` compiles nothing.
 """
 
 from __future__ import annotations
@@ -18,41 +17,24 @@ import jax
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
-_current = threading.local()
-_registered = False
+_thread = threading.local()
+_registered: list[bool] = []
 _lock = threading.Lock()
 
 
-class Counter:
-    """The number of compilations of one replicated function's calls; as a context manager,
-    counts the compilations inside the block as its own (`with counter: ...`)."""
+def on_this_thread() -> int:
+    """Returns how many compilations this thread has made since the listener was registered."""
+    return getattr(_thread, "count", 0)
 
-    __slots__ = ("count", "_outer")
 
-    def __init__(self):
-        self.count = 0
-        self._outer: list[Counter | None] = []
-        _register()
-
-    def __enter__(self) -> Counter:
-        self._outer.append(getattr(_current, "counter", None))
-        _current.counter = self
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        _current.counter = self._outer.pop()
+def register() -> None:
+    """Registers the listener that counts compilations per thread (once)."""
+    with _lock:
+        if not _registered:
+            jax.monitoring.register_event_duration_secs_listener(_listen)
+            _registered.append(True)
 
 
 def _listen(event: str, duration_secs: float, **kwargs: Any) -> None:
     if event == BACKEND_COMPILE_EVENT:
-        counter = getattr(_current, "counter", None)
-        if counter is not None:
-            counter.count += 1
-
-
-def _register() -> None:
-    global _registered
-    with _lock:
-        if not _registered:
-            jax.monitoring.register_event_duration_secs_listener(_listen)
-            _registered = True
+        _thread.count = getattr(_thread, "count", 0) + 1

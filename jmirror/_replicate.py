@@ -30,6 +30,7 @@ import jax.core
 
 from jmirror import (  # noqa: F401 (_flax registers what it knows)
     _adapter,
+    _compilations,
     _context,
     _dispatch,
     _equinox,
@@ -40,7 +41,6 @@ from jmirror import (  # noqa: F401 (_flax registers what it knows)
 from jmirror._adapter import Adapted
 from jmirror._arguments import Arguments, Prepared
 from jmirror._call_warnings import CallWarnings
-from jmirror._compilations import Counter
 from jmirror._context import Runner
 from jmirror._interrupts import HELD
 from jmirror._placement import Placement, has_tracers
@@ -94,7 +94,8 @@ class Replicated:
         self._donation: tuple[Any, _dispatch.Donation] | None = None
         # The placement on the last topology called on (what it learned is kept there).
         self._placement: Placement | None = None
-        self._compilations = Counter()
+        self._compilations = 0  # the XLA compilations its calls caused (`_compilations`)
+        _compilations.register()
         self._own = self._compile(fn, None)
         # The variants of `fn` that adapters ask for (`jmirror._adapter`), by key.
         self._variants: dict[Hashable, _Step] = {}
@@ -190,10 +191,11 @@ class Replicated:
         self, strategy: Runner, step: _Step, prepared: Prepared, donate: bool, traced: bool
     ) -> Any:
         """Runs the step within the bound on steps in flight; warns after it compiled."""
-        strategy.dispatch.wait_for_room()
+        dispatch = strategy.dispatch
+        dispatch.wait_for_room()
         jitted = step.jitted[donate]
-        before = self._compilations.count
-        with strategy.dispatch.bounded(self), strategy.topology.mesh_scope(), self._compilations:
+        before = _compilations.on_this_thread()
+        with dispatch.bounded(self), strategy.topology.mesh_scope():
             # With replicas spanning devices the mesh is in context while the step is traced
             # and lowered: `axis_index` inside a scan, cond or while body lowers through it.
             try:
@@ -202,15 +204,15 @@ class Replicated:
                 # Name pmap leftovers and host batches before JAX's own error about them.
                 self._warnings.of_arguments(*self._warning_args(strategy, prepared))
                 raise
-        if traced:
-            # Called inside the caller's own transformation (jit, grad, vmap, scan, ...): what
-            # an eager grad or vmap compiled is the transformation's program, not a step's.
-            self._compilations.count = before
+        compiled = 0 if traced else _compilations.on_this_thread() - before
+        # Called inside the caller's own transformation (jit, grad, vmap, scan, ...), what an
+        # eager grad or vmap compiled is the transformation's program, not a step's.
+        self._compilations += compiled
         if isinstance(token, jax.core.Tracer):
             # Traced by that transformation: JAX dispatches it, nothing to bound.
             return result
-        strategy.dispatch.track(token, self)
-        if self._compilations.count != before:
+        dispatch.track(token, self)
+        if compiled:
             self._warnings.after_compile(*self._warning_args(strategy, prepared))
         else:
             step.settled = True
@@ -263,7 +265,7 @@ class Replicated:
     def num_compilations(self) -> int:
         """Returns how many input signatures calls have compiled so far (`.lower()` and calls
         traced by an outer transformation do not count)."""
-        return self._compilations.count
+        return self._compilations
 
     def _check_call(self, args: tuple) -> Any:
         if _context.in_replica_context() or _context.merge_context() is not None:
