@@ -182,8 +182,12 @@ def trace_and_prove(call: ReplicaCall, avals: Sequence[jax.ShapeDtypeStruct]) ->
         round_ = _Round(_context.TraceRound(oracle))
         # A new function object each round: make_jaxpr caches traces by function.
         flat_fn = functools.partial(_run_replica, call, round_)
+        # Traced as one `jax.jit`, the replica function is a single call equation that
+        # carries its own jaxpr: the backend binds that equation and does not trace the
+        # body a second time, and the proof reads the body through it.
+        jitted = jax.jit(flat_fn)
         try:
-            closed = jax.make_jaxpr(flat_fn, axis_env=axis_env)(*avals)
+            closed = jax.make_jaxpr(jitted, axis_env=axis_env)(*avals)
         except NameError as e:
             raise _unbound_axis(call, e) from e
         out_split, proof = prove(closed, call.split, strategy.axis_name)
