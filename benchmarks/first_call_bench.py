@@ -8,11 +8,13 @@ an Adam step with the loss and the gradients averaged over the replicas:
 - `flax transformer LM`: the small decoder of `benchmarks/shard_bench.py` (vocabulary 256,
   width 128, 2 blocks of 4 heads, sequence 32, batch 64).
 
-`jm` is `jm.replicate` of the step (its default backend); `hand` is the same step as
+`jm` is `jm.replicate` of the step (its default backend, or `--backend`); `hand` is the same step as
 `jax.jit(jax.shard_map(..., check_vma=False))` with `jax.lax.pmean`, the state replicated
 and the batch split over the devices. Each measurement runs in a fresh process (compilation
 caches are per process; the persistent compilation cache is off), `jm` and `hand` alternated,
-and the report gives the median of `--repeats` pairs and the ratio of the medians.
+and the report gives the median of `--repeats` pairs and the ratio of the medians, in
+wall-clock seconds and in the process's CPU seconds (every thread: on a loaded machine the
+wall clock mostly measures the other processes, the CPU seconds the work itself).
 
     PYTHONPATH=<checkout> python benchmarks/first_call_bench.py [--repeats 3] [--models mlp lm]
     PYTHONPATH=<checkout> python benchmarks/first_call_bench.py --profile jm lm   # cProfile
@@ -75,8 +77,10 @@ def _problem(model: str):
     return params, lm_loss, tokens, np.roll(tokens, -1, axis=1)
 
 
-def measure(mode: str, model: str, profile: bool = False) -> float:
-    """Returns the seconds of the first call of `mode`'s step on `model`, in this process."""
+def measure(mode: str, model: str, profile: str | None = None) -> dict[str, float]:
+    """Returns the first call of `mode`'s step on `model`, in this process: its wall-clock
+    seconds (`wall`) and the process's CPU seconds in it (`cpu`, every thread); with
+    `profile` (a pstats sort key) prints the call's cProfile."""
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
@@ -89,7 +93,7 @@ def measure(mode: str, model: str, profile: bool = False) -> float:
 
     params, loss_fn, x, y = _problem(model)
     tx = optax.adam(1e-3)
-    strategy = jm.MirroredStrategy()
+    strategy = jm.MirroredStrategy(backend=os.environ.get("FIRST_CALL_BACKEND") or None)
     n, axis, mesh = strategy.num_replicas, strategy.axis_name, strategy.mesh
     if mode == "jm":
 
@@ -137,19 +141,17 @@ def measure(mode: str, model: str, profile: bool = False) -> float:
     out = step(*state, *batch)
     jax.block_until_ready(out)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    if os.environ.get("FIRST_CALL_CPU"):
-        print(f"cpu {cpu:.3f}", file=sys.stderr)
     if profiler is not None:
         import pstats
 
         profiler.disable()
         if os.environ.get("FIRST_CALL_PROFILE_TO"):  # a file for pstats, to compare two runs
             profiler.dump_stats(os.environ["FIRST_CALL_PROFILE_TO"])
-        pstats.Stats(profiler).sort_stats(os.environ.get("FIRST_CALL_SORT", "cumulative")).print_stats(60)
-    return seconds
+        pstats.Stats(profiler).sort_stats(profile).print_stats(60)
+    return {"wall": seconds, "cpu": cpu}
 
 
-def _fresh(mode: str, model: str) -> float:
+def _fresh(mode: str, model: str) -> dict[str, float]:
     """Returns `measure(mode, model)` run in a fresh Python process."""
     code = (
         "import json; from benchmarks.first_call_bench import measure; "
@@ -168,30 +170,52 @@ def _fresh(mode: str, model: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
-    """Prints the first calls of `jm` and `hand` per model and their ratio; returns them."""
+    """Prints the first calls of `jm` and `hand` per model and their ratios (medians of
+    wall-clock and of CPU seconds); returns them."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="fresh-process pairs per model")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument(
         "--profile", nargs=2, metavar=("MODE", "MODEL"), help="cProfile one first call here"
     )
+    parser.add_argument(
+        "--backend", choices=("pmap", "shard_map"), help="jm's backend (default: its default)"
+    )
+    parser.add_argument("--sort", default="cumulative", help="the profile's pstats sort key")
     args = parser.parse_args(argv)
+    if args.backend:  # read by `measure`, in this process and in the fresh ones
+        os.environ["FIRST_CALL_BACKEND"] = args.backend
     if args.profile:
         mode, model = args.profile
-        print(f"{mode} first call on {model}: {measure(mode, model, profile=True):.3f} s")
+        took = measure(mode, model, profile=args.sort)
+        print(f"{mode} first call on {model}: {took['wall']:.3f} s ({took['cpu']:.3f} s CPU)")
         return {}
     results: dict[str, dict[str, float]] = {}
-    print("| model | jm first call s | hand jit(shard_map) first call s | ratio |")
-    print("|---|---|---|---|")
+    print(
+        "| model | jm first call s | hand jit(shard_map) first call s | ratio "
+        "| jm CPU s | hand CPU s | CPU ratio |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for model in args.models:
-        times: dict[str, list[float]] = {mode: [] for mode in MODES}
+        runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
         for i in range(args.repeats):
             # Alternate which mode goes first, so that a drift in load favours neither.
             for mode in MODES if i % 2 == 0 else MODES[::-1]:
-                times[mode].append(_fresh(mode, model))
-        jm_s, hand_s = (statistics.median(times[m]) for m in MODES)
-        results[model] = {"jm": jm_s, "hand": hand_s, "ratio": jm_s / hand_s}
-        print(f"| {MODELS[model]} | {jm_s:.2f} | {hand_s:.2f} | {jm_s / hand_s:.2f} |")
+                runs[mode].append(_fresh(mode, model))
+        row = {
+            f"{mode} {kind}": statistics.median(r[kind] for r in runs[mode])
+            for mode in MODES
+            for kind in ("wall", "cpu")
+        }
+        row["ratio"] = row["jm wall"] / row["hand wall"]
+        row["cpu ratio"] = row["jm cpu"] / row["hand cpu"]
+        results[model] = row
+        print(
+            f"| {MODELS[model]} | {row['jm wall']:.2f} | {row['hand wall']:.2f} "
+            f"| {row['ratio']:.2f} | {row['jm cpu']:.2f} | {row['hand cpu']:.2f} "
+            f"| {row['cpu ratio']:.2f} |",
+            flush=True,
+        )
     return results
 
 

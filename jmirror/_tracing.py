@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -180,12 +179,17 @@ def trace_and_prove(call: ReplicaCall, avals: Sequence[jax.ShapeDtypeStruct]) ->
 
     def trace(oracle: dict[int, tuple[bool, ...]]):
         round_ = _Round(_context.TraceRound(oracle))
+
         # A new function object each round: make_jaxpr caches traces by function.
-        flat_fn = functools.partial(_run_replica, call, round_)
+        def replica(*flat: Any) -> list[jax.Array]:
+            return _run_replica(call, round_, *flat)
+
+        # Named after the replica function, as its call is in the jaxpr and the HLO.
+        replica.__name__ = replica.__qualname__ = getattr(call.fn, "__name__", "replica")
         # Traced as one `jax.jit`, the replica function is a single call equation that
         # carries its own jaxpr: the backend binds that equation and does not trace the
         # body a second time, and the proof reads the body through it.
-        jitted = jax.jit(flat_fn)
+        jitted = jax.jit(replica)
         try:
             closed = jax.make_jaxpr(jitted, axis_env=axis_env)(*avals)
         except NameError as e:
