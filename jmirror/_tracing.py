@@ -2,10 +2,11 @@
 
 `trace_and_prove(call, avals)` traces the replica function into a jaxpr with
 `jax.make_jaxpr(axis_env=[(axis_name, N)])`, which gives `jax.pmap` semantics whichever backend
-runs it, and proves which outputs are identical on every replica (`jmirror._proof`). `sync`
-and `merge_call` leave markers whose answers only the proof knows, so tracing repeats: each
-round uses the previous round's answers (the oracle), until the answers stop changing. When a
-round contradicts an answer it relied on, or after `MAX_ROUNDS`, it traces once more with no
+runs it, inside one `jax.jit` (so that the backend binds the traced body as one call and does
+not trace it again), and proves which outputs are identical on every replica (`jmirror._proof`).
+`sync` and `merge_call` leave markers whose answers only the proof knows, so tracing repeats:
+each round uses the previous round's answers (the oracle), until the answers stop changing. When
+a round contradicts an answer it relied on, or after `MAX_ROUNDS`, it traces once more with no
 answers at all (every marked value then varies, which is always safe). The result is a
 `ProvenStep`.
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -180,10 +180,20 @@ def trace_and_prove(call: ReplicaCall, avals: Sequence[jax.ShapeDtypeStruct]) ->
 
     def trace(oracle: dict[int, tuple[bool, ...]]):
         round_ = _Round(_context.TraceRound(oracle))
+
         # A new function object each round: make_jaxpr caches traces by function.
-        flat_fn = functools.partial(_run_replica, call, round_)
+        def replica(*flat: Any) -> list[jax.Array]:
+            return _run_replica(call, round_, *flat)
+
+        # Named after the replica function, as its call is in the jaxpr and the HLO.
+        name = getattr(call.fn, "__name__", None)
+        replica.__name__ = replica.__qualname__ = name if isinstance(name, str) else "replica"
+        # Traced as one `jax.jit`, the replica function is a single call equation that
+        # carries its own jaxpr: the backend binds that equation and does not trace the
+        # body a second time, and the proof reads the body through it.
+        jitted = jax.jit(replica)
         try:
-            closed = jax.make_jaxpr(flat_fn, axis_env=axis_env)(*avals)
+            closed = jax.make_jaxpr(jitted, axis_env=axis_env)(*avals)
         except NameError as e:
             raise _unbound_axis(call, e) from e
         out_split, proof = prove(closed, call.split, strategy.axis_name)
