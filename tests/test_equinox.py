@@ -297,6 +297,34 @@ def test_batch_norm_fixes_equal_one_device(strategy, n, fix):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+def test_sync_batch_norm_keeps_the_tree_structure(strategy, n):
+    # An optimizer state made before converting still matches the converted model.
+    model, state = _batch_norm_model("batch")
+    # sgd: these gradients are near zero (the loss is of normalized outputs), and adam would
+    # scale their rounding up to the step size.
+    tx = optax.sgd(0.1)
+    opt_state = tx.init(eqx.filter(model, eqx.is_array))
+    converted = jm.sync_batch_norm(model, strategy)
+    assert jax.tree.structure(converted) == jax.tree.structure(model)
+
+    def step(model, state, opt_state, x):
+        grads, state, loss = _bn_step(model, state, x)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state, opt_state, loss
+
+    def one_step(model, state, opt_state, x):
+        grads, state, loss = _one_bn_step(model, state, x)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state, opt_state, loss
+
+    x = np.random.RandomState(1).randn(n * 4, 4).astype(np.float32)
+    got = jm.replicate(step, strategy=strategy)(converted, state, opt_state, _split(n, x))
+    want = eqx.filter_jit(one_step)(model, state, opt_state, x)
+    np.testing.assert_allclose(strategy.read(got[3]), want[3], rtol=1e-5)
+    for a, b in zip(_arrays(strategy.read(got[0])), _arrays(want[0])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 def _one_bn_step(model, state, x):
     def loss(model, state):
         y, state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
