@@ -88,6 +88,18 @@ def test_usual_step_equals_one_device_with_one_compile(strategy, n):
     jmt.assert_mirrored(eqx.filter(m, eqx.is_array), strategy)
 
 
+def test_fresh_state_compiles_once(strategy, n):
+    # Not mirrored yet (made on one device): the first call places it, and the second call,
+    # with the state the first returned, reuses the compiled step, on one device too.
+    tx = optax.sgd(0.1)
+    model = _mlp()
+    opt_state = tx.init(eqx.filter(model, eqx.is_array))
+    step = jm.replicate(_usual_step(tx), strategy=strategy)
+    for x, y in zip(*_data(n, steps=3)):
+        model, opt_state, _ = step(model, opt_state, _split(n, x), _split(n, y))
+    assert step.num_compilations == 1
+
+
 class _Scaled(eqx.Module):
     weight: jax.Array
     scale: float  # a Python number inside a module: static
