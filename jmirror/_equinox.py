@@ -115,6 +115,19 @@ _mirrored_state.register_state_kind(StateKind(_is_state, _cause))
 # --- jm.sync_batch_norm --------------------------------------------------------------------------
 
 
+class AxisNames(tuple):
+    """Several collective axis names that `jax.tree_util` holds as one leaf.
+
+    `eqx.nn.BatchNorm.axis_name` is a pytree leaf of the model, not a static field: a plain
+    tuple there would add leaves and change the model's tree structure, so optimizer state,
+    gradients or checkpoints made from the model before conversion would no longer match it.
+    A tuple subclass is a leaf to JAX's pytrees, while `lax.pmean` reads any tuple as several
+    axes; it equals and hashes as the plain tuple.
+    """
+
+    __slots__ = ()
+
+
 def sync_batch_norm(model: Any, axis: str) -> Any:
     """Returns a new equinox model whose every `eqx.nn.BatchNorm` has `axis` added to its
     `axis_name` (its own axis, the `vmap` one, is kept first)."""
@@ -126,8 +139,8 @@ def sync_batch_norm(model: Any, axis: str) -> Any:
             return x
         own = x.axis_name if isinstance(x.axis_name, (tuple, list)) else (x.axis_name,)
         converted = copy.copy(x)
-        # `axis_name` is a static field of a frozen module: set on the copy only.
-        object.__setattr__(converted, "axis_name", (*own, axis))
+        # equinox modules are frozen: set on the copy only, the caller's model is untouched.
+        object.__setattr__(converted, "axis_name", AxisNames((*own, axis)))
         return converted
 
     return jax.tree.map(convert, model, is_leaf=lambda x: isinstance(x, norm))

@@ -106,8 +106,6 @@ class Placement:
         topology = self._topology
         if sharding.device_set != topology.device_set:
             return False
-        if len(topology.device_set) == 1:
-            return True
         return isinstance(sharding, NamedSharding) and sharding.mesh == topology.mesh
 
     def _expected_of(self, name: str, layout: Layout, leaves: list[Any], tree: Any) -> list[Any]:

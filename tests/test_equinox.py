@@ -88,6 +88,18 @@ def test_usual_step_equals_one_device_with_one_compile(strategy, n):
     jmt.assert_mirrored(eqx.filter(m, eqx.is_array), strategy)
 
 
+def test_fresh_state_compiles_once(strategy, n):
+    # Not mirrored yet (made on one device): the first call places it, and the second call,
+    # with the state the first returned, reuses the compiled step, on one device too.
+    tx = optax.sgd(0.1)
+    model = _mlp()
+    opt_state = tx.init(eqx.filter(model, eqx.is_array))
+    step = jm.replicate(_usual_step(tx), strategy=strategy)
+    for x, y in zip(*_data(n, steps=3)):
+        model, opt_state, _ = step(model, opt_state, _split(n, x), _split(n, y))
+    assert step.num_compilations == 1
+
+
 class _Scaled(eqx.Module):
     weight: jax.Array
     scale: float  # a Python number inside a module: static
@@ -294,6 +306,34 @@ def test_batch_norm_fixes_equal_one_device(strategy, n, fix):
         np.testing.assert_allclose(strategy.read(loss), want_loss, rtol=1e-5)
     jmt.assert_mirrored(state, strategy)
     for a, b in zip(jax.tree.leaves(strategy.read(state)), jax.tree.leaves(one_state)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_sync_batch_norm_keeps_the_tree_structure(strategy, n):
+    # An optimizer state made before converting still matches the converted model.
+    model, state = _batch_norm_model("batch")
+    # sgd: these gradients are near zero (the loss is of normalized outputs), and adam would
+    # scale their rounding up to the step size.
+    tx = optax.sgd(0.1)
+    opt_state = tx.init(eqx.filter(model, eqx.is_array))
+    converted = jm.sync_batch_norm(model, strategy)
+    assert jax.tree.structure(converted) == jax.tree.structure(model)
+
+    def step(model, state, opt_state, x):
+        grads, state, loss = _bn_step(model, state, x)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state, opt_state, loss
+
+    def one_step(model, state, opt_state, x):
+        grads, state, loss = _one_bn_step(model, state, x)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state, opt_state, loss
+
+    x = np.random.RandomState(1).randn(n * 4, 4).astype(np.float32)
+    got = jm.replicate(step, strategy=strategy)(converted, state, opt_state, _split(n, x))
+    want = eqx.filter_jit(one_step)(model, state, opt_state, x)
+    np.testing.assert_allclose(strategy.read(got[3]), want[3], rtol=1e-5)
+    for a, b in zip(_arrays(strategy.read(got[0])), _arrays(want[0])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 

@@ -22,6 +22,7 @@ EXPECTED = {
     "05_checkpoints.ipynb",
     "06_nnx.ipynb",
     "07_spanning_devices.ipynb",
+    "08_equinox.ipynb",
 }
 # Notebooks that must work on however many devices the kernel sees, 1 included.
 ANY_DEVICE_COUNT = {"04_from_pmap_and_flax.ipynb"}
