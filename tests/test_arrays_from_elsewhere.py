@@ -49,9 +49,7 @@ def test_arrays_on_a_users_mesh_one_device_and_another_order(strategy, n):
     mesh = Mesh(np.array(devices[::-1]), ("data",))
     x = jax.device_put(jnp.arange(8.0 * n), NamedSharding(mesh, P("data")))
     one = jax.device_put(jnp.arange(3.0), devices[-1])
-    stacked = jax.device_put(
-        jnp.arange(2.0 * n).reshape(n, 2), NamedSharding(mesh, P("data"))
-    )
+    stacked = jax.device_put(jnp.arange(2.0 * n).reshape(n, 2), NamedSharding(mesh, P("data")))
 
     @jm.replicate(strategy=strategy)
     def step(x, y, b):
