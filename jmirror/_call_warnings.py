@@ -100,7 +100,12 @@ class CallWarnings:
 
 
 def _shape(x: Any) -> Any:
-    return tuple(np.shape(x)) if hasattr(x, "shape") or isinstance(x, (int, float)) else "static"
+    """Returns a leaf's shape (an attribute read: `np.shape` of a jax.Array costs more),
+    `()` for a number, "static" for a static leaf."""
+    shape = getattr(x, "shape", None)
+    if shape is not None:
+        return tuple(shape)
+    return () if isinstance(x, (int, float, complex)) else "static"
 
 
 def _dtype(x: Any) -> str:
