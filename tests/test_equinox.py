@@ -441,3 +441,33 @@ def test_hashable_config_objects_are_static(strategy):
 
 def _local_ids(strategy):
     return list(strategy.topology.local_replica_ids)
+
+
+def test_usual_step_at_two_devices_per_replica_with_layout_rules_equals_one_device(n):
+    if n < 4:
+        pytest.skip("needs 4 devices or more")
+    from jax.sharding import PartitionSpec as P
+
+    rules = [(r"layers\[0\]\.weight", P("model", None)), (r"layers\[1\]\.weight", P(None, "model"))]
+    strategy = jm.MirroredStrategy(devices_per_replica=2, layout=rules)
+    tx = optax.adam(1e-2)
+    model = _mlp()
+    opt_state = tx.init(eqx.filter(model, eqx.is_array))
+    replicas = strategy.num_replicas
+    xs, ys = _data(replicas, steps=3)
+    want_model, want_losses = _one_device(model, opt_state, tx, xs, ys)
+    step = jm.replicate(_usual_step(tx), strategy=strategy)
+    m, o = strategy.mirror(model), strategy.mirror(opt_state)
+    assert m.layers[0].weight.sharding.spec == P("model", None)
+    losses = []
+    for x, y in zip(xs, ys):
+        m, o, loss = step(m, o, _split(replicas, x), _split(replicas, y))
+        losses.append(float(strategy.read(loss)))
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert m.layers[0].weight.sharding.spec == P("model", None)
+    assert m.layers[1].weight.sharding.spec == P(None, "model")
+    for a, b in zip(_arrays(m), _arrays(want_model)):
+        np.testing.assert_allclose(
+            np.asarray(strategy.read(a)), np.asarray(b), rtol=1e-5, atol=1e-6
+        )
+    assert step.num_compilations == 1
