@@ -158,7 +158,7 @@ def _sum_over_micro_batches(
     return loss_sum, grad_sum, carry
 
 
-def _wide(dtype: Any) -> Any:
+def _wide(dtype: jax.typing.DTypeLike) -> Any:
     """Returns the dtype a sum of `dtype` values is kept in: at least float32 for floating ones."""
     if jnp.issubdtype(dtype, jnp.floating):
         return jnp.promote_types(dtype, jnp.float32)
@@ -184,7 +184,7 @@ def _nothing(carry: PyTree) -> None:
 # --- equinox, only once the caller imported it ---------------------------------------------
 
 
-def _is_equinox_module(x: Any) -> bool:
+def _is_equinox_module(x: object) -> bool:
     eqx = sys.modules.get("equinox")
     return eqx is not None and isinstance(x, eqx.Module)
 
@@ -268,7 +268,7 @@ def make_accumulating_train_step(
             dtype=dtype,
         )
 
-    def train_step(state: Any, batch: PyTree, *args: Any) -> tuple[Any, jax.Array]:
+    def train_step(state: PyTree, batch: PyTree, *args: PyTree) -> tuple[Any, jax.Array]:
         if _is_equinox_pair(state):
             return _equinox_step(state, tx, accumulate, batch, args)
         pair = _nnx_recipes.pair(state, "make_accumulating_train_step")
@@ -290,7 +290,7 @@ def _is_sharded(opt_state: PyTree) -> bool:
     return any(isinstance(x, Sharded) for x in leaves)
 
 
-def _is_equinox_pair(state: Any) -> bool:
+def _is_equinox_pair(state: PyTree) -> bool:
     return isinstance(state, (tuple, list)) and len(state) == 2 and _is_equinox_module(state[0])
 
 

@@ -12,7 +12,6 @@ nothing: neither counts.
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import jax
 
@@ -43,7 +42,7 @@ class Counter:
         _current.counter = self._outer.pop()
 
 
-def _listen(event: str, duration_secs: float, **kwargs: Any) -> None:
+def _listen(event: str, duration_secs: float, **kwargs: object) -> None:
     if event == BACKEND_COMPILE_EVENT:
         counter = getattr(_current, "counter", None)
         if counter is not None:

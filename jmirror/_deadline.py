@@ -101,7 +101,7 @@ def check_timeout(timeout_s: Any, call: str) -> float | None:
 class _Wait:
     """One wait of a caller's thread, or one watched call."""
 
-    call: Any  # what is waited for; str() names it (only formatted when it times out)
+    call: object  # what is waited for; str() names it (only formatted when it times out)
     timeout_s: float
     setting: str  # where the bound is set, named in the message
     started: float  # time.monotonic() when the clock started
@@ -195,7 +195,7 @@ class _Watchdog:
         with self._lock:
             self._waits.pop(key, None)
 
-    def watch(self, token: Any, call: Any, timeout_s: float, setting: str) -> None:
+    def watch(self, token: Any, call: object, timeout_s: float, setting: str) -> None:
         seq = next(self._numbers)  # atomic under the GIL, as the deque's append
         self._dispatched = seq
         self._queue.append(_Wait(call, timeout_s, setting, time.monotonic(), seq, token))
@@ -372,7 +372,7 @@ def _gloo_absent(cause: str) -> tuple[int, ...] | None:
     return None if process is None else (process,)
 
 
-def _label(call: Any) -> str:
+def _label(call: object) -> str:
     """What a wait is for, in words: a string as given, a replicated function as a step."""
     if isinstance(call, str):
         return call
@@ -478,7 +478,7 @@ def _current() -> list[_Wait]:
         return _THREAD.waits
 
 
-def _restart_after_compiling(event: str, duration_secs: float, **kwargs: Any) -> None:
+def _restart_after_compiling(event: str, duration_secs: float, **kwargs: object) -> None:
     """A `jax.monitoring` listener: JAX traced, lowered or compiled something in this thread,
     so the clock of this thread's innermost bounded wait starts again (compilation and
     tracing are not waiting for other processes); a backend compilation ends its pause."""
@@ -505,7 +505,7 @@ def compiling() -> None:
 
 
 def bounded(
-    call: Any,
+    call: object,
     timeout_s: float | None,
     *,
     setting: str = "jm.MultiWorkerMirroredStrategy",
@@ -529,7 +529,7 @@ def bounded(
     return _Bounded(_Wait(call, timeout_s, setting, 0.0, missing=missing))
 
 
-def watch(token: Any, call: Any, timeout_s: float | None, setting: str | None = None) -> None:
+def watch(token: Any, call: object, timeout_s: float | None, setting: str | None = None) -> None:
     """Bounds an asynchronous cross-process call recorded by its output `token`.
 
     Tracers and host values are not watched (nothing of jmirror's waits for them).
@@ -540,7 +540,11 @@ def watch(token: Any, call: Any, timeout_s: float | None, setting: str | None = 
 
 
 def expire(
-    call: Any, timeout_s: float, *, setting: str, absent: tuple[int, ...] | None = None
+    call: object,
+    timeout_s: float,
+    *,
+    setting: str,
+    absent: tuple[int, ...] | None = None,
 ) -> NoReturn:
     """Ends the process now, for a wait on `call` past its bound (e.g. a barrier's own
     timeout, whose error lists the `absent` processes)."""

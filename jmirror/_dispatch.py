@@ -51,6 +51,7 @@ import jax.core
 
 from jmirror import _deadline, _step_stats
 from jmirror._topology import Topology
+from jmirror._values import PyTree
 
 DONATIONS = ("auto", "always")
 # Steps in flight by platform: XLA:CPU host devices abort in their collective rendezvous when
@@ -170,11 +171,11 @@ class Dispatch:
         if waited:
             _step_stats.waited_for_room(waited)
 
-    def bounded(self, call: Any) -> contextlib.AbstractContextManager[None]:
+    def bounded(self, call: object) -> contextlib.AbstractContextManager[None]:
         """The bound on dispatching a step across processes (a cheap one may run inline)."""
         return _deadline.bounded(call, self.timeout_s)
 
-    def track(self, token: Any, call: Any = "a replicated step") -> None:
+    def track(self, token: Any, call: object = "a replicated step") -> None:
         """Records a dispatched step by one of its outputs (`call` names it if it times out,
         and its row in `stats`)."""
         self.in_flight.track(token)
@@ -250,7 +251,7 @@ class Donation:
             _explain_donated(call, args, kwargs, self.argnums)
         return True
 
-    def check_prepared(self, call: object, prepared: Any) -> bool:
+    def check_prepared(self, call: object, prepared: PyTree) -> bool:
         """Returns whether a prepared call (`jmirror._arguments.Prepared`) donates; if it
         does, refuses what would crash jaxlib (as `check`), from the call's flat leaves.
 
@@ -390,7 +391,9 @@ _TWICE = (
 )
 
 
-def _check_not_donated(call: object, tree: Any, prefix: str, donated_ids: dict[int, str]) -> None:
+def _check_not_donated(
+    call: object, tree: PyTree, prefix: str, donated_ids: dict[int, str]
+) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         first = donated_ids.get(id(leaf))
         if first is not None:

@@ -92,6 +92,7 @@ from jmirror._prefetch import (
 from jmirror._source import Source, open_source
 from jmirror._source_state import read_public
 from jmirror._topology import Topology
+from jmirror._values import PyTree
 
 _REMAINDERS = ("pad", "drop", "error")
 _DATASET_CALL = DATASET_CALL
@@ -267,7 +268,7 @@ class DistributedDataset:
 class _Counted(DistributedIterator):
     """A pass whose waits for batches count in its dataset's row (`strategy.step_stats()`)."""
 
-    def __init__(self, row: Any, *args: Any, **kwargs: Any):
+    def __init__(self, row: Any, *args: PyTree, **kwargs: PyTree):
         super().__init__(*args, **kwargs)
         self._row = row
 

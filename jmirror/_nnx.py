@@ -540,7 +540,9 @@ def _refs_of(nnx: types.ModuleType, root: PyTree) -> dict[int, _Ref]:
 # --- rng streams -----------------------------------------------------------------------------
 
 
-def _fold_streams(nnx: types.ModuleType, root: PyTree, replica_id: jax.Array) -> list[tuple[Any, Any, Any]]:
+def _fold_streams(
+    nnx: types.ModuleType, root: PyTree, replica_id: jax.Array
+) -> list[tuple[Any, Any, Any]]:
     """Folds the replica id into the key of every rng stream but `params` (once per key)."""
     leaves = jax.tree_util.tree_leaves(root, is_leaf=lambda x: isinstance(x, nnx.RngStream))
     folded, seen = [], set()

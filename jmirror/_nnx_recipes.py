@@ -24,7 +24,7 @@ from jmirror._values import PyTree, ReduceOp
 LossFn = Callable[..., Any]
 
 
-def pair(state: Any, recipe: str) -> tuple[Any, Any] | None:
+def pair(state: PyTree, recipe: str) -> tuple[Any, Any] | None:
     """Returns `(model, optimizer)` when `state` starts with an NNX model and optimizer, else
     None."""
     if not isinstance(state, (tuple, list)):
@@ -41,7 +41,7 @@ def pair(state: Any, recipe: str) -> tuple[Any, Any] | None:
     return None
 
 
-def value_and_grad(loss_fn: LossFn, has_aux: bool, model: Any, *args: Any) -> tuple[Any, Any]:
+def value_and_grad(loss_fn: LossFn, has_aux: bool, model: Any, *args: PyTree) -> tuple[Any, Any]:
     """Returns `loss_fn(model, *args)` and its gradients with respect to the model
     (`nnx.grad`'s)."""
     return nnx.value_and_grad(loss_fn, has_aux=has_aux)(model, *args)
@@ -52,7 +52,7 @@ def optimizer_state(optimizer: Any) -> PyTree:
     return nnx.state(optimizer)
 
 
-def apply(state: Any, pair: tuple[Any, Any] | None, grads: PyTree) -> Any:
+def apply(state: PyTree, pair: tuple[Any, Any] | None, grads: PyTree) -> Any:
     """Returns the state after one optimizer step: a new `TrainState`, or the pair updated in
     place."""
     if pair is None:
@@ -62,7 +62,7 @@ def apply(state: Any, pair: tuple[Any, Any] | None, grads: PyTree) -> Any:
     return state
 
 
-def is_model(x: Any) -> bool:
+def is_model(x: object) -> bool:
     """Returns whether `x` is an NNX module (the `params` an accumulating recipe differentiates)."""
     return isinstance(x, nnx.Module)
 

@@ -60,6 +60,7 @@ from typing import Any
 import jax
 
 from jmirror._source_state import SourceState
+from jmirror._values import PyTree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +112,7 @@ class _Positioned:
     they use.
     """
 
-    value: Any
+    value: PyTree
     position: Position
     incomplete: bool = False
     share: int | None = None
@@ -414,7 +415,7 @@ class DistributedIterator:
                 return "error", e
         return self._prefetcher.get()
 
-    def _check_others(self, kind: str, value: Any) -> bool:
+    def _check_others(self, kind: str, value: object) -> bool:
         """Ends this pass, with several processes, where any process has no batch for this step.
 
         Returns whether the step's batch is used: False when every process has one but some

@@ -47,6 +47,7 @@ from jmirror._placement import Placement
 from jmirror._process_ops import globalize
 from jmirror._step import Body
 from jmirror._topology import Topology
+from jmirror._values import PyTree
 
 _adapter.register(_nnx.ADAPTER)
 _adapter.register(_equinox.ADAPTER)
@@ -79,7 +80,7 @@ class Replicated:
         donate_argnums: tuple[int, ...],
         static_argnums: tuple[int, ...],
         static_argnames: tuple[str, ...] = (),
-        per_replica: Any = None,
+        per_replica: PyTree = None,
     ):
         self._fn = fn
         self._strategy = strategy
@@ -130,7 +131,7 @@ class Replicated:
 
     # --- calling -------------------------------------------------------------------------------
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: PyTree, **kwargs: PyTree) -> Any:
         # Where the time goes (jmirror._step_stats): this call's time in jmirror counts in
         # strategy.step_stats(), and inside a jax.profiler trace the call is a step event.
         began = _step_stats.clock()
@@ -230,7 +231,7 @@ class Replicated:
         args = tuple(a if i in static else globalize(topology, a) for i, a in enumerate(args))
         return args, globalize(topology, kwargs)
 
-    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+    def lower(self, *args: PyTree, **kwargs: PyTree) -> jax.stages.Lowered:
         """Returns the `jax.stages.Lowered` of the step for these arguments.
 
         Example:
@@ -272,13 +273,13 @@ class Replicated:
 def _result_only(entry: Callable[..., Any]) -> Callable[..., Any]:
     """Returns `entry` without its token (what `.lower()` compiles)."""
 
-    def result(*args: Any) -> Any:
+    def result(*args: PyTree) -> Any:
         return entry(*args)[0]
 
     return result
 
 
-def _first_component(topology: Topology, value: Any) -> jax.Array:
+def _first_component(topology: Topology, value: PyTree) -> jax.Array:
     """Returns per-replica components of `value`: `value` on replica 0, zero elsewhere."""
     import jax.numpy as jnp
 
@@ -312,7 +313,7 @@ def replicate(
     donate_argnums: int | Sequence[int] = (),
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
-    per_replica: Any = None,
+    per_replica: PyTree = None,
 ) -> Any:
     """Compiles a replica function to run on every device of a strategy.
 

@@ -103,7 +103,7 @@ def layout(shape: Sequence[int], n: int, k: int = 1) -> Layout:
     return Layout(n, 1, 1, math.prod(shape), 1)
 
 
-def stack(x: jax.Array | np.ndarray, lay: Layout, xp: types.ModuleType = jnp) -> jax.Array | np.ndarray:
+def stack(x: jax.Array | np.ndarray, lay: Layout, xp: types.ModuleType = jnp) -> Any:
     """Returns the `[N, length]` pieces of the whole value `x` (`xp`: `jax.numpy` or `numpy`)."""
     if lay.blocks == 1:  # row-major: flattened, padded with zeros, cut in N
         flat = xp.ravel(x)
@@ -115,7 +115,9 @@ def stack(x: jax.Array | np.ndarray, lay: Layout, xp: types.ModuleType = jnp) ->
     return pieces.reshape(lay.n, lay.length)
 
 
-def unstack(pieces: jax.Array | np.ndarray, lay: Layout, shape: Sequence[int], xp: types.ModuleType = jnp) -> Any:
+def unstack(
+    pieces: jax.Array | np.ndarray, lay: Layout, shape: Sequence[int], xp: types.ModuleType = jnp
+) -> Any:
     """Returns the whole value of `shape` from its `[N, length]` pieces (padding dropped)."""
     shape = tuple(shape)
     if lay.blocks == 1:

@@ -21,7 +21,7 @@ The bytes moved equal one all-reduce's (an all-reduce is a reduce-scatter and an
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -196,7 +196,7 @@ def _sharded_shapes(params: PyTree) -> set[tuple[int, ...]]:
     return {tuple(np.shape(p)) for p in jax.tree.leaves(params) if np.ndim(p) >= 1 and np.size(p)}
 
 
-def _is_sharded(leaf: Any, shapes: set[tuple[int, ...]]) -> bool:
+def _is_sharded(leaf: PyTree, shapes: set[tuple[int, ...]]) -> bool:
     return hasattr(leaf, "shape") and hasattr(leaf, "dtype") and tuple(leaf.shape) in shapes
 
 
@@ -285,7 +285,7 @@ def _update(
     sizes = (len(grad_leaves), len(state_nodes))
     out_def: list[Any] = []
 
-    def flat_update(*flat: Any) -> list[Any]:
+    def flat_update(*flat: PyTree) -> list[Any]:
         g = grad_def.unflatten(flat[: sizes[0]])
         s = state_def.unflatten(flat[sizes[0] : sizes[0] + sizes[1]])
         p = param_def.unflatten(flat[sizes[0] + sizes[1] :])
@@ -345,7 +345,10 @@ def _buffers(leaves: Sequence[Any], bucket_bytes: int | None) -> list[tuple[Any,
 
 
 def _scatter_mean(
-    leaves: list[Any], pieces: Pieces, bucket_bytes: int | None, reduce_dtype: Any = None
+    leaves: list[Any],
+    pieces: Pieces,
+    bucket_bytes: int | None,
+    reduce_dtype: jax.typing.DTypeLike | None = None,
 ) -> list[Any]:
     """Returns the mean over the replicas of every gradient leaf: this replica's piece of each
     non-scalar leaf (one reduce-scatter per buffer), scalars whole (a small all-reduce);
@@ -374,7 +377,7 @@ def _scatter_mean(
     return [_cast(x, dtype) for x, dtype in zip(out, own)]
 
 
-def _on_wire(x: Any, reduce_dtype: Any) -> Any:
+def _on_wire(x: PyTree, reduce_dtype: jax.typing.DTypeLike | None) -> Any:
     """Returns `x` in the dtype it is reduced in: `reduce_dtype` for a floating leaf, else its
     own."""
     if reduce_dtype is None or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
@@ -382,7 +385,7 @@ def _on_wire(x: Any, reduce_dtype: Any) -> Any:
     return jnp.asarray(x).astype(reduce_dtype)
 
 
-def _cast(x: Any, dtype: Any) -> Any:
+def _cast(x: PyTree, dtype: jax.typing.DTypeLike) -> Any:
     """Returns a reduced gradient (a whole value or a `Piece`) back in its own `dtype`."""
     if isinstance(x, Piece):
         return x if x.local.dtype == dtype else dataclasses.replace(x, local=x.local.astype(dtype))
@@ -403,7 +406,7 @@ def _piece_spec(lay: Layout, pieces: Pieces) -> P:
     return P(pieces.model_axis_name) if lay.blocks > 1 else P()
 
 
-def _on_blocks(fn: Any, pieces: Pieces, in_specs: tuple, out_specs: tuple) -> Any:
+def _on_blocks(fn: Callable[..., Any], pieces: Pieces, in_specs: tuple, out_specs: tuple) -> Any:
     """Runs `fn` on each model device's own blocks (manual over the model axis too): every cut
     and collective of the packing is local to a device, none rebuilds a whole leaf."""
     return jax.shard_map(

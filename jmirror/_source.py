@@ -17,6 +17,7 @@ from typing import Any, cast
 
 from jmirror._prefetch import Control
 from jmirror._source_state import SourceState, has_state, is_movable, take
+from jmirror._values import PyTree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,7 @@ class Source:
     knows not to wait for it, and no call is made once `control.stopped` is set.
     """
 
-    def __init__(self, call: str, open_fn: Callable[[], Any], given: Any):
+    def __init__(self, call: str, open_fn: Callable[[], Any], given: PyTree):
         self._call = call
         self._open_fn = open_fn
         self._given = given  # the caller's object: never closed by jmirror

@@ -281,7 +281,7 @@ def _compiling(spans: list[tuple[float, float]], length: float) -> float:
     return covered
 
 
-def _on_span(event: str, start_time: float, end_time: float, **kwargs: Any) -> None:
+def _on_span(event: str, start_time: float, end_time: float, **kwargs: object) -> None:
     if event.startswith("/jax/core/compile/"):
         state = _OPEN
         if len(state.spans) > 1000:  # compiled outside replicated calls, never read: forget

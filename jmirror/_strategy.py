@@ -444,7 +444,7 @@ class MirroredStrategy:
         """
         return self._cross_replica("gather(value)").gather(value, axis)
 
-    def update(self, tree: PyTree, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def update(self, tree: PyTree, fn: Callable[..., Any], *args: PyTree, **kwargs: PyTree) -> Any:
         """Applies `fn(tree, *args, **kwargs)` to every replica's copy of the mirrored `tree`.
 
         `PerReplica` arguments are split; the result is typed like a replicated function's.
@@ -466,7 +466,7 @@ class MirroredStrategy:
         args: Sequence[Any] = (),
         kwargs: dict | None = None,
         *,
-        per_replica: Any = None,
+        per_replica: PyTree = None,
     ):
         """Runs `fn(*args, **kwargs)` once per replica, at once (see `jm.replicate`).
 

@@ -168,7 +168,7 @@ class BatchNormTrainState(train_state.TrainState):
         (2,)
     """
 
-    batch_stats: Any
+    batch_stats: PyTree
 
 
 def distribute_batch_norm_state(

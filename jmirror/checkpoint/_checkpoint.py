@@ -208,7 +208,7 @@ def with_statics(restored: PyTree, target: PyTree) -> PyTree:
     return treedef.unflatten([t if s else r for t, r, s in zip(leaves, got, static)])
 
 
-def _none_or_distributed(x: Any) -> bool:
+def _none_or_distributed(x: object) -> bool:
     return x is None or is_distributed(x)
 
 

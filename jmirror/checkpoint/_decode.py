@@ -193,7 +193,7 @@ def _mismatch(path: tuple, saved: str, expected: str) -> ValueError:
     )
 
 
-def _describe_target(x: Any) -> str:
+def _describe_target(x: PyTree) -> str:
     if isinstance(x, Sharded):
         return f"a Sharded leaf of shape {x.shape} dtype {_format.dtype_name(x.dtype)}"
     if isinstance(x, SyncOnRead):
@@ -207,7 +207,7 @@ def _describe_target(x: Any) -> str:
     return f"a {container_kind(x)} with keys {keys}"
 
 
-def _describe_leaf(x: Any) -> str:
+def _describe_leaf(x: PyTree) -> str:
     if isinstance(x, (bool, int, float, complex)):
         return f"a Python {type(x).__name__}"
     dtype = getattr(x, "dtype", None)
@@ -268,7 +268,7 @@ def fit_metrics(tree: Tree, target: Any, n: int) -> Any:
         return target
     saved = {jax.tree_util.keystr(node.path): node for node in _nodes(tree)}
 
-    def one(path: tuple, x: Any) -> Any:
+    def one(path: tuple, x: PyTree) -> Any:
         pairs = children(x) if is_state(x) else None
         if not pairs or len(pairs) != 1:
             return x
@@ -297,7 +297,7 @@ def _nodes(tree: Tree) -> list[Tree]:
     return [tree] + [node for _, child in tree.children for node in _nodes(child)]
 
 
-def _dtype(x: Any) -> Any:
+def _dtype(x: PyTree) -> Any:
     dtype = getattr(x, "dtype", None)
     return dtype if dtype is not None else np.asarray(x).dtype
 
@@ -314,7 +314,7 @@ def _key_mismatch(tree: Tree, pairs: list, saved_keys: list, target_keys: list) 
     return _mismatch(tree.path + (entry,), there, _describe_target(sub))
 
 
-def _check_leaf(leaf: Leaf, x: Any, stacked: bool) -> None:
+def _check_leaf(leaf: Leaf, x: PyTree, stacked: bool) -> None:
     if isinstance(x, (bool, int, float, complex)) or leaf.kind == "python":
         if np.shape(x) != leaf.shape:
             raise _mismatch(leaf.path, f"a leaf ({leaf.describe()})", _describe_target(x))
@@ -490,7 +490,7 @@ def _components(leaf: Leaf, value: np.ndarray, n: int) -> np.ndarray:
     return np.broadcast_to(each, (n,) + each.shape).copy()
 
 
-def _rebuild(tree: Tree, values: Any) -> PyTree:
+def _rebuild(tree: Tree, values: PyTree) -> PyTree:
     if tree.leaf is not None:
         value = next(values)
         return Sharded(value, tree.leaf.shape) if tree.leaf.sharded else value
