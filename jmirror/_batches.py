@@ -152,7 +152,7 @@ def _leading_size(call: str, batch: PyTree, index: int, leaves: list[Any]) -> in
     return cast(int, sizes[0])  # not None: checked in the loop above
 
 
-def _pad(x: PyTree, size: int) -> Any:
+def _pad(x: PyTree, size: int) -> PyTree:
     extra = size - x.shape[0]
     if isinstance(x, jax.Array):
         return jnp.concatenate([x, jnp.zeros((extra,) + x.shape[1:], x.dtype)])

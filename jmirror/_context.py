@@ -254,7 +254,7 @@ class ReplicaContext:
         out = [self._sync_leaf(aggregation, x, v) for x, v in zip(leaves, varying)]
         return self._identical(jax.tree.unflatten(treedef, out))
 
-    def _sync_leaf(self, aggregation: Aggregation, x: PyTree, varying: bool) -> Any:
+    def _sync_leaf(self, aggregation: Aggregation, x: PyTree, varying: bool) -> PyTree:
         if aggregation is Aggregation.NONE:
             return x
         if _is_key(x):
@@ -337,14 +337,14 @@ class ReplicaContext:
         )
         return treedef.unflatten([self._own_component(path, x) for path, x in nodes])
 
-    def _own_component(self, path: tuple, x: PyTree) -> Any:
+    def _own_component(self, path: tuple, x: PyTree) -> PyTree:
         if not isinstance(x, PerReplica):
             return x
         if x.is_component:
             return held_values(x)
         n = self.num_replicas
 
-        def own(inner: tuple, v: PyTree) -> Any:
+        def own(inner: tuple, v: PyTree) -> PyTree:
             v = jnp.asarray(v)
             if v.shape[:1] != (n,):
                 where = jax.tree_util.keystr(path) + ".values" + jax.tree_util.keystr(inner)
@@ -394,7 +394,7 @@ class _MergeFrame:
     context: ReplicaContext
     mirrored: dict[int, Any] = dataclasses.field(default_factory=dict)
 
-    def note_mirrored(self, x: PyTree) -> Any:
+    def note_mirrored(self, x: PyTree) -> PyTree:
         if isinstance(x, jax.core.Tracer):
             self.mirrored[id(x)] = x
         return x
@@ -448,7 +448,9 @@ def reduction_dtype(
     return found
 
 
-def all_reduce_leaf(op: ReduceOp, x: PyTree, axis_name: str, dtype: np.dtype | None = None) -> Any:
+def all_reduce_leaf(
+    op: ReduceOp, x: PyTree, axis_name: str, dtype: np.dtype | None = None
+) -> PyTree:
     """Returns `psum` / `pmean` / `pmax` / `pmin` of one array over `axis_name`; a floating leaf of
     another dtype than `dtype` (when given) is reduced in `dtype` and cast back."""
     if dtype is not None:

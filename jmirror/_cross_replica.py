@@ -89,7 +89,7 @@ class CrossReplica(abc.ABC):
         `PerReplica`)."""
 
     @abc.abstractmethod
-    def stacked(self, x: PyTree) -> Any:
+    def stacked(self, x: PyTree) -> PyTree:
         """Returns every replica's component of the stacked leaf `x` (a sync-on-read value), as one
         array on which this process can combine them (the NNX metrics' own combines)."""
 
@@ -106,7 +106,7 @@ class CrossReplica(abc.ABC):
         """Returns the replicas' components concatenated along `axis`."""
 
     @abc.abstractmethod
-    def update(self, tree: PyTree, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def update(self, tree: PyTree, fn: Callable[..., Any], args: tuple, kwargs: dict) -> PyTree:
         """Applies `fn(tree, *args, **kwargs)` to every replica's copy of `tree`."""
 
     # --- shared --------------------------------------------------------------------------------
@@ -131,14 +131,14 @@ class CrossReplica(abc.ABC):
         if not any(isinstance(x, PerReplica) for x in leaves):
             return self.reduce_plain(op, value)
 
-        def one(x: PyTree) -> Any:
+        def one(x: PyTree) -> PyTree:
             if isinstance(x, PerReplica):
                 return self.reduce_per_replica(op, x, axis)
             return self.reduce_plain(op, x)
 
         return jax.tree.map(one, value, is_leaf=is_distributed)
 
-    def reduce_plain(self, op: ReduceOp, value: PyTree) -> Any:
+    def reduce_plain(self, op: ReduceOp, value: PyTree) -> PyTree:
         """Returns a value that is not per replica: `MEAN` returns it, `SUM` only with one
         replica."""
         if op is ReduceOp.SUM and self.num_replicas > 1:

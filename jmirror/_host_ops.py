@@ -240,10 +240,10 @@ class HostOps(CrossReplica):
         """Returns the stacked components of a leaf, all on devices[0]."""
         return jax.device_put(_copyable(stacked), self.topology.devices[0])
 
-    def stacked(self, x: PyTree) -> Any:
+    def stacked(self, x: PyTree) -> PyTree:
         return self._gathered(x)
 
-    def _component(self, stacked: PyTree, i: int) -> Any:
+    def _component(self, stacked: PyTree, i: int) -> PyTree:
         """Returns replica `i`'s whole component of a stacked leaf: from its own shards where they
         hold it (laid out over its devices when k > 1), else moved to its first device."""
         if isinstance(stacked, jax.Array):
@@ -277,7 +277,7 @@ class HostOps(CrossReplica):
         return jax.tree.map(lambda v: _reduce_fn(op, axis)(self._gathered(v)), x.values)
 
     def gather(self, value: PyTree, axis: int) -> PyTree:
-        def one(x: PyTree) -> Any:
+        def one(x: PyTree) -> PyTree:
             if isinstance(x, PerReplica):
                 return jax.tree.map(lambda v: self._gather_stacked(v, axis), x.values)
             if isinstance(x, SyncOnRead):
@@ -298,7 +298,7 @@ class HostOps(CrossReplica):
         """Returns one leaf's stacked components concatenated along `axis`, on the first device."""
         return _gather_fn(axis)(self._gathered(stacked))
 
-    def update(self, tree: PyTree, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def update(self, tree: PyTree, fn: Callable[..., Any], args: tuple, kwargs: dict) -> PyTree:
         return self._run(_Updater(fn), args=(tree,) + args, kwargs=kwargs)
 
 
@@ -308,7 +308,7 @@ class _Updater:
     def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
 
-    def __call__(self, *args: PyTree, **kwargs: PyTree) -> Any:
+    def __call__(self, *args: PyTree, **kwargs: PyTree) -> PyTree:
         return self.fn(*args, **kwargs)
 
     def __hash__(self) -> int:
@@ -326,7 +326,7 @@ def _shares_memory(source: Any, placed: jax.Array) -> bool:
     return any(shard.data.unsafe_buffer_pointer() in mine for shard in placed.addressable_shards)
 
 
-def _copyable(x: PyTree) -> Any:
+def _copyable(x: PyTree) -> PyTree:
     """Returns `x`, or for a zero-size array the host zeros of its shape and dtype.
 
     JAX lays out the outputs of a computation whose outputs are all zero-size with shards of

@@ -272,7 +272,7 @@ class _Counted(DistributedIterator):
         super().__init__(*args, **kwargs)
         self._row = row
 
-    def __next__(self) -> Any:
+    def __next__(self) -> PyTree:
         began = _step_stats.clock()  # where the time goes: the loop waits for a batch here
         try:
             batch = super().__next__()

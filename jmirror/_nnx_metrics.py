@@ -143,14 +143,14 @@ _METRIC_ITEM = (
 )
 
 
-def read_metrics(gathered: Callable[[Any], jax.Array], tree: PyTree) -> Any:
+def read_metrics(gathered: Callable[[Any], jax.Array], tree: PyTree) -> PyTree:
     """Returns `tree` with every sync-on-read `Welford` combined across replicas (Chan et al.), as
     a copy; `gathered(x)` gives a stacked leaf's components on one device."""
     from flax import nnx
 
     welford = nnx.metrics.Welford
 
-    def one(node: PyTree) -> Any:
+    def one(node: PyTree) -> PyTree:
         if not isinstance(node, welford):
             return node
         parts = [getattr(node, n).get_raw_value() for n in ("count", "mean", "m2")]

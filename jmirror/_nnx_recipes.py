@@ -52,7 +52,7 @@ def optimizer_state(optimizer: Any) -> PyTree:
     return nnx.state(optimizer)
 
 
-def apply(state: PyTree, pair: tuple[Any, Any] | None, grads: PyTree) -> Any:
+def apply(state: PyTree, pair: tuple[Any, Any] | None, grads: PyTree) -> PyTree:
     """Returns the state after one optimizer step: a new `TrainState`, or the pair updated in
     place."""
     if pair is None:

@@ -176,7 +176,7 @@ class Placement:
             return not x.committed or x.sharding != wanted
         return not self._learn(x.sharding)
 
-    def _place_split(self, name: str, x: PyTree, path: str) -> Any:
+    def _place_split(self, name: str, x: PyTree, path: str) -> PyTree:
         topology = self._topology
         if np.shape(x)[:1] != (topology.num_replicas,):
             raise split_error(name, topology, path, x)

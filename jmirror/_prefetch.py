@@ -343,7 +343,7 @@ class DistributedIterator:
     def __iter__(self) -> DistributedIterator:
         return self
 
-    def __next__(self) -> Any:
+    def __next__(self) -> PyTree:
         value = self._next_value()
         while isinstance(value, _Warning):
             warnings.warn(value.message, UserWarning, stacklevel=2)
@@ -385,7 +385,7 @@ class DistributedIterator:
         """
         return self._position.public(f"{self._call}'s iterator.position")
 
-    def _next_value(self) -> Any:
+    def _next_value(self) -> PyTree:
         while True:
             if self._done:
                 raise StopIteration

@@ -131,7 +131,7 @@ class Replicated:
 
     # --- calling -------------------------------------------------------------------------------
 
-    def __call__(self, *args: PyTree, **kwargs: PyTree) -> Any:
+    def __call__(self, *args: PyTree, **kwargs: PyTree) -> PyTree:
         # Where the time goes (jmirror._step_stats): this call's time in jmirror counts in
         # strategy.step_stats(), and inside a jax.profiler trace the call is a step event.
         began = _step_stats.clock()
@@ -273,7 +273,7 @@ class Replicated:
 def _result_only(entry: Callable[..., Any]) -> Callable[..., Any]:
     """Returns `entry` without its token (what `.lower()` compiles)."""
 
-    def result(*args: PyTree) -> Any:
+    def result(*args: PyTree) -> PyTree:
         return entry(*args)[0]
 
     return result

@@ -377,7 +377,7 @@ def _scatter_mean(
     return [_cast(x, dtype) for x, dtype in zip(out, own)]
 
 
-def _on_wire(x: PyTree, reduce_dtype: jax.typing.DTypeLike | None) -> Any:
+def _on_wire(x: PyTree, reduce_dtype: jax.typing.DTypeLike | None) -> PyTree:
     """Returns `x` in the dtype it is reduced in: `reduce_dtype` for a floating leaf, else its
     own."""
     if reduce_dtype is None or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
@@ -385,7 +385,7 @@ def _on_wire(x: PyTree, reduce_dtype: jax.typing.DTypeLike | None) -> Any:
     return jnp.asarray(x).astype(reduce_dtype)
 
 
-def _cast(x: PyTree, dtype: jax.typing.DTypeLike) -> Any:
+def _cast(x: PyTree, dtype: jax.typing.DTypeLike) -> PyTree:
     """Returns a reduced gradient (a whole value or a `Piece`) back in its own `dtype`."""
     if isinstance(x, Piece):
         return x if x.local.dtype == dtype else dataclasses.replace(x, local=x.local.astype(dtype))

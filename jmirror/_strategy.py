@@ -444,7 +444,9 @@ class MirroredStrategy:
         """
         return self._cross_replica("gather(value)").gather(value, axis)
 
-    def update(self, tree: PyTree, fn: Callable[..., Any], *args: PyTree, **kwargs: PyTree) -> Any:
+    def update(
+        self, tree: PyTree, fn: Callable[..., Any], *args: PyTree, **kwargs: PyTree
+    ) -> PyTree:
         """Applies `fn(tree, *args, **kwargs)` to every replica's copy of the mirrored `tree`.
 
         `PerReplica` arguments are split; the result is typed like a replicated function's.

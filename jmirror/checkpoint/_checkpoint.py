@@ -259,7 +259,7 @@ def verify(path: pathlib.Path, call: str) -> bool:
     return True
 
 
-def read_data(path: pathlib.Path, call: str, group: _processes.Group) -> Any:
+def read_data(path: pathlib.Path, call: str, group: _processes.Group) -> PyTree:
     """Returns this process's `data` saved with the checkpoint at `path`.
 
     When as many processes saved as read, each reads its own; otherwise the saved data must

@@ -268,7 +268,7 @@ def fit_metrics(tree: Tree, target: Any, n: int) -> Any:
         return target
     saved = {jax.tree_util.keystr(node.path): node for node in _nodes(tree)}
 
-    def one(path: tuple, x: PyTree) -> Any:
+    def one(path: tuple, x: PyTree) -> PyTree:
         pairs = children(x) if is_state(x) else None
         if not pairs or len(pairs) != 1:
             return x

@@ -208,7 +208,7 @@ class _Encoder:
             self.fetch.append((name, np.array(x, copy=True)))
         return name
 
-    def globalize(self, x: PyTree, where: str) -> Any:
+    def globalize(self, x: PyTree, where: str) -> PyTree:
         """Returns a global stacked array of this process's components (leading axis: local
         ones)."""
         local = self.topology.num_local_replicas
@@ -298,7 +298,7 @@ class _Encoder:
 
 
 @functools.cache
-def _mirror_all(mirrored: PyTree) -> Any:
+def _mirror_all(mirrored: PyTree) -> PyTree:
     """Returns a jitted identity whose outputs are mirrored: an all-gather of each array."""
     return jax.jit(lambda xs: xs, out_shardings=mirrored)
 

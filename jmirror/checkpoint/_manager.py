@@ -49,7 +49,7 @@ def _positive_int(value: object, name: str, allow_none: bool) -> int | None:
     return value
 
 
-def _json_copy(data: PyTree) -> Any:
+def _json_copy(data: PyTree) -> PyTree:
     try:
         return json.loads(json.dumps(data, allow_nan=False))
     except (TypeError, ValueError) as error:
@@ -351,7 +351,7 @@ class CheckpointManager(PreemptionMixin):
         strategy = self._current_strategy()
         return _checkpoint.read(path, target, strategy, "CheckpointManager.restore")
 
-    def data(self, step: int | None = None) -> Any:
+    def data(self, step: int | None = None) -> PyTree:
         """Returns the `data` saved with `step` (the latest when None), e.g. an input position.
 
         With several processes each process reads the data it saved. A step saved by another
