@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,10 @@ from jmirror._context import all_reduce
 from jmirror._replicate import Replicated, replicate
 from jmirror._strategy import MirroredStrategy
 from jmirror._values import PyTree, ReduceOp, Sharded
+
+if TYPE_CHECKING:
+    import optax
+    from flax import nnx
 
 LossFn = Callable[..., Any]
 # `(params, carry, micro_batch) -> (loss, carry)`: one micro-batch's loss, with the other
@@ -190,7 +194,7 @@ def _is_equinox_module(x: object) -> bool:
 
 
 def _equinox_micro_loss(
-    loss_fn: LossFn, model: Any, args: tuple
+    loss_fn: LossFn, model: nnx.Module, args: tuple
 ) -> tuple[PyTree, PyTree, MicroLoss, Callable[[PyTree], None]]:
     """Returns an equinox model's micro-batch loss: its floating arrays differentiated, as
     `eqx.filter_value_and_grad` does, the rest of the module closed over."""
@@ -211,7 +215,7 @@ def make_accumulating_train_step(
     loss_fn: LossFn,
     num_micro_batches: int,
     *,
-    tx: Any = None,
+    tx: optax.GradientTransformation | None = None,
     dtype: jax.typing.DTypeLike | None = None,
     strategy: MirroredStrategy | None = None,
 ) -> Replicated:
@@ -295,7 +299,11 @@ def _is_equinox_pair(state: PyTree) -> bool:
 
 
 def _equinox_step(
-    state: tuple, tx: Any, accumulate: Callable[..., tuple], batch: PyTree, args: tuple
+    state: tuple,
+    tx: optax.GradientTransformation | None,
+    accumulate: Callable[..., tuple],
+    batch: PyTree,
+    args: tuple,
 ) -> tuple[tuple, jax.Array]:
     """Takes one step of an equinox `(model, opt_state)` pair with the optax `tx`."""
     import equinox as eqx

@@ -90,7 +90,7 @@ class OutputLayout:
         return path
 
 
-def output_layout(result_top: Any) -> OutputLayout | None:
+def output_layout(result_top: PyTree) -> OutputLayout | None:
     """Returns the `OutputLayout` a variant's result ends with, or None."""
     if isinstance(result_top, tuple) and result_top and isinstance(result_top[-1], OutputLayout):
         return result_top[-1]

@@ -209,7 +209,7 @@ class PaddedBatch(NamedTuple):
     """
 
     batch: PyTree
-    mask: Any
+    mask: jax.Array | PerReplica
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, str):

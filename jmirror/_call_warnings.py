@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.core
@@ -26,6 +26,9 @@ import numpy as np
 
 from jmirror._mirrored_state import MirroredStateWarning
 from jmirror._values import PyTree, is_distributed
+
+if TYPE_CHECKING:
+    from jmirror._topology import Topology
 
 # More input signatures than this compiled by one replicated function earn a warning.
 RETRACE_WARNING_AT = 8
@@ -40,7 +43,9 @@ class CallWarnings:
         # The input signatures of calls that compiled: what the retracing warning counts.
         self._signatures: set[tuple] = set()
 
-    def after_compile(self, num_replicas: int, topology: Any, inputs: PyTree, where: Any) -> None:
+    def after_compile(
+        self, num_replicas: int, topology: Topology, inputs: PyTree, where: Any
+    ) -> None:
         """Warns of a compiled call's arguments and of a function that keeps retracing.
 
         Args:
@@ -69,7 +74,9 @@ class CallWarnings:
         )
         self.once("retrace", message)
 
-    def of_arguments(self, num_replicas: int, topology: Any, inputs: PyTree, where: Any) -> None:
+    def of_arguments(
+        self, num_replicas: int, topology: Topology, inputs: PyTree, where: Any
+    ) -> None:
         """Warns of host batches broadcast every call and of pmap-layout arrays passed as
         plain arguments."""
         nodes = jax.tree_util.tree_flatten_with_path(inputs, is_leaf=is_distributed)[0]

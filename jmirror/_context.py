@@ -289,7 +289,7 @@ class ReplicaContext:
 
     def merge_call(
         self, merge_fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None
-    ) -> Any:
+    ) -> PyTree:
         """Runs `merge_fn(strategy, *args, **kwargs)` once, in cross-replica context.
 
         Inside `merge_fn`, every argument leaf that may differ across replicas is a
@@ -657,7 +657,7 @@ def sync(tree: PyTree, aggregation: Aggregation | str) -> PyTree:
 
 def merge_call(
     merge_fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None
-) -> Any:
+) -> PyTree:
     """Shortcut for `jm.replica_context().merge_call(merge_fn, args, kwargs)`.
 
     Example:

@@ -172,7 +172,9 @@ class CrossReplica(abc.ABC):
         ) -> bool:  # an integer SUM: components differ by the remainder
             return is_sum and bool(jnp.issubdtype(dtype, jnp.integer))
 
-        def component(dtype: jax.typing.DTypeLike, new: PyTree, replica: Any) -> jax.Array:
+        def component(
+            dtype: jax.typing.DTypeLike, new: PyTree, replica: jax.Array | int
+        ) -> jax.Array:
             new = jnp.asarray(new)
             if spread(dtype):
                 new = new.astype(dtype)

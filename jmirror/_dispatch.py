@@ -65,7 +65,7 @@ MAX_IN_FLIGHT_HOST = 16
 LARGE_DONATION = 8 * 2**20
 
 
-def check_max_in_flight(max_in_flight: Any, platform: str, num_devices: int, call: str) -> int:
+def check_max_in_flight(max_in_flight: object, platform: str, num_devices: int, call: str) -> int:
     """Validates `max_in_flight` (None: the platform's default) and returns the bound."""
     if max_in_flight is None:
         return DEFAULT_IN_FLIGHT.get(platform, DEFAULT_IN_FLIGHT_ACCELERATOR)
@@ -90,7 +90,7 @@ def check_max_in_flight(max_in_flight: Any, platform: str, num_devices: int, cal
     return max_in_flight
 
 
-def check_donation(donation: Any, call: str) -> str:
+def check_donation(donation: object, call: str) -> str:
     if donation not in DONATIONS:
         raise ValueError(
             f"{call}(donation={donation!r}) is not a donation policy; expected 'auto' (skip "
@@ -153,7 +153,9 @@ class Dispatch:
     stats: _step_stats.Recorder = dataclasses.field(default_factory=_step_stats.Recorder)
 
     @classmethod
-    def create(cls, topology: Topology, max_in_flight: Any, donation: Any, call: str) -> Dispatch:
+    def create(
+        cls, topology: Topology, max_in_flight: object, donation: object, call: str
+    ) -> Dispatch:
         platform = topology.platform
         bound = check_max_in_flight(max_in_flight, platform, topology.num_devices, call)
         timeout = topology.timeout_s if topology.process_count > 1 else None
@@ -175,7 +177,7 @@ class Dispatch:
         """The bound on dispatching a step across processes (a cheap one may run inline)."""
         return _deadline.bounded(call, self.timeout_s)
 
-    def track(self, token: Any, call: object = "a replicated step") -> None:
+    def track(self, token: PyTree, call: object = "a replicated step") -> None:
         """Records a dispatched step by one of its outputs (`call` names it if it times out,
         and its row in `stats`)."""
         self.in_flight.track(token)

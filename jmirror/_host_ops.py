@@ -318,7 +318,7 @@ class _Updater:
         return isinstance(other, _Updater) and other.fn == self.fn
 
 
-def _shares_memory(source: Any, placed: jax.Array) -> bool:
+def _shares_memory(source: object, placed: jax.Array) -> bool:
     """Returns whether `placed` reuses a buffer of the device array `source`."""
     if not isinstance(source, jax.Array):
         return False  # host values were copied on the host

@@ -159,7 +159,7 @@ class InputContext:
         return global_batch_size // n
 
 
-def _check_prefetch(call: str, prefetch: Any) -> int:
+def _check_prefetch(call: str, prefetch: object) -> int:
     if isinstance(prefetch, bool) or not isinstance(prefetch, int):
         raise TypeError(
             f"{call}(prefetch=...) expects an int, got {prefetch!r} of type "
@@ -258,7 +258,7 @@ class DistributedDataset:
     def __enter__(self) -> DistributedDataset:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -328,7 +328,7 @@ def _all_gather(everywhere: NamedSharding) -> Callable[[jax.Array], jax.Array]:
 
 def distribute_dataset(
     topology: Topology,
-    dataset: Any,
+    dataset: object,
     *,
     remainder: str = "pad",
     prefetch: int = 2,
@@ -440,7 +440,7 @@ def distribute_dataset(
     )
 
 
-def _short_name(source: Any) -> str:
+def _short_name(source: object) -> str:
     """A source as a row of `strategy.step_stats()` names it: its name, else its type's."""
     name = getattr(source, "__name__", None)
     return name if isinstance(name, str) else type(source).__name__
@@ -451,7 +451,7 @@ _POSITION_EXAMPLE = (
 )
 
 
-def _check_start(call: str, start: Any) -> Position | None:
+def _check_start(call: str, start: object) -> Position | None:
     """The `Position` a valid `start` describes (None for None or a position at its start)."""
     if start is None:
         return None

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 
 from jmirror._values import Aggregation, PerReplica, PyTree, SyncOnRead
+
+if TYPE_CHECKING:
+    from flax.nnx import Metric, Variable
 
 
 def metric_roles(nnx: types.ModuleType, root: PyTree) -> dict[int, Aggregation]:
@@ -52,7 +55,7 @@ def _leaf_metrics(nnx: types.ModuleType, root: PyTree) -> list[tuple[str, Any, l
     return out
 
 
-def _own_metrics(nnx: types.ModuleType, path: str, metric: Any) -> list[tuple[str, Any, list]]:
+def _own_metrics(nnx: types.ModuleType, path: str, metric: Metric) -> list[tuple[str, Any, list]]:
     kinds = (nnx.metrics.Metric, nnx.Variable)
 
     def is_leaf(x: object) -> bool:
@@ -69,7 +72,7 @@ def _own_metrics(nnx: types.ModuleType, path: str, metric: Any) -> list[tuple[st
     return out
 
 
-def _aggregation(nnx: types.ModuleType, path: str, metric: Any, own: list) -> Aggregation:
+def _aggregation(nnx: types.ModuleType, path: str, metric: Metric, own: list) -> Aggregation:
     metrics = nnx.metrics
     if isinstance(metric, metrics.Welford) and len(own) == 3:
         return Aggregation.NONE
@@ -97,7 +100,7 @@ def _is_number(x: object) -> bool:
     return jnp.issubdtype(dtype, jnp.number)
 
 
-def start_metric(variable: Any, replica_id: jax.Array) -> None:
+def start_metric(variable: Variable, replica_id: jax.Array) -> None:
     """Sets a metric's state to this replica's component: its own if sync-on-read already, else
     the value on replica 0 and zero elsewhere (so reading gives the value back exactly)."""
     value = variable.get_raw_value()
@@ -120,7 +123,7 @@ class MetricComponents(SyncOnRead):
 
     __slots__ = ()
 
-    def __setitem__(self, index: Any, value: PyTree) -> None:
+    def __setitem__(self, index: object, value: PyTree) -> None:
         if index is not Ellipsis:
             raise TypeError(_METRIC_ITEM)
         stacked = self.value

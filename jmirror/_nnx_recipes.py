@@ -41,13 +41,15 @@ def pair(state: PyTree, recipe: str) -> tuple[Any, Any] | None:
     return None
 
 
-def value_and_grad(loss_fn: LossFn, has_aux: bool, model: Any, *args: PyTree) -> tuple[Any, Any]:
+def value_and_grad(
+    loss_fn: LossFn, has_aux: bool, model: nnx.Module, *args: PyTree
+) -> tuple[Any, Any]:
     """Returns `loss_fn(model, *args)` and its gradients with respect to the model
     (`nnx.grad`'s)."""
     return nnx.value_and_grad(loss_fn, has_aux=has_aux)(model, *args)
 
 
-def optimizer_state(optimizer: Any) -> PyTree:
+def optimizer_state(optimizer: nnx.Optimizer) -> PyTree:
     """Returns the state of an `nnx.Optimizer` (its step count and optax state) as a pytree."""
     return nnx.state(optimizer)
 
@@ -68,7 +70,7 @@ def is_model(x: object) -> bool:
 
 
 def micro_loss(
-    loss_fn: LossFn, model: Any, args: Sequence[Any]
+    loss_fn: LossFn, model: nnx.Module, args: Sequence[Any]
 ) -> tuple[PyTree, PyTree, Callable[..., tuple[jax.Array, PyTree]], Callable[[PyTree], None]]:
     """Returns an NNX model's micro-batch loss as a pure function, for `accumulate_gradients`.
 
@@ -113,7 +115,7 @@ def loss_scaled_step(
     """
     model, optimizer, loss_scale = state
 
-    def scaled_loss(model: Any) -> tuple[jax.Array, jax.Array]:
+    def scaled_loss(model: nnx.Module) -> tuple[jax.Array, jax.Array]:
         loss = loss_fn(model, batch)
         return loss.astype(jnp.float32) * loss_scale.scale, loss
 

@@ -495,5 +495,5 @@ class DistributedIterator:
     def __enter__(self) -> DistributedIterator:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

@@ -144,7 +144,7 @@ class Replicated:
         finally:
             _step_stats.ended(began)
 
-    def _call(self, args: tuple, kwargs: dict) -> Any:
+    def _call(self, args: tuple, kwargs: dict) -> PyTree:
         # A keyboard interrupt waits for the call: a step that returned has donated nothing
         # in vain, and an NNX object is never left half written back.
         with HELD:
@@ -186,7 +186,7 @@ class Replicated:
         donate = self._donation_on(strategy).check_prepared(self, prepared)
         return prepared, donate
 
-    def _run(self, strategy: Runner, step: _Step, prepared: Prepared, donate: bool) -> Any:
+    def _run(self, strategy: Runner, step: _Step, prepared: Prepared, donate: bool) -> PyTree:
         """Runs the step within the bound on steps in flight; warns after it compiled."""
         strategy.dispatch.wait_for_room()
         jitted = step.jitted[donate]
@@ -253,7 +253,7 @@ class Replicated:
         traced by an outer transformation do not count)."""
         return self._compilations.count
 
-    def _check_call(self, args: tuple) -> Any:
+    def _check_call(self, args: tuple) -> PyTree:
         if _context.in_replica_context() or _context.merge_context() is not None:
             raise RuntimeError(
                 f"{self!r} was called inside another replicated function; replicated functions "

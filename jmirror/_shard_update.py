@@ -168,7 +168,7 @@ def shard_update(
     return optax.GradientTransformation(init, update)
 
 
-def _name(inner: Any) -> str:
+def _name(inner: optax.GradientTransformation) -> str:
     fn = getattr(inner, "update", None)
     return getattr(fn, "__qualname__", type(inner).__name__).replace(".<locals>.", ".")
 
@@ -225,7 +225,7 @@ def _mirrored_on(params: PyTree) -> Topology | None:
     return topology
 
 
-def _init_placed(inner: Any, params: PyTree, topology: Topology) -> PyTree:
+def _init_placed(inner: optax.GradientTransformation, params: PyTree, topology: Topology) -> PyTree:
     """Returns the sharded state of N replicas, placed: pieces stacked, the rest mirrored."""
     n, k = topology.num_replicas, _devices_per_replica(topology)
     shapes = _sharded_shapes(params)
@@ -248,7 +248,7 @@ def _init_placed(inner: Any, params: PyTree, topology: Topology) -> PyTree:
     )
 
 
-def _init_in_replica(inner: Any, params: PyTree, pieces: Pieces) -> PyTree:
+def _init_in_replica(inner: optax.GradientTransformation, params: PyTree, pieces: Pieces) -> PyTree:
     """Returns the sharded state made inside a replica function: this replica's pieces."""
     shapes = _sharded_shapes(params)
     return jax.tree.map(
@@ -258,7 +258,7 @@ def _init_in_replica(inner: Any, params: PyTree, pieces: Pieces) -> PyTree:
 
 
 def _update(
-    inner: Any,
+    inner: optax.GradientTransformation,
     grads: PyTree,
     state: PyTree,
     params: PyTree,
@@ -406,7 +406,7 @@ def _piece_spec(lay: Layout, pieces: Pieces) -> P:
     return P(pieces.model_axis_name) if lay.blocks > 1 else P()
 
 
-def _on_blocks(fn: Callable[..., Any], pieces: Pieces, in_specs: tuple, out_specs: tuple) -> Any:
+def _on_blocks(fn: Callable[..., Any], pieces: Pieces, in_specs: tuple, out_specs: tuple) -> PyTree:
     """Runs `fn` on each model device's own blocks (manual over the model axis too): every cut
     and collective of the packing is local to a device, none rebuilds a whole leaf."""
     return jax.shard_map(
@@ -429,7 +429,7 @@ def _scatter_blocks(grads: list[Any], pieces: Pieces) -> list[Piece]:
     layouts = [pieces.layout(shape) for shape in shapes]
     dtype = jnp.result_type(grads[0])
 
-    def pack(*blocks: Any) -> tuple[Any, ...]:
+    def pack(*blocks: jax.Array) -> tuple[Any, ...]:
         stacked = []
         for block, lay in zip(blocks, layouts):
             flat = jnp.ravel(block)  # this device's block: lay.block elements
@@ -476,7 +476,7 @@ def _gather_blocks(outs: list[Piece], pieces: Pieces) -> list[Any]:
     n, axis = pieces.n, pieces.axis_name
     layouts = [piece.layout for piece in outs]
 
-    def unpack(*locals_: Any) -> tuple[Any, ...]:
+    def unpack(*locals_: jax.Array) -> tuple[Any, ...]:
         buffer = jnp.concatenate(locals_)
         full = lax.all_gather(buffer, axis, tiled=True).reshape(n, buffer.shape[0])
         offsets = np.cumsum([0] + [lay.sub for lay in layouts])

@@ -38,7 +38,7 @@ class Resume:
     current: int = 1
     unit: str = "batches"
 
-    def check_movable(self, call: str, iterator: Any) -> None:
+    def check_movable(self, call: str, iterator: object) -> None:
         """Refuses a saved state from another process count that `iterator` cannot take."""
         if self.saved == self.current or is_movable(iterator):
             return
@@ -161,7 +161,7 @@ class Source:
             ) from None
 
 
-def open_source(call: str, dataset: Any) -> Source:
+def open_source(call: str, dataset: object) -> Source:
     if isinstance(dataset, Iterable):
         return Source(call, lambda: dataset, dataset)
     if callable(dataset):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import jax
@@ -530,11 +530,11 @@ class MirroredStrategy:
 
     def distribute_dataset(
         self,
-        dataset: Any,
+        dataset: object,
         *,
         remainder: str = "pad",
         prefetch: int = 2,
-        start: Any = None,
+        start: Mapping[str, Any] | None = None,
         process_local: bool = False,
     ) -> DistributedDataset:
         """Splits each global batch of `dataset` into per-replica shards on the devices.
@@ -569,7 +569,11 @@ class MirroredStrategy:
         )
 
     def distribute_datasets_from_function(
-        self, dataset_fn: Callable[..., Any], *, prefetch: int = 2, start: Any = None
+        self,
+        dataset_fn: Callable[..., Any],
+        *,
+        prefetch: int = 2,
+        start: Mapping[str, Any] | None = None,
     ) -> DistributedDataset:
         """Deals the per-replica batches of `dataset_fn(jm.InputContext(...))` to replicas.
 
@@ -597,7 +601,7 @@ class MirroredStrategy:
         )
 
 
-def _check_axis_name(axis_name: Any, argument: str = "axis_name", other: Any = None) -> None:
+def _check_axis_name(axis_name: object, argument: str = "axis_name", other: object = None) -> None:
     if not isinstance(axis_name, str) or not axis_name:
         raise TypeError(
             f"MirroredStrategy({argument}=...) expects a non-empty str, got {axis_name!r}."

@@ -481,7 +481,7 @@ class Topology:
         return f"Topology(devices=[{devices}], axis_name={self.axis_name!r}{per})"
 
 
-def check_devices_per_replica(k: Any, num_devices: int, call: str = "MirroredStrategy") -> int:
+def check_devices_per_replica(k: object, num_devices: int, call: str = "MirroredStrategy") -> int:
     """Returns `k` when it is an int >= 1 that divides `num_devices`, else raises a `ValueError`
     naming both (a `TypeError` for a non-int)."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)):

@@ -346,7 +346,7 @@ class Sharded:
         ((3,), 3, (2, 2))
     """
 
-    shards: Any
+    shards: jax.Array
     shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
 
     def __post_init__(self) -> None:

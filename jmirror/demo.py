@@ -202,7 +202,7 @@ def _loss_and_logits(state: TrainState, params: PyTree, batch: dict[str, Any]):
     return losses.mean(), (losses, logits)
 
 
-def _train_step(state: TrainState, batch: dict[str, Any], loss: PyTree, accuracy: Any):
+def _train_step(state: TrainState, batch: dict[str, Any], loss: PyTree, accuracy: metrics.Accuracy):
     """Runs one replica's step: local gradients, all-reduced MEAN; metrics updated locally."""
     grad_fn = jax.value_and_grad(lambda p: _loss_and_logits(state, p, batch), has_aux=True)
     (_, (losses, logits)), grads = grad_fn(state.params)
@@ -214,7 +214,13 @@ def _train_step(state: TrainState, batch: dict[str, Any], loss: PyTree, accuracy
     )
 
 
-def _eval_step(params: PyTree, apply_fn: Any, batch: dict[str, Any], mask: Any, accuracy: Any):
+def _eval_step(
+    params: PyTree,
+    apply_fn: Callable[..., Any],
+    batch: dict[str, Any],
+    mask: jax.Array,
+    accuracy: metrics.Accuracy,
+):
     return accuracy.update(apply_fn({"params": params}, batch["x"]), batch["y"], mask=mask)
 
 
@@ -268,7 +274,7 @@ def train_one_device(
         return state.apply_gradients(grads=grads)
 
     @jax.jit
-    def correct(params: PyTree, batch: dict[str, Any], mask: Any) -> jax.Array:
+    def correct(params: PyTree, batch: dict[str, Any], mask: jax.Array) -> jax.Array:
         logits = cast(jax.Array, model.apply({"params": params}, batch["x"]))
         hits = jnp.argmax(logits, -1) == batch["y"]
         return jnp.sum(hits & mask)

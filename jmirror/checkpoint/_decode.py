@@ -180,7 +180,7 @@ def component_paths(tree: Tree) -> dict[str, str]:
     }
 
 
-def _key_str(entry: Any) -> str:
+def _key_str(entry: object) -> str:
     return jax.tree_util.keystr((entry,))
 
 
@@ -215,7 +215,7 @@ def _describe_leaf(x: PyTree) -> str:
     return f"shape {tuple(np.shape(x))} dtype {name}"
 
 
-def check_target(tree: Tree, target: Any, stacked: bool = False) -> None:
+def check_target(tree: Tree, target: PyTree, stacked: bool = False) -> None:
     """Raises `ValueError` at the first path where `target` differs from the saved tree."""
     if tree.leaf is not None:
         fits = _sharded.matches(tree.leaf, target)
@@ -248,7 +248,7 @@ def check_target(tree: Tree, target: Any, stacked: bool = False) -> None:
         check_target(child, sub, stacked)
 
 
-def fit_metrics(tree: Tree, target: Any, n: int) -> Any:
+def fit_metrics(tree: Tree, target: PyTree, n: int) -> PyTree:
     """Returns `target` with each NNX metric `Variable` holding the kind of state saved there.
 
     A metric updated by a replicated function holds sync-on-read `MetricComponents`; a target
@@ -353,7 +353,7 @@ def place(
     tree: Tree,
     arrays: dict[str, np.ndarray],
     strategy: MirroredStrategy,
-    target: Any,
+    target: PyTree,
     saved_n: int,
     call: str = "jm.checkpoint.restore",
 ) -> PyTree:
@@ -434,7 +434,7 @@ def _put(hosts: list[np.ndarray], shardings: list[Any], num_processes: int) -> l
     ]
 
 
-def _target_leaves(target: Any) -> list[tuple[tuple, Any]]:
+def _target_leaves(target: PyTree) -> list[tuple[tuple, Any]]:
     """Returns (path, leaf) of each leaf of `target` in flattening order; a leaf that is an NNX
     `Variable`'s value comes with that `Variable` (its partitioning metadata)."""
     out = []

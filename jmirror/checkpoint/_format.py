@@ -196,7 +196,7 @@ def entry_from_json(entry: object, where: str) -> Any:
     raise corrupt(where, f"tree key {entry!r} is not a jmirror tree key")
 
 
-def entry_name(entry: Any) -> str | int:
+def entry_name(entry: object) -> str | int:
     """Returns the key a rebuilt dict uses for a child: a field name, dict key or index."""
     for attr in ("name", "key", "idx"):
         if hasattr(entry, attr):

@@ -222,7 +222,7 @@ class CheckpointManager(PreemptionMixin):
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     # --- saving ------------------------------------------------------------------------------

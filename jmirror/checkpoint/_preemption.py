@@ -52,7 +52,8 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import Any, NoReturn
+from types import FrameType
+from typing import NoReturn
 
 import jax
 from jax.experimental import multihost_utils
@@ -103,7 +104,7 @@ class _Handler:
         self.previous = previous
         self.seen = 0
 
-    def __call__(self, number: int, frame: Any) -> None:
+    def __call__(self, number: int, frame: FrameType | None) -> None:
         self.seen += 1
         if _OPEN:
             _NOTICE.received = True
