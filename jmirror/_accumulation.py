@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,10 @@ from jmirror._context import all_reduce
 from jmirror._replicate import Replicated, replicate
 from jmirror._strategy import MirroredStrategy
 from jmirror._values import PyTree, ReduceOp, Sharded
+
+if TYPE_CHECKING:
+    import optax
+    from flax import nnx
 
 LossFn = Callable[..., Any]
 # `(params, carry, micro_batch) -> (loss, carry)`: one micro-batch's loss, with the other
@@ -158,7 +162,7 @@ def _sum_over_micro_batches(
     return loss_sum, grad_sum, carry
 
 
-def _wide(dtype: Any) -> Any:
+def _wide(dtype: jax.typing.DTypeLike) -> Any:
     """Returns the dtype a sum of `dtype` values is kept in: at least float32 for floating ones."""
     if jnp.issubdtype(dtype, jnp.floating):
         return jnp.promote_types(dtype, jnp.float32)
@@ -184,13 +188,13 @@ def _nothing(carry: PyTree) -> None:
 # --- equinox, only once the caller imported it ---------------------------------------------
 
 
-def _is_equinox_module(x: Any) -> bool:
+def _is_equinox_module(x: object) -> bool:
     eqx = sys.modules.get("equinox")
     return eqx is not None and isinstance(x, eqx.Module)
 
 
 def _equinox_micro_loss(
-    loss_fn: LossFn, model: Any, args: tuple
+    loss_fn: LossFn, model: nnx.Module, args: tuple
 ) -> tuple[PyTree, PyTree, MicroLoss, Callable[[PyTree], None]]:
     """Returns an equinox model's micro-batch loss: its floating arrays differentiated, as
     `eqx.filter_value_and_grad` does, the rest of the module closed over."""
@@ -211,7 +215,7 @@ def make_accumulating_train_step(
     loss_fn: LossFn,
     num_micro_batches: int,
     *,
-    tx: Any = None,
+    tx: optax.GradientTransformation | None = None,
     dtype: jax.typing.DTypeLike | None = None,
     strategy: MirroredStrategy | None = None,
 ) -> Replicated:
@@ -268,7 +272,7 @@ def make_accumulating_train_step(
             dtype=dtype,
         )
 
-    def train_step(state: Any, batch: PyTree, *args: Any) -> tuple[Any, jax.Array]:
+    def train_step(state: PyTree, batch: PyTree, *args: PyTree) -> tuple[Any, jax.Array]:
         if _is_equinox_pair(state):
             return _equinox_step(state, tx, accumulate, batch, args)
         pair = _nnx_recipes.pair(state, "make_accumulating_train_step")
@@ -290,12 +294,16 @@ def _is_sharded(opt_state: PyTree) -> bool:
     return any(isinstance(x, Sharded) for x in leaves)
 
 
-def _is_equinox_pair(state: Any) -> bool:
+def _is_equinox_pair(state: PyTree) -> bool:
     return isinstance(state, (tuple, list)) and len(state) == 2 and _is_equinox_module(state[0])
 
 
 def _equinox_step(
-    state: tuple, tx: Any, accumulate: Callable[..., tuple], batch: PyTree, args: tuple
+    state: tuple,
+    tx: optax.GradientTransformation | None,
+    accumulate: Callable[..., tuple],
+    batch: PyTree,
+    args: tuple,
 ) -> tuple[tuple, jax.Array]:
     """Takes one step of an equinox `(model, opt_state)` pair with the optax `tx`."""
     import equinox as eqx

@@ -54,6 +54,7 @@ import jax
 
 from jmirror._arguments import is_array, is_traced, leaf_policies
 from jmirror._mirrored_state import Traced
+from jmirror._values import PyTree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +90,7 @@ class OutputLayout:
         return path
 
 
-def output_layout(result_top: Any) -> OutputLayout | None:
+def output_layout(result_top: PyTree) -> OutputLayout | None:
     """Returns the `OutputLayout` a variant's result ends with, or None."""
     if isinstance(result_top, tuple) and result_top and isinstance(result_top[-1], OutputLayout):
         return result_top[-1]
@@ -155,7 +156,7 @@ def leaf_policy(node_type: type) -> Callable[[Any], bool] | None:
     return found
 
 
-def static_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[bool]:
+def static_leaves(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> list[bool]:
     """Returns, per leaf of `tree` (flattened with `is_leaf`), whether it is static: not an
     array inside a policed node (an `eqx.Module`), not traceable by `jax.jit` elsewhere.
     Leaves that `is_leaf` stops at count as traced."""
@@ -169,7 +170,7 @@ def static_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> li
     ]
 
 
-def policed_statics(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[bool]:
+def policed_statics(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> list[bool]:
     """Returns, per leaf of `tree` (flattened with `is_leaf`), whether it is a static leaf
     inside a policed node (an `eqx.Module`'s function, flag or number); leaves elsewhere are
     never static here."""

@@ -43,11 +43,11 @@ _KIND_NAMES = {
 }
 
 
-def _is_array_item(x: Any) -> bool:
+def _is_array_item(x: object) -> bool:
     return isinstance(x, numbers.Number | np.generic | str | bytes) or _is_array_list(x)
 
 
-def _is_array_list(x: Any) -> bool:
+def _is_array_list(x: object) -> bool:
     """Returns whether `x` is a non-empty list of numbers (or of such lists): one array-like leaf.
 
     Any other list (of arrays, of dicts, empty) stays a pytree container, as JAX sees it.
@@ -64,7 +64,7 @@ def _leaf_path(tree: PyTree, leaf_index: int, root: str = "batch") -> str:
     return f"{root}{jax.tree_util.keystr(path)}"
 
 
-def _as_array(call: str, where: str, tree: PyTree, leaf: Any, leaf_index: int, root: str) -> Any:
+def _as_array(call: str, where: str, tree: PyTree, leaf: PyTree, leaf_index: int, root: str) -> Any:
     """Returns `leaf` as an array JAX can place: numeric, and 64-bit integers only where they
     fit."""
     if isinstance(leaf, jax.Array):
@@ -152,7 +152,7 @@ def _leading_size(call: str, batch: PyTree, index: int, leaves: list[Any]) -> in
     return cast(int, sizes[0])  # not None: checked in the loop above
 
 
-def _pad(x: Any, size: int) -> Any:
+def _pad(x: PyTree, size: int) -> PyTree:
     extra = size - x.shape[0]
     if isinstance(x, jax.Array):
         return jnp.concatenate([x, jnp.zeros((extra,) + x.shape[1:], x.dtype)])
@@ -208,8 +208,8 @@ class PaddedBatch(NamedTuple):
         element['image']: with remainder='pad', every element of ... a (batch, mask) pair, ...
     """
 
-    batch: Any
-    mask: Any
+    batch: PyTree
+    mask: jax.Array | PerReplica
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, str):

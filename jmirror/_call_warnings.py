@@ -18,14 +18,17 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.core
 import numpy as np
 
 from jmirror._mirrored_state import MirroredStateWarning
-from jmirror._values import is_distributed
+from jmirror._values import PyTree, is_distributed
+
+if TYPE_CHECKING:
+    from jmirror._topology import Topology
 
 # More input signatures than this compiled by one replicated function earn a warning.
 RETRACE_WARNING_AT = 8
@@ -40,7 +43,9 @@ class CallWarnings:
         # The input signatures of calls that compiled: what the retracing warning counts.
         self._signatures: set[tuple] = set()
 
-    def after_compile(self, num_replicas: int, topology: Any, inputs: Any, where: Any) -> None:
+    def after_compile(
+        self, num_replicas: int, topology: Topology, inputs: PyTree, where: Any
+    ) -> None:
         """Warns of a compiled call's arguments and of a function that keeps retracing.
 
         Args:
@@ -69,7 +74,9 @@ class CallWarnings:
         )
         self.once("retrace", message)
 
-    def of_arguments(self, num_replicas: int, topology: Any, inputs: Any, where: Any) -> None:
+    def of_arguments(
+        self, num_replicas: int, topology: Topology, inputs: PyTree, where: Any
+    ) -> None:
         """Warns of host batches broadcast every call and of pmap-layout arrays passed as
         plain arguments."""
         nodes = jax.tree_util.tree_flatten_with_path(inputs, is_leaf=is_distributed)[0]
@@ -99,7 +106,7 @@ class CallWarnings:
         self.once("mirrored state", message, MirroredStateWarning)
 
 
-def _shape(x: Any) -> Any:
+def _shape(x: PyTree) -> tuple | str:
     """Returns a leaf's shape (an attribute read: `np.shape` of a jax.Array costs more),
     `()` for a number, "static" for a static leaf."""
     shape = getattr(x, "shape", None)
@@ -108,7 +115,7 @@ def _shape(x: Any) -> Any:
     return () if isinstance(x, (int, float, complex)) else "static"
 
 
-def _dtype(x: Any) -> str:
+def _dtype(x: PyTree) -> str:
     if hasattr(x, "dtype"):
         return str(x.dtype)
     if isinstance(x, (bool, int, float, complex)):

@@ -11,7 +11,6 @@ counts them per thread; a replicated call reads its thread's count before and af
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import jax
 
@@ -35,6 +34,6 @@ def register() -> None:
             _registered.append(True)
 
 
-def _listen(event: str, duration_secs: float, **kwargs: Any) -> None:
+def _listen(event: str, duration_secs: float, **kwargs: object) -> None:
     if event == BACKEND_COMPILE_EVENT:
         _thread.count = getattr(_thread, "count", 0) + 1

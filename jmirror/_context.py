@@ -104,7 +104,7 @@ class TraceRound:
             if isinstance(leaf, jax.core.Tracer):
                 self.facts[id(leaf)] = (leaf, flag)
 
-    def _fact(self, leaf: Any) -> bool | None:
+    def _fact(self, leaf: object) -> bool | None:
         if not isinstance(leaf, jax.core.Tracer):
             return False  # a constant is identical on every replica
         fact = self.facts.get(id(leaf))
@@ -254,7 +254,7 @@ class ReplicaContext:
         out = [self._sync_leaf(aggregation, x, v) for x, v in zip(leaves, varying)]
         return self._identical(jax.tree.unflatten(treedef, out))
 
-    def _sync_leaf(self, aggregation: Aggregation, x: Any, varying: bool) -> Any:
+    def _sync_leaf(self, aggregation: Aggregation, x: PyTree, varying: bool) -> PyTree:
         if aggregation is Aggregation.NONE:
             return x
         if _is_key(x):
@@ -289,7 +289,7 @@ class ReplicaContext:
 
     def merge_call(
         self, merge_fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None
-    ) -> Any:
+    ) -> PyTree:
         """Runs `merge_fn(strategy, *args, **kwargs)` once, in cross-replica context.
 
         Inside `merge_fn`, every argument leaf that may differ across replicas is a
@@ -337,14 +337,14 @@ class ReplicaContext:
         )
         return treedef.unflatten([self._own_component(path, x) for path, x in nodes])
 
-    def _own_component(self, path: tuple, x: Any) -> Any:
+    def _own_component(self, path: tuple, x: PyTree) -> PyTree:
         if not isinstance(x, PerReplica):
             return x
         if x.is_component:
             return held_values(x)
         n = self.num_replicas
 
-        def own(inner: tuple, v: Any) -> Any:
+        def own(inner: tuple, v: PyTree) -> PyTree:
             v = jnp.asarray(v)
             if v.shape[:1] != (n,):
                 where = jax.tree_util.keystr(path) + ".values" + jax.tree_util.keystr(inner)
@@ -394,7 +394,7 @@ class _MergeFrame:
     context: ReplicaContext
     mirrored: dict[int, Any] = dataclasses.field(default_factory=dict)
 
-    def note_mirrored(self, x: Any) -> Any:
+    def note_mirrored(self, x: PyTree) -> PyTree:
         if isinstance(x, jax.core.Tracer):
             self.mirrored[id(x)] = x
         return x
@@ -412,7 +412,7 @@ _DEFAULT: list[Strategy] = []
 _DEFAULT_FACTORY: list[Callable[[], Strategy]] = []
 
 
-def _is_array_like(x: Any) -> bool:
+def _is_array_like(x: object) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
 
 
@@ -428,7 +428,9 @@ def check_identical(call: str, paths: Sequence[str], varying: Sequence[bool]) ->
             )
 
 
-def reduction_dtype(dtype: Any, call: str, argument: str = "dtype") -> np.dtype | None:
+def reduction_dtype(
+    dtype: jax.typing.DTypeLike | None, call: str, argument: str = "dtype"
+) -> np.dtype | None:
     """Returns `dtype` as a floating numpy dtype (`None` stays `None`), checked for `call`'s
     `argument`."""
     if dtype is None:
@@ -446,7 +448,9 @@ def reduction_dtype(dtype: Any, call: str, argument: str = "dtype") -> np.dtype 
     return found
 
 
-def all_reduce_leaf(op: ReduceOp, x: Any, axis_name: str, dtype: np.dtype | None = None) -> Any:
+def all_reduce_leaf(
+    op: ReduceOp, x: PyTree, axis_name: str, dtype: np.dtype | None = None
+) -> PyTree:
     """Returns `psum` / `pmean` / `pmax` / `pmin` of one array over `axis_name`; a floating leaf of
     another dtype than `dtype` (when given) is reduced in `dtype` and cast back."""
     if dtype is not None:
@@ -492,7 +496,7 @@ def note_mirrored_in_merge(tree: PyTree) -> PyTree:
     return tree
 
 
-def is_mirrored_in_merge(x: Any) -> bool:
+def is_mirrored_in_merge(x: object) -> bool:
     """Returns whether the traced value `x` is known to be mirrored inside the running `merge_fn`:
     an argument proven identical on every replica, or a cross-replica operation's result."""
     if not (_STACK.frames and isinstance(_STACK.frames[-1], _MergeFrame)):
@@ -653,7 +657,7 @@ def sync(tree: PyTree, aggregation: Aggregation | str) -> PyTree:
 
 def merge_call(
     merge_fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None
-) -> Any:
+) -> PyTree:
     """Shortcut for `jm.replica_context().merge_call(merge_fn, args, kwargs)`.
 
     Example:
@@ -669,7 +673,7 @@ def merge_call(
     return replica_context("jm.merge_call").merge_call(merge_fn, args, kwargs)
 
 
-def _is_key(x: Any) -> bool:
+def _is_key(x: object) -> bool:
     """Returns whether `x` is a typed PRNG key array (`jax.random.key`)."""
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)

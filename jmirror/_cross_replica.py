@@ -89,7 +89,7 @@ class CrossReplica(abc.ABC):
         `PerReplica`)."""
 
     @abc.abstractmethod
-    def stacked(self, x: Any) -> Any:
+    def stacked(self, x: PyTree) -> PyTree:
         """Returns every replica's component of the stacked leaf `x` (a sync-on-read value), as one
         array on which this process can combine them (the NNX metrics' own combines)."""
 
@@ -106,7 +106,7 @@ class CrossReplica(abc.ABC):
         """Returns the replicas' components concatenated along `axis`."""
 
     @abc.abstractmethod
-    def update(self, tree: PyTree, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def update(self, tree: PyTree, fn: Callable[..., Any], args: tuple, kwargs: dict) -> PyTree:
         """Applies `fn(tree, *args, **kwargs)` to every replica's copy of `tree`."""
 
     # --- shared --------------------------------------------------------------------------------
@@ -131,14 +131,14 @@ class CrossReplica(abc.ABC):
         if not any(isinstance(x, PerReplica) for x in leaves):
             return self.reduce_plain(op, value)
 
-        def one(x: Any) -> Any:
+        def one(x: PyTree) -> PyTree:
             if isinstance(x, PerReplica):
                 return self.reduce_per_replica(op, x, axis)
             return self.reduce_plain(op, x)
 
         return jax.tree.map(one, value, is_leaf=is_distributed)
 
-    def reduce_plain(self, op: ReduceOp, value: Any) -> Any:
+    def reduce_plain(self, op: ReduceOp, value: PyTree) -> PyTree:
         """Returns a value that is not per replica: `MEAN` returns it, `SUM` only with one
         replica."""
         if op is ReduceOp.SUM and self.num_replicas > 1:
@@ -167,10 +167,14 @@ class CrossReplica(abc.ABC):
         is_sum = sync_on_read.aggregation is Aggregation.SUM
         dtypes = jax.tree.map(jnp.result_type, sync_on_read.value)
 
-        def spread(dtype: Any) -> bool:  # an integer SUM: components differ by the remainder
+        def spread(
+            dtype: jax.typing.DTypeLike,
+        ) -> bool:  # an integer SUM: components differ by the remainder
             return is_sum and bool(jnp.issubdtype(dtype, jnp.integer))
 
-        def component(dtype: Any, new: Any, replica: Any) -> jax.Array:
+        def component(
+            dtype: jax.typing.DTypeLike, new: PyTree, replica: jax.Array | int
+        ) -> jax.Array:
             new = jnp.asarray(new)
             if spread(dtype):
                 new = new.astype(dtype)

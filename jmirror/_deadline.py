@@ -53,6 +53,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from types import TracebackType
 from typing import Any, NoReturn
 
 import jax
@@ -60,6 +61,7 @@ import jax.core
 import jax.monitoring
 
 from jmirror import _shim
+from jmirror._values import PyTree
 
 # The exit status of a process ended by a timed-out wait.
 EXIT_CODE = 1
@@ -79,7 +81,7 @@ _GLOO_RENDEZVOUS = re.compile(r"Gloo context initialization failed.*GetKeyValue\
 _GLOO_KEY = re.compile(r"key: \S*gloo/([\d,]+)/(\d+)")
 
 
-def check_timeout(timeout_s: Any, call: str) -> float | None:
+def check_timeout(timeout_s: object, call: str) -> float | None:
     """Validates `timeout_s`: a positive number of seconds, or None (no bound)."""
     if timeout_s is None:
         return None
@@ -101,12 +103,12 @@ def check_timeout(timeout_s: Any, call: str) -> float | None:
 class _Wait:
     """One wait of a caller's thread, or one watched call."""
 
-    call: Any  # what is waited for; str() names it (only formatted when it times out)
+    call: object  # what is waited for; str() names it (only formatted when it times out)
     timeout_s: float
     setting: str  # where the bound is set, named in the message
     started: float  # time.monotonic() when the clock started
     seq: int = 0  # for a watched call: its number among this process's watched calls
-    token: Any = None  # for a watched call: the output waited for
+    token: PyTree = None  # for a watched call: the output waited for
     missing: Callable[[], str] | None = None  # names the absent processes itself
     paused: bool = False  # while its thread traces and compiles a new program
     absent: tuple[int, ...] | None = None  # the absent processes, when known already
@@ -195,7 +197,7 @@ class _Watchdog:
         with self._lock:
             self._waits.pop(key, None)
 
-    def watch(self, token: Any, call: Any, timeout_s: float, setting: str) -> None:
+    def watch(self, token: PyTree, call: object, timeout_s: float, setting: str) -> None:
         seq = next(self._numbers)  # atomic under the GIL, as the deque's append
         self._dispatched = seq
         self._queue.append(_Wait(call, timeout_s, setting, time.monotonic(), seq, token))
@@ -372,7 +374,7 @@ def _gloo_absent(cause: str) -> tuple[int, ...] | None:
     return None if process is None else (process,)
 
 
-def _label(call: Any) -> str:
+def _label(call: object) -> str:
     """What a wait is for, in words: a string as given, a replicated function as a step."""
     if isinstance(call, str):
         return call
@@ -458,7 +460,12 @@ class _Bounded:
         self._key = watchdog.add_wait(self._wait)
         _current().append(self._wait)
 
-    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
         _current().pop()
         _WATCHDOG.end_wait(self._key)
         if error is not None and _GLOO_RENDEZVOUS.search(str(error)):
@@ -478,7 +485,7 @@ def _current() -> list[_Wait]:
         return _THREAD.waits
 
 
-def _restart_after_compiling(event: str, duration_secs: float, **kwargs: Any) -> None:
+def _restart_after_compiling(event: str, duration_secs: float, **kwargs: object) -> None:
     """A `jax.monitoring` listener: JAX traced, lowered or compiled something in this thread,
     so the clock of this thread's innermost bounded wait starts again (compilation and
     tracing are not waiting for other processes); a backend compilation ends its pause."""
@@ -505,7 +512,7 @@ def compiling() -> None:
 
 
 def bounded(
-    call: Any,
+    call: object,
     timeout_s: float | None,
     *,
     setting: str = "jm.MultiWorkerMirroredStrategy",
@@ -529,7 +536,7 @@ def bounded(
     return _Bounded(_Wait(call, timeout_s, setting, 0.0, missing=missing))
 
 
-def watch(token: Any, call: Any, timeout_s: float | None, setting: str | None = None) -> None:
+def watch(token: PyTree, call: object, timeout_s: float | None, setting: str | None = None) -> None:
     """Bounds an asynchronous cross-process call recorded by its output `token`.
 
     Tracers and host values are not watched (nothing of jmirror's waits for them).
@@ -540,7 +547,11 @@ def watch(token: Any, call: Any, timeout_s: float | None, setting: str | None = 
 
 
 def expire(
-    call: Any, timeout_s: float, *, setting: str, absent: tuple[int, ...] | None = None
+    call: object,
+    timeout_s: float,
+    *,
+    setting: str,
+    absent: tuple[int, ...] | None = None,
 ) -> NoReturn:
     """Ends the process now, for a wait on `call` past its bound (e.g. a barrier's own
     timeout, whose error lists the `absent` processes)."""

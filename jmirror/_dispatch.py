@@ -51,6 +51,7 @@ import jax.core
 
 from jmirror import _deadline, _step_stats
 from jmirror._topology import Topology
+from jmirror._values import PyTree
 
 DONATIONS = ("auto", "always")
 # Steps in flight by platform: XLA:CPU host devices abort in their collective rendezvous when
@@ -64,7 +65,7 @@ MAX_IN_FLIGHT_HOST = 16
 LARGE_DONATION = 8 * 2**20
 
 
-def check_max_in_flight(max_in_flight: Any, platform: str, num_devices: int, call: str) -> int:
+def check_max_in_flight(max_in_flight: object, platform: str, num_devices: int, call: str) -> int:
     """Validates `max_in_flight` (None: the platform's default) and returns the bound."""
     if max_in_flight is None:
         return DEFAULT_IN_FLIGHT.get(platform, DEFAULT_IN_FLIGHT_ACCELERATOR)
@@ -89,7 +90,7 @@ def check_max_in_flight(max_in_flight: Any, platform: str, num_devices: int, cal
     return max_in_flight
 
 
-def check_donation(donation: Any, call: str) -> str:
+def check_donation(donation: object, call: str) -> str:
     if donation not in DONATIONS:
         raise ValueError(
             f"{call}(donation={donation!r}) is not a donation policy; expected 'auto' (skip "
@@ -152,7 +153,9 @@ class Dispatch:
     stats: _step_stats.Recorder = dataclasses.field(default_factory=_step_stats.Recorder)
 
     @classmethod
-    def create(cls, topology: Topology, max_in_flight: Any, donation: Any, call: str) -> Dispatch:
+    def create(
+        cls, topology: Topology, max_in_flight: object, donation: object, call: str
+    ) -> Dispatch:
         platform = topology.platform
         bound = check_max_in_flight(max_in_flight, platform, topology.num_devices, call)
         timeout = topology.timeout_s if topology.process_count > 1 else None
@@ -170,11 +173,11 @@ class Dispatch:
         if waited:
             _step_stats.waited_for_room(waited)
 
-    def bounded(self, call: Any) -> contextlib.AbstractContextManager[None]:
+    def bounded(self, call: object) -> contextlib.AbstractContextManager[None]:
         """The bound on dispatching a step across processes (a cheap one may run inline)."""
         return _deadline.bounded(call, self.timeout_s)
 
-    def track(self, token: Any, call: Any = "a replicated step") -> None:
+    def track(self, token: PyTree, call: object = "a replicated step") -> None:
         """Records a dispatched step by one of its outputs (`call` names it if it times out,
         and its row in `stats`)."""
         self.in_flight.track(token)
@@ -250,7 +253,7 @@ class Donation:
             _explain_donated(call, args, kwargs, self.argnums)
         return True
 
-    def check_prepared(self, call: object, prepared: Any) -> bool:
+    def check_prepared(self, call: object, prepared: PyTree) -> bool:
         """Returns whether a prepared call (`jmirror._arguments.Prepared`) donates; if it
         does, refuses what would crash jaxlib (as `check`), from the call's flat leaves.
 
@@ -390,7 +393,9 @@ _TWICE = (
 )
 
 
-def _check_not_donated(call: object, tree: Any, prefix: str, donated_ids: dict[int, str]) -> None:
+def _check_not_donated(
+    call: object, tree: PyTree, prefix: str, donated_ids: dict[int, str]
+) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         first = donated_ids.get(id(leaf))
         if first is not None:

@@ -22,6 +22,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from jmirror import _mirrored_state, _topology
+from jmirror._values import PyTree
 
 BATCH_NORM = (
     "An nnx.BatchNorm without axis_name computes its statistics over one replica's batch, and "
@@ -36,13 +37,13 @@ LINEN_BATCH_NORM = (
 )
 
 
-def is_variable(x: Any) -> bool:
+def is_variable(x: object) -> bool:
     """Returns whether `x` is a flax `nnx.Variable`."""
     nnx = sys.modules.get("flax.nnx")
     return nnx is not None and isinstance(x, nnx.Variable)
 
 
-def _linen_names(x: Any) -> Any:
+def _linen_names(x: PyTree) -> Any:
     """Returns the names of a linen metadata box (`nn.Partitioned`; `()` for a box without
     names), else None."""
     meta = sys.modules.get("flax.core.meta")
@@ -51,7 +52,7 @@ def _linen_names(x: Any) -> Any:
     return getattr(x, "names", None) or ()
 
 
-def _variable_names(x: Any) -> Any:
+def _variable_names(x: PyTree) -> Any:
     """Returns the `out_sharding` names of an NNX `Variable` (flax 0.12's name; reading its
     deprecated `sharding_names` warns; `()` for a Variable without them), else None."""
     if not is_variable(x):

@@ -236,14 +236,14 @@ class HostOps(CrossReplica):
         copy = self.topology.replica_copy(x, i)  # its own shards: no transfer
         return copy if copy is not None else jax.device_put(x, self.topology.read_sharding(x, i))
 
-    def _gathered(self, stacked: Any) -> jax.Array:
+    def _gathered(self, stacked: PyTree) -> jax.Array:
         """Returns the stacked components of a leaf, all on devices[0]."""
         return jax.device_put(_copyable(stacked), self.topology.devices[0])
 
-    def stacked(self, x: Any) -> Any:
+    def stacked(self, x: PyTree) -> PyTree:
         return self._gathered(x)
 
-    def _component(self, stacked: Any, i: int) -> Any:
+    def _component(self, stacked: PyTree, i: int) -> PyTree:
         """Returns replica `i`'s whole component of a stacked leaf: from its own shards where they
         hold it (laid out over its devices when k > 1), else moved to its first device."""
         if isinstance(stacked, jax.Array):
@@ -264,7 +264,7 @@ class HostOps(CrossReplica):
             for i in range(self.topology.num_local_replicas)
         )
 
-    def _components(self, x: Any) -> list[Any] | None:
+    def _components(self, x: PyTree) -> list[Any] | None:
         n = self.num_replicas
         if isinstance(x, (PerReplica, SyncOnRead)):
             stacked = x.values if isinstance(x, PerReplica) else x.value
@@ -277,7 +277,7 @@ class HostOps(CrossReplica):
         return jax.tree.map(lambda v: _reduce_fn(op, axis)(self._gathered(v)), x.values)
 
     def gather(self, value: PyTree, axis: int) -> PyTree:
-        def one(x: Any) -> Any:
+        def one(x: PyTree) -> PyTree:
             if isinstance(x, PerReplica):
                 return jax.tree.map(lambda v: self._gather_stacked(v, axis), x.values)
             if isinstance(x, SyncOnRead):
@@ -298,7 +298,7 @@ class HostOps(CrossReplica):
         """Returns one leaf's stacked components concatenated along `axis`, on the first device."""
         return _gather_fn(axis)(self._gathered(stacked))
 
-    def update(self, tree: PyTree, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def update(self, tree: PyTree, fn: Callable[..., Any], args: tuple, kwargs: dict) -> PyTree:
         return self._run(_Updater(fn), args=(tree,) + args, kwargs=kwargs)
 
 
@@ -308,7 +308,7 @@ class _Updater:
     def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: PyTree, **kwargs: PyTree) -> PyTree:
         return self.fn(*args, **kwargs)
 
     def __hash__(self) -> int:
@@ -318,7 +318,7 @@ class _Updater:
         return isinstance(other, _Updater) and other.fn == self.fn
 
 
-def _shares_memory(source: Any, placed: jax.Array) -> bool:
+def _shares_memory(source: object, placed: jax.Array) -> bool:
     """Returns whether `placed` reuses a buffer of the device array `source`."""
     if not isinstance(source, jax.Array):
         return False  # host values were copied on the host
@@ -326,7 +326,7 @@ def _shares_memory(source: Any, placed: jax.Array) -> bool:
     return any(shard.data.unsafe_buffer_pointer() in mine for shard in placed.addressable_shards)
 
 
-def _copyable(x: Any) -> Any:
+def _copyable(x: PyTree) -> PyTree:
     """Returns `x`, or for a zero-size array the host zeros of its shape and dtype.
 
     JAX lays out the outputs of a computation whose outputs are all zero-size with shards of
@@ -337,7 +337,7 @@ def _copyable(x: Any) -> Any:
     return x
 
 
-def _is_key(dtype: Any) -> bool:
+def _is_key(dtype: jax.typing.DTypeLike) -> bool:
     return jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
@@ -348,7 +348,7 @@ def _copy_fn(layouts: tuple[Any, ...]) -> Callable[[list[jax.Array]], tuple[jax.
 
 
 @functools.cache
-def _stack_fn(sharding: Any, n: int) -> Callable[[PyTree], PyTree]:
+def _stack_fn(sharding: jax.sharding.Sharding, n: int) -> Callable[[PyTree], PyTree]:
     """Returns a function giving N stacked copies of a mirrored tree; each device writes its own
     slice."""
 

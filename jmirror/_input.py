@@ -92,6 +92,7 @@ from jmirror._prefetch import (
 from jmirror._source import Source, open_source
 from jmirror._source_state import read_public
 from jmirror._topology import Topology
+from jmirror._values import PyTree
 
 _REMAINDERS = ("pad", "drop", "error")
 _DATASET_CALL = DATASET_CALL
@@ -158,7 +159,7 @@ class InputContext:
         return global_batch_size // n
 
 
-def _check_prefetch(call: str, prefetch: Any) -> int:
+def _check_prefetch(call: str, prefetch: object) -> int:
     if isinstance(prefetch, bool) or not isinstance(prefetch, int):
         raise TypeError(
             f"{call}(prefetch=...) expects an int, got {prefetch!r} of type "
@@ -257,7 +258,7 @@ class DistributedDataset:
     def __enter__(self) -> DistributedDataset:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -267,11 +268,11 @@ class DistributedDataset:
 class _Counted(DistributedIterator):
     """A pass whose waits for batches count in its dataset's row (`strategy.step_stats()`)."""
 
-    def __init__(self, row: Any, *args: Any, **kwargs: Any):
+    def __init__(self, row: Any, *args: PyTree, **kwargs: PyTree):
         super().__init__(*args, **kwargs)
         self._row = row
 
-    def __next__(self) -> Any:
+    def __next__(self) -> PyTree:
         began = _step_stats.clock()  # where the time goes: the loop waits for a batch here
         try:
             batch = super().__next__()
@@ -327,7 +328,7 @@ def _all_gather(everywhere: NamedSharding) -> Callable[[jax.Array], jax.Array]:
 
 def distribute_dataset(
     topology: Topology,
-    dataset: Any,
+    dataset: object,
     *,
     remainder: str = "pad",
     prefetch: int = 2,
@@ -439,7 +440,7 @@ def distribute_dataset(
     )
 
 
-def _short_name(source: Any) -> str:
+def _short_name(source: object) -> str:
     """A source as a row of `strategy.step_stats()` names it: its name, else its type's."""
     name = getattr(source, "__name__", None)
     return name if isinstance(name, str) else type(source).__name__
@@ -450,7 +451,7 @@ _POSITION_EXAMPLE = (
 )
 
 
-def _check_start(call: str, start: Any) -> Position | None:
+def _check_start(call: str, start: object) -> Position | None:
     """The `Position` a valid `start` describes (None for None or a position at its start)."""
     if start is None:
         return None

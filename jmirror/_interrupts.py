@@ -54,7 +54,7 @@ class _Held:
             self._install()
         self.depth += 1
 
-    def __exit__(self, kind: Any, *exc: Any) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         if threading.get_ident() != _MAIN_THREAD:
             return
         self.depth -= 1
@@ -72,7 +72,7 @@ class _Held:
         previous, previous_local = sys.gettrace(), caller.f_trace
         signum, frame = self.pending  # type: ignore[misc]
 
-        def at_line(traced: FrameType, event: str, arg: Any) -> Any:
+        def at_line(traced: FrameType, event: str, arg: object) -> Any:
             if event not in ("line", "return"):
                 return at_line
             traced.f_trace = previous_local
@@ -107,7 +107,7 @@ class _Held:
 HELD = _Held()
 
 
-def _no_new_frames(frame: FrameType, event: str, arg: Any) -> None:
+def _no_new_frames(frame: FrameType, event: str, arg: object) -> None:
     """Serves as the global tracer while an interrupt waits for the caller's next line: it traces no
     frame but the caller's."""
     return None

@@ -76,13 +76,13 @@ class MergeOps(CrossReplica):
 
     # --- reading -------------------------------------------------------------------------------
 
-    def stacked(self, x: Any) -> Any:
+    def stacked(self, x: PyTree) -> PyTree:
         return x
 
     def read(self, tree: PyTree) -> PyTree:
         self.check_readable(tree)
 
-        def one(x: Any) -> Any:
+        def one(x: PyTree) -> PyTree:
             if not isinstance(x, SyncOnRead):
                 return x
             if x.aggregation is Aggregation.ONLY_FIRST_REPLICA:
@@ -93,7 +93,7 @@ class MergeOps(CrossReplica):
         return jax.tree.map(one, tree, is_leaf=is_distributed)
 
     def _all_reduce(self, op: ReduceOp, tree: PyTree, axis: int | None) -> PyTree:
-        def one(x: Any) -> Any:
+        def one(x: PyTree) -> PyTree:
             if axis is not None:
                 x = REDUCERS[op](jnp.asarray(x), axis=axis)
             return all_reduce_leaf(op, x, self.context.axis_name)
@@ -110,7 +110,7 @@ class MergeOps(CrossReplica):
             for i in range(self.num_replicas)
         )
 
-    def _components(self, x: Any) -> list[Any] | None:
+    def _components(self, x: PyTree) -> list[Any] | None:
         """Returns the N components of one node: all-gathered, or a mirrored value's N copies."""
         if isinstance(x, PerReplica):
             stacked = x.values
@@ -144,7 +144,7 @@ class MergeOps(CrossReplica):
         gather = self.context.all_gather
         n = self.num_replicas
 
-        def one(x: Any) -> Any:
+        def one(x: PyTree) -> PyTree:
             if isinstance(x, PerReplica):
                 return note_mirrored_in_merge(
                     jax.tree.map(
@@ -165,7 +165,7 @@ class MergeOps(CrossReplica):
 
         return jax.tree.map(one, value, is_leaf=is_distributed)
 
-    def update(self, tree: PyTree, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def update(self, tree: PyTree, fn: Callable[..., Any], args: tuple, kwargs: dict) -> PyTree:
         # Every replica runs fn on its own components.
         tree, args, kwargs = jax.tree.map(
             lambda x: held_values(x) if isinstance(x, PerReplica) else x,

@@ -30,7 +30,7 @@ from typing import Any, cast
 
 import jax
 
-from jmirror._values import PerReplica, is_distributed
+from jmirror._values import PerReplica, PyTree, is_distributed
 
 # Causes of a divergence that the message has a fix for.
 GRADIENTS = "gradients"  # parameters (or optimizer state) updated from unreduced gradients
@@ -144,7 +144,7 @@ def _message(name: str, diverged: Sequence[Diverged], verb: str, refused: bool) 
 PathPredicate = Callable[[tuple, Any], bool]
 
 
-def as_predicate(per_replica: Any) -> PathPredicate | None:
+def as_predicate(per_replica: PyTree) -> PathPredicate | None:
     """Returns `per_replica=` as a `(path, leaf) -> bool` for plain pytrees (None when not given).
 
     An NNX filter that is not a callable (a `Variable` type, `...`, a string tag) matches no
@@ -181,13 +181,13 @@ class Traced:
 
     name: str
     inputs: tuple[tuple, dict]
-    result: Any
+    result: PyTree
     forced: frozenset[int]
-    per_replica: Any
+    per_replica: PyTree
     argument_path: Callable[[tuple], str]
     axis_name: str | None = None
 
-    def diverged(self, x: Any) -> bool:
+    def diverged(self, x: object) -> bool:
         """Returns whether result node `x` is per replica by the proof (not declared so)."""
         return type(x) is PerReplica and id(x) not in self.forced
 
@@ -217,7 +217,7 @@ def register_state_kind(kind: StateKind) -> None:
         STATE_KINDS.append(kind)
 
 
-def _state_kind(x: Any) -> StateKind | None:
+def _state_kind(x: PyTree) -> StateKind | None:
     for kind in STATE_KINDS:
         if kind.is_state(x):
             return kind
@@ -329,7 +329,7 @@ def _check_plain(
     return warned
 
 
-def _is_dataclass_node(x: Any) -> bool:
+def _is_dataclass_node(x: object) -> bool:
     """Returns whether `x` is state: a dataclass instance or a registered state kind's."""
     if isinstance(x, type) or is_distributed(x):
         return False
@@ -339,7 +339,7 @@ def _is_dataclass_node(x: Any) -> bool:
     return not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
 
 
-def _outermost_dataclasses(tree: Any, root: bool = False) -> list[tuple[tuple, Any]]:
+def _outermost_dataclasses(tree: PyTree, root: bool = False) -> list[tuple[tuple, Any]]:
     """Returns the outermost dataclass nodes of `tree` (`root`: `tree` itself when it is one; else
     below it): `(path, node)`."""
     found = jax.tree_util.tree_flatten_with_path(
@@ -349,7 +349,7 @@ def _outermost_dataclasses(tree: Any, root: bool = False) -> list[tuple[tuple, A
     return [(p, x) for p, x in found if (root or x is not tree) and _is_dataclass_node(x)]
 
 
-def _dataclass_nodes(tree: Any) -> list[tuple[tuple, Any]]:
+def _dataclass_nodes(tree: PyTree) -> list[tuple[tuple, Any]]:
     """Returns every dataclass node of `tree` below its root, at any depth: `(path, node)`."""
     found = []
     for path, node in _outermost_dataclasses(tree):
@@ -358,7 +358,7 @@ def _dataclass_nodes(tree: Any) -> list[tuple[tuple, Any]]:
     return found
 
 
-def _entered(state: Any) -> dict[tuple, Any]:
+def _entered(state: PyTree) -> dict[tuple, Any]:
     """Returns the leaves of an argument's dataclass by their path in it, `_NOT_MIRRORED` for those
     that entered distributed."""
     flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_distributed)[0]
@@ -373,7 +373,7 @@ def _common_suffix(a: tuple, b: tuple) -> int:
     return n
 
 
-def _plain_subtrees(tree: Any, path: tuple = ()) -> list[tuple[tuple, Any]]:
+def _plain_subtrees(tree: PyTree, path: tuple = ()) -> list[tuple[tuple, Any]]:
     """Returns `tree` and, at any depth, the items of the tuples, lists and dicts in it (not
     NamedTuples, dataclasses or other pytree nodes, which stand for one value): `(path,
     value)`, outer first."""
@@ -389,14 +389,14 @@ def _plain_subtrees(tree: Any, path: tuple = ()) -> list[tuple[tuple, Any]]:
     return found
 
 
-def _same_leaves(a: Any, b: Any) -> bool:
+def _same_leaves(a: object, b: PyTree) -> bool:
     """Returns whether two trees of one structure have leaves of equal shapes and dtypes."""
     la = jax.tree_util.tree_leaves(a, is_leaf=is_distributed)
     lb = jax.tree_util.tree_leaves(b, is_leaf=is_distributed)
     return all(_aval(x) == _aval(y) for x, y in zip(la, lb))
 
 
-def _aval(x: Any) -> tuple:
+def _aval(x: PyTree) -> tuple:
     """Returns a leaf's shape and dtype as one replica sees it (a traced `PerReplica` output is
     stacked: its leading axis is the replicas'); a distributed input leaf by its kind; a
     static leaf by its type."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 import sys
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -40,7 +40,10 @@ from jmirror._flax import BATCH_NORM
 from jmirror._mirrored_state import Diverged, Traced
 from jmirror._nnx_metrics import MetricComponents
 from jmirror._topology import Declared
-from jmirror._values import Sharded, SyncOnRead, is_distributed
+from jmirror._values import PyTree, Sharded, SyncOnRead, is_distributed
+
+if TYPE_CHECKING:
+    from flax.nnx import Variable
 
 # Items of a container argument looked at by `_has_nodes`; NNX objects deeper in the
 # arguments are refused once per input signature by `_check_nested`.
@@ -54,7 +57,7 @@ def _flax() -> Any:
     return sys.modules.get("flax.nnx")
 
 
-def _graph_types(nnx: Any) -> tuple[type, ...]:
+def _graph_types(nnx: types.ModuleType) -> tuple[type, ...]:
     return (nnx.Pytree, nnx.Variable)
 
 
@@ -84,7 +87,7 @@ _IS_GRAPH_TYPE: dict[type, bool] = {}
 _IS_VARIABLE_TYPE: dict[type, bool] = {}
 
 
-def _is_graph(x: Any) -> bool:
+def _is_graph(x: object) -> bool:
     t = type(x)
     known = _IS_GRAPH_TYPE.get(t)
     if known is None:
@@ -92,7 +95,7 @@ def _is_graph(x: Any) -> bool:
     return known
 
 
-def _is_variable(x: Any) -> bool:
+def _is_variable(x: object) -> bool:
     t = type(x)
     known = _IS_VARIABLE_TYPE.get(t)
     if known is None:
@@ -100,7 +103,7 @@ def _is_variable(x: Any) -> bool:
     return known
 
 
-def _holds(a: Any) -> bool:
+def _holds(a: object) -> bool:
     if _is_graph(a):
         return True
     t = type(a)
@@ -165,7 +168,7 @@ class NnxAdapter:
         def make(fn: Callable[..., Any], name: str) -> _Entry:
             return _Entry(fn, static_argnums, *variant, name)
 
-        def finish(out: tuple[Any, list[Any]]) -> Any:
+        def finish(out: tuple[Any, list[Any]]) -> PyTree:
             return _write_back(dynamic, variables, variant[0], out)
 
         def check(traced: Traced) -> None:
@@ -231,7 +234,7 @@ def _check_mirrored(traced: Traced, aliases: tuple) -> None:
     _mirrored_state.refuse(traced.name, diverged)
 
 
-def _owners(root: Any, path: tuple) -> list[Any]:
+def _owners(root: PyTree, path: tuple) -> list[Any]:
     """Returns the NNX objects on the way to the leaf at `path`, outermost first."""
     node, owners = root, []
     for key in path[:-1]:
@@ -241,7 +244,7 @@ def _owners(root: Any, path: tuple) -> list[Any]:
     return owners
 
 
-def _cause(nnx: Any, variable: Any, owners: list[Any]) -> str | None:
+def _cause(nnx: types.ModuleType, variable: object, owners: list[Any]) -> str | None:
     """Returns why a `Variable` would diverge, where the message has a fix for it."""
     owner = owners[-1] if owners else None
     if isinstance(owner, nnx.BatchNorm) and getattr(owner, "axis_name", None) is None:
@@ -265,7 +268,7 @@ def _nnx_path(path: tuple) -> tuple:
     return tuple(keys)
 
 
-def _write_back(dynamic: tuple, variables: list[Any], aliases: tuple, out: tuple) -> Any:
+def _write_back(dynamic: tuple, variables: list[Any], aliases: tuple, out: tuple) -> PyTree:
     """Writes a step's new values into the caller's `Variable`s; the step's own result, with
     the NNX objects it returned from the arguments resolved to the caller's."""
     result, values, _ = out
@@ -284,13 +287,13 @@ def _write_back(dynamic: tuple, variables: list[Any], aliases: tuple, out: tuple
     return result
 
 
-def _shared_nodes(root: Any) -> tuple[tuple[tuple, tuple], ...]:
+def _shared_nodes(root: PyTree) -> tuple[tuple[tuple, tuple], ...]:
     """Returns `(path, first path)` for every NNX object reached again after its first path (depth
     first, in flattening order); only called when some `Variable` is reached twice."""
     seen: dict[int, tuple] = {}
     found: list[tuple[tuple, tuple]] = []
 
-    def walk(node: Any, path: tuple) -> None:
+    def walk(node: PyTree, path: tuple) -> None:
         children = jax.tree_util.tree_flatten_with_path(
             node, is_leaf=lambda x: x is not node and _is_graph(x)
         )[0]
@@ -310,7 +313,7 @@ def _shared_nodes(root: Any) -> tuple[tuple[tuple, tuple], ...]:
     return tuple(found)
 
 
-def _set_raw_value(variable: Any, value: Any) -> None:
+def _set_raw_value(variable: Variable, value: PyTree) -> None:
     """Calls `variable.set_raw_value(value)` outside any trace, without its per-call trace check
     (as flax's own `nnx.jit` applies its updates); `set_raw_value` where that slot is gone."""
     if isinstance(getattr(type(variable), "_raw_value", None), types.MemberDescriptorType):
@@ -345,17 +348,17 @@ class _Ref:
         return (), (self.top, self.path)
 
     @classmethod
-    def tree_unflatten(cls, aux: tuple, children: Any) -> _Ref:
+    def tree_unflatten(cls, aux: tuple, children: tuple) -> _Ref:
         return cls(*aux)
 
-    def resolve(self, tops: list[Any]) -> Any:
+    def resolve(self, tops: list[Any]) -> PyTree:
         node = tops[self.top]
         for key in self.path:
             node = node[key] if isinstance(node, (list, tuple, dict)) else getattr(node, key)
         return node
 
 
-def _is_ref(x: Any) -> bool:
+def _is_ref(x: object) -> bool:
     return isinstance(x, _Ref)
 
 
@@ -386,7 +389,7 @@ class _Entry:
         self.__name__ = getattr(fn, "__name__", "replica_fn")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, list[Any], OutputLayout]:
+    def __call__(self, *args: PyTree, **kwargs: PyTree) -> tuple[Any, list[Any], OutputLayout]:
         nnx = _flax()
         arguments = list(args)
         dynamic = [i for i in range(len(arguments)) if i not in self.static]
@@ -463,14 +466,14 @@ class _Written(OutputLayout):
         return tuple(path[1:])
 
 
-def _leaf_path(variable_path: tuple, variable: Any) -> tuple:
+def _leaf_path(variable_path: tuple, variable: Variable) -> tuple:
     """Returns the path of a Variable's array leaf as the arguments' flattening gives it (the
     Variable's own key, `.value`, appended), without the `(arguments, kwargs)` prefix."""
     own = jax.tree_util.tree_flatten_with_path(variable)[0]
     return tuple(variable_path[2:]) + (tuple(own[0][0]) if len(own) == 1 else ())
 
 
-def _keep_sharded(variable: Any, before: Sharded, name: str) -> None:
+def _keep_sharded(variable: Variable, before: Sharded, name: str) -> None:
     """Makes a `Variable` that held a `jm.Sharded` (`jm.shard_update`'s state, as in an
     `nnx.Optimizer`'s `opt_state`) hold one again when flax wrote the new pieces back as a
     mapping (`nnx.Optimizer.update` rebuilds its state with `nnx.state`, which takes the
@@ -492,7 +495,7 @@ def _keep_sharded(variable: Any, before: Sharded, name: str) -> None:
     )
 
 
-def _set_at(root: Any, path: tuple, value: Any) -> None:
+def _set_at(root: PyTree, path: tuple, value: PyTree) -> None:
     """Sets the item or attribute at a `jax.tree_util` path of `root` (lists, dicts, NNX)."""
     node = root
     for key in path[:-1]:
@@ -504,14 +507,14 @@ def _set_at(root: Any, path: tuple, value: Any) -> None:
         node[key.idx if isinstance(key, jax.tree_util.SequenceKey) else key.key] = value
 
 
-def _get_at(root: Any, path: tuple) -> Any:
+def _get_at(root: PyTree, path: tuple) -> PyTree:
     node = root
     for key in path:
         node = _child(node, key)
     return node
 
 
-def _child(node: Any, key: Any) -> Any:
+def _child(node: PyTree, key: Any) -> PyTree:
     if isinstance(key, jax.tree_util.GetAttrKey):
         return getattr(node, key.name)
     if isinstance(key, jax.tree_util.SequenceKey):
@@ -519,7 +522,7 @@ def _child(node: Any, key: Any) -> Any:
     return node[key.key]
 
 
-def _refs_of(nnx: Any, root: Any) -> dict[int, _Ref]:
+def _refs_of(nnx: types.ModuleType, root: PyTree) -> dict[int, _Ref]:
     """Returns, for every NNX object reachable from the arguments, the `_Ref` that names it."""
     kinds = _graph_types(nnx)
     leaves = jax.tree_util.tree_leaves(root, is_leaf=lambda x: isinstance(x, kinds))
@@ -537,7 +540,9 @@ def _refs_of(nnx: Any, root: Any) -> dict[int, _Ref]:
 # --- rng streams -----------------------------------------------------------------------------
 
 
-def _fold_streams(nnx: Any, root: Any, replica_id: jax.Array) -> list[tuple[Any, Any, Any]]:
+def _fold_streams(
+    nnx: types.ModuleType, root: PyTree, replica_id: jax.Array
+) -> list[tuple[Any, Any, Any]]:
     """Folds the replica id into the key of every rng stream but `params` (once per key)."""
     leaves = jax.tree_util.tree_leaves(root, is_leaf=lambda x: isinstance(x, nnx.RngStream))
     folded, seen = [], set()
@@ -555,7 +560,7 @@ def _fold_streams(nnx: Any, root: Any, replica_id: jax.Array) -> list[tuple[Any,
     return folded
 
 
-def _restore_key(written: Any, original: Any, folded: Any) -> Any:
+def _restore_key(written: jax.Array, original: jax.Array, folded: jax.Array) -> jax.Array:
     """Returns a stream's key after the user's function: the original where the function left the
     folded key as it was (also through `nnx.jit`, `nnx.remat` and other transforms, which
     write back a new value: the proof decides, `jmirror._proof.restore_key`), else the key
@@ -578,7 +583,7 @@ def _fold_in(key: jax.Array, data: jax.Array) -> jax.Array:
 # --- reading -------------------------------------------------------------------------------
 
 
-def holds_metrics(tree: Any) -> bool:
+def holds_metrics(tree: PyTree) -> bool:
     """Returns whether `tree` holds NNX objects (metrics among them) at its top or one container
     deep."""
     return _flax() is not None and _holds(tree)

@@ -10,16 +10,20 @@ the caller's `Variable`s hold `MetricComponents` after the call. Used by `jmirro
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 
-from jmirror._values import Aggregation, PerReplica, SyncOnRead
+from jmirror._values import Aggregation, PerReplica, PyTree, SyncOnRead
+
+if TYPE_CHECKING:
+    from flax.nnx import Metric, Variable
 
 
-def metric_roles(nnx: Any, root: Any) -> dict[int, Aggregation]:
+def metric_roles(nnx: types.ModuleType, root: PyTree) -> dict[int, Aggregation]:
     """Returns, for each argument `Variable` (by position) that is a metric's state, how it is read:
     `SUM` for sums, `NONE` for a `Welford` (combined by `read_metrics`)."""
     is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
@@ -40,7 +44,7 @@ def _where(path: tuple) -> str:
     return f"args[{path[1].idx}]" + jax.tree_util.keystr(path[2:])
 
 
-def _leaf_metrics(nnx: Any, root: Any) -> list[tuple[str, Any, list]]:
+def _leaf_metrics(nnx: types.ModuleType, root: PyTree) -> list[tuple[str, Any, list]]:
     """Returns every metric holding state of its own, with its path and its own `Variable`s."""
     metric_type = nnx.metrics.Metric
     out = []
@@ -51,10 +55,10 @@ def _leaf_metrics(nnx: Any, root: Any) -> list[tuple[str, Any, list]]:
     return out
 
 
-def _own_metrics(nnx: Any, path: str, metric: Any) -> list[tuple[str, Any, list]]:
+def _own_metrics(nnx: types.ModuleType, path: str, metric: Metric) -> list[tuple[str, Any, list]]:
     kinds = (nnx.metrics.Metric, nnx.Variable)
 
-    def is_leaf(x: Any) -> bool:
+    def is_leaf(x: object) -> bool:
         return x is not metric and isinstance(x, kinds)
 
     out, own = [], []
@@ -68,7 +72,7 @@ def _own_metrics(nnx: Any, path: str, metric: Any) -> list[tuple[str, Any, list]
     return out
 
 
-def _aggregation(nnx: Any, path: str, metric: Any, own: list) -> Aggregation:
+def _aggregation(nnx: types.ModuleType, path: str, metric: Metric, own: list) -> Aggregation:
     metrics = nnx.metrics
     if isinstance(metric, metrics.Welford) and len(own) == 3:
         return Aggregation.NONE
@@ -87,7 +91,7 @@ def _aggregation(nnx: Any, path: str, metric: Any, own: list) -> Aggregation:
     )
 
 
-def _is_number(x: Any) -> bool:
+def _is_number(x: object) -> bool:
     if isinstance(x, SyncOnRead):
         x = x.value
     dtype = getattr(x, "dtype", None)
@@ -96,7 +100,7 @@ def _is_number(x: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.number)
 
 
-def start_metric(variable: Any, replica_id: jax.Array) -> None:
+def start_metric(variable: Variable, replica_id: jax.Array) -> None:
     """Sets a metric's state to this replica's component: its own if sync-on-read already, else
     the value on replica 0 and zero elsewhere (so reading gives the value back exactly)."""
     value = variable.get_raw_value()
@@ -119,7 +123,7 @@ class MetricComponents(SyncOnRead):
 
     __slots__ = ()
 
-    def __setitem__(self, index: Any, value: Any) -> None:
+    def __setitem__(self, index: object, value: PyTree) -> None:
         if index is not Ellipsis:
             raise TypeError(_METRIC_ITEM)
         stacked = self.value
@@ -127,7 +131,7 @@ class MetricComponents(SyncOnRead):
         fresh = jnp.zeros_like(stacked).at[0].set(value)
         object.__setattr__(self, "value", jax.device_put(fresh, stacked.sharding))
 
-    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+    def _refuse(self, *args: PyTree, **kwargs: PyTree) -> Any:
         raise TypeError(_METRIC_ITEM)
 
     __getitem__ = __array__ = __jax_array__ = __float__ = __int__ = __bool__ = _refuse
@@ -142,14 +146,14 @@ _METRIC_ITEM = (
 )
 
 
-def read_metrics(gathered: Callable[[Any], jax.Array], tree: Any) -> Any:
+def read_metrics(gathered: Callable[[Any], jax.Array], tree: PyTree) -> PyTree:
     """Returns `tree` with every sync-on-read `Welford` combined across replicas (Chan et al.), as
     a copy; `gathered(x)` gives a stacked leaf's components on one device."""
     from flax import nnx
 
     welford = nnx.metrics.Welford
 
-    def one(node: Any) -> Any:
+    def one(node: PyTree) -> PyTree:
         if not isinstance(node, welford):
             return node
         parts = [getattr(node, n).get_raw_value() for n in ("count", "mean", "m2")]

@@ -24,7 +24,7 @@ from jmirror._values import PyTree, ReduceOp
 LossFn = Callable[..., Any]
 
 
-def pair(state: Any, recipe: str) -> tuple[Any, Any] | None:
+def pair(state: PyTree, recipe: str) -> tuple[Any, Any] | None:
     """Returns `(model, optimizer)` when `state` starts with an NNX model and optimizer, else
     None."""
     if not isinstance(state, (tuple, list)):
@@ -41,18 +41,20 @@ def pair(state: Any, recipe: str) -> tuple[Any, Any] | None:
     return None
 
 
-def value_and_grad(loss_fn: LossFn, has_aux: bool, model: Any, *args: Any) -> tuple[Any, Any]:
+def value_and_grad(
+    loss_fn: LossFn, has_aux: bool, model: nnx.Module, *args: PyTree
+) -> tuple[Any, Any]:
     """Returns `loss_fn(model, *args)` and its gradients with respect to the model
     (`nnx.grad`'s)."""
     return nnx.value_and_grad(loss_fn, has_aux=has_aux)(model, *args)
 
 
-def optimizer_state(optimizer: Any) -> PyTree:
+def optimizer_state(optimizer: nnx.Optimizer) -> PyTree:
     """Returns the state of an `nnx.Optimizer` (its step count and optax state) as a pytree."""
     return nnx.state(optimizer)
 
 
-def apply(state: Any, pair: tuple[Any, Any] | None, grads: PyTree) -> Any:
+def apply(state: PyTree, pair: tuple[Any, Any] | None, grads: PyTree) -> PyTree:
     """Returns the state after one optimizer step: a new `TrainState`, or the pair updated in
     place."""
     if pair is None:
@@ -62,13 +64,13 @@ def apply(state: Any, pair: tuple[Any, Any] | None, grads: PyTree) -> Any:
     return state
 
 
-def is_model(x: Any) -> bool:
+def is_model(x: object) -> bool:
     """Returns whether `x` is an NNX module (the `params` an accumulating recipe differentiates)."""
     return isinstance(x, nnx.Module)
 
 
 def micro_loss(
-    loss_fn: LossFn, model: Any, args: Sequence[Any]
+    loss_fn: LossFn, model: nnx.Module, args: Sequence[Any]
 ) -> tuple[PyTree, PyTree, Callable[..., tuple[jax.Array, PyTree]], Callable[[PyTree], None]]:
     """Returns an NNX model's micro-batch loss as a pure function, for `accumulate_gradients`.
 
@@ -113,7 +115,7 @@ def loss_scaled_step(
     """
     model, optimizer, loss_scale = state
 
-    def scaled_loss(model: Any) -> tuple[jax.Array, jax.Array]:
+    def scaled_loss(model: nnx.Module) -> tuple[jax.Array, jax.Array]:
         loss = loss_fn(model, batch)
         return loss.astype(jnp.float32) * loss_scale.scale, loss
 

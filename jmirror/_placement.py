@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding
 
 from jmirror._arguments import Layout
 from jmirror._topology import Topology, declared_leaves
+from jmirror._values import PyTree
 
 # Shardings remembered per placement before the memory starts again.
 _REMEMBERED = 256
@@ -58,7 +59,7 @@ class Placement:
         layout: Layout,
         leaves: list[Any],
         types: set[type],
-        tree: Any,
+        tree: PyTree,
         where: Callable[[Any], str],
     ) -> list[Any] | None:
         """Returns `leaves` with every leaf that is not in place placed, or None when all are.
@@ -108,7 +109,7 @@ class Placement:
             return False
         return isinstance(sharding, NamedSharding) and sharding.mesh == topology.mesh
 
-    def _expected_of(self, name: str, layout: Layout, leaves: list[Any], tree: Any) -> list[Any]:
+    def _expected_of(self, name: str, layout: Layout, leaves: list[Any], tree: PyTree) -> list[Any]:
         """Returns each leaf's own mirrored layout (None: split leaves and non-arrays)."""
         known = self._expected.get(id(layout))
         if known is not None:
@@ -145,7 +146,7 @@ class Placement:
         name: str,
         layout: Layout,
         leaves: list[Any],
-        tree: Any,
+        tree: PyTree,
         where: Callable[[Any], str],
         expected: list[Any] | None,
     ) -> list[Any]:
@@ -164,7 +165,7 @@ class Placement:
                 placed.append(jax.device_put(x, wanted or topology.mirrored))
         return placed
 
-    def _needs_place(self, x: Any, wanted: Any) -> bool:
+    def _needs_place(self, x: object, wanted: PyTree) -> bool:
         if isinstance(x, np.ndarray):
             return True
         if not isinstance(x, jax.Array) or x.is_deleted():
@@ -173,14 +174,14 @@ class Placement:
             return not x.committed or x.sharding != wanted
         return not self._learn(x.sharding)
 
-    def _place_split(self, name: str, x: Any, path: str) -> Any:
+    def _place_split(self, name: str, x: PyTree, path: str) -> PyTree:
         topology = self._topology
         if np.shape(x)[:1] != (topology.num_replicas,):
             raise split_error(name, topology, path, x)
         return jax.device_put(x, topology.stacked)
 
 
-def split_error(name: str, topology: Topology, path: str | None, leaf: Any) -> ValueError:
+def split_error(name: str, topology: Topology, path: str | None, leaf: PyTree) -> ValueError:
     """Returns the error of a per-replica leaf whose leading axis is not the replica count."""
     n = topology.num_replicas
     shape = tuple(np.shape(leaf))

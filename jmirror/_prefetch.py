@@ -60,6 +60,7 @@ from typing import Any
 import jax
 
 from jmirror._source_state import SourceState
+from jmirror._values import PyTree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +112,7 @@ class _Positioned:
     they use.
     """
 
-    value: Any
+    value: PyTree
     position: Position
     incomplete: bool = False
     share: int | None = None
@@ -342,7 +343,7 @@ class DistributedIterator:
     def __iter__(self) -> DistributedIterator:
         return self
 
-    def __next__(self) -> Any:
+    def __next__(self) -> PyTree:
         value = self._next_value()
         while isinstance(value, _Warning):
             warnings.warn(value.message, UserWarning, stacklevel=2)
@@ -384,7 +385,7 @@ class DistributedIterator:
         """
         return self._position.public(f"{self._call}'s iterator.position")
 
-    def _next_value(self) -> Any:
+    def _next_value(self) -> PyTree:
         while True:
             if self._done:
                 raise StopIteration
@@ -414,7 +415,7 @@ class DistributedIterator:
                 return "error", e
         return self._prefetcher.get()
 
-    def _check_others(self, kind: str, value: Any) -> bool:
+    def _check_others(self, kind: str, value: object) -> bool:
         """Ends this pass, with several processes, where any process has no batch for this step.
 
         Returns whether the step's batch is used: False when every process has one but some
@@ -494,5 +495,5 @@ class DistributedIterator:
     def __enter__(self) -> DistributedIterator:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

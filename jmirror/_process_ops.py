@@ -89,7 +89,7 @@ class ProcessHostOps(HostOps):
     def read(self, tree: PyTree) -> PyTree:
         self.check_readable(tree)
 
-        def one(x: Any) -> Any:
+        def one(x: PyTree) -> PyTree:
             if isinstance(x, Sharded):
                 k = pieces_span(self.topology)
                 return self._everywhere(unshard(x.shape, k), x.shards, _READ_SHARDED)
@@ -121,7 +121,7 @@ class ProcessHostOps(HostOps):
             mine = jax.block_until_ready(self.topology.local_copy(out))
         return mine
 
-    def stacked(self, x: Any) -> Any:
+    def stacked(self, x: PyTree) -> PyTree:
         """Returns every process's components, gathered onto this process's first device."""
         return self._everywhere(_whole, x, _READ)
 
@@ -130,7 +130,7 @@ class ProcessHostOps(HostOps):
         devices)."""
         return self._on_replica(x, self.topology.local_replica_ids[0])
 
-    def _components(self, x: Any) -> list[Any] | None:
+    def _components(self, x: PyTree) -> list[Any] | None:
         if isinstance(x, (PerReplica, SyncOnRead)):
             stacked = x.values if isinstance(x, PerReplica) else x.value
             return [
@@ -141,7 +141,7 @@ class ProcessHostOps(HostOps):
             return [self._on_replica(x, i) for i in self.topology.local_replica_ids]
         return None
 
-    def _local_component(self, stacked: Any, i: int) -> Any:
+    def _local_component(self, stacked: PyTree, i: int) -> PyTree:
         """Returns this process's `i`-th replica's whole component of a stacked leaf (laid out over
         that replica's devices when k > 1)."""
         if isinstance(stacked, jax.Array) and not stacked.is_fully_addressable:
@@ -175,11 +175,11 @@ def globalize(topology: Topology, tree: PyTree) -> PyTree:
     """
     local = topology.num_local_replicas
 
-    def node(path: tuple, x: Any) -> Any:
+    def node(path: tuple, x: PyTree) -> PyTree:
         if not is_distributed(x):
             return x
 
-        def leaf(inner: tuple, v: Any) -> Any:
+        def leaf(inner: tuple, v: PyTree) -> PyTree:
             if isinstance(v, jax.Array) and topology.is_placed(v):
                 return v
             if not hasattr(v, "shape"):
@@ -202,12 +202,16 @@ def globalize(topology: Topology, tree: PyTree) -> PyTree:
     return jax.tree_util.tree_map_with_path(node, tree, is_leaf=is_distributed)
 
 
-def _from_local(local: np.ndarray, sharding: Any, shape: tuple[int, ...]) -> jax.Array:
+def _from_local(
+    local: np.ndarray, sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> jax.Array:
     return jax.make_array_from_process_local_data(sharding, local, shape)
 
 
 @functools.cache
-def _jit_mirrored(fn: Callable[[jax.Array], jax.Array], sharding: Any) -> Callable:
+def _jit_mirrored(
+    fn: Callable[[jax.Array], jax.Array], sharding: jax.sharding.Sharding
+) -> Callable:
     return jax.jit(fn, out_shardings=sharding)
 
 

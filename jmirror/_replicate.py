@@ -47,6 +47,7 @@ from jmirror._placement import Placement, has_tracers
 from jmirror._process_ops import globalize
 from jmirror._step import Body
 from jmirror._topology import Topology
+from jmirror._values import PyTree
 
 _adapter.register(_nnx.ADAPTER)
 _adapter.register(_equinox.ADAPTER)
@@ -79,7 +80,7 @@ class Replicated:
         donate_argnums: tuple[int, ...],
         static_argnums: tuple[int, ...],
         static_argnames: tuple[str, ...] = (),
-        per_replica: Any = None,
+        per_replica: PyTree = None,
     ):
         self._fn = fn
         self._strategy = strategy
@@ -131,7 +132,7 @@ class Replicated:
 
     # --- calling -------------------------------------------------------------------------------
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: PyTree, **kwargs: PyTree) -> PyTree:
         # Where the time goes (jmirror._step_stats): this call's time in jmirror counts in
         # strategy.step_stats(), and inside a jax.profiler trace the call is a step event.
         began = _step_stats.clock()
@@ -144,7 +145,7 @@ class Replicated:
         finally:
             _step_stats.ended(began)
 
-    def _call(self, args: tuple, kwargs: dict) -> Any:
+    def _call(self, args: tuple, kwargs: dict) -> PyTree:
         # A keyboard interrupt waits for the call: a step that returned has donated nothing
         # in vain, and an NNX object is never left half written back.
         with HELD:
@@ -189,7 +190,7 @@ class Replicated:
 
     def _run(
         self, strategy: Runner, step: _Step, prepared: Prepared, donate: bool, traced: bool
-    ) -> Any:
+    ) -> PyTree:
         """Runs the step within the bound on steps in flight; warns after it compiled."""
         dispatch = strategy.dispatch
         dispatch.wait_for_room()
@@ -238,7 +239,7 @@ class Replicated:
         args = tuple(a if i in static else globalize(topology, a) for i, a in enumerate(args))
         return args, globalize(topology, kwargs)
 
-    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+    def lower(self, *args: PyTree, **kwargs: PyTree) -> jax.stages.Lowered:
         """Returns the `jax.stages.Lowered` of the step for these arguments.
 
         Example:
@@ -267,7 +268,7 @@ class Replicated:
         traced by an outer transformation do not count)."""
         return self._compilations
 
-    def _check_call(self, args: tuple) -> Any:
+    def _check_call(self, args: tuple) -> PyTree:
         if _context.in_replica_context() or _context.merge_context() is not None:
             raise RuntimeError(
                 f"{self!r} was called inside another replicated function; replicated functions "
@@ -325,13 +326,13 @@ class _Compiled:
 def _result_only(entry: Callable[..., Any]) -> Callable[..., Any]:
     """Returns `entry` without its token (what `.lower()` compiles)."""
 
-    def result(*args: Any) -> Any:
+    def result(*args: PyTree) -> PyTree:
         return entry(*args)[0]
 
     return result
 
 
-def _first_component(topology: Topology, value: Any) -> jax.Array:
+def _first_component(topology: Topology, value: PyTree) -> jax.Array:
     """Returns per-replica components of `value`: `value` on replica 0, zero elsewhere."""
     import jax.numpy as jnp
 
@@ -365,7 +366,7 @@ def replicate(
     donate_argnums: int | Sequence[int] = (),
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
-    per_replica: Any = None,
+    per_replica: PyTree = None,
 ) -> Any:
     """Compiles a replica function to run on every device of a strategy.
 

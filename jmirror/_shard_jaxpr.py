@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -102,7 +103,7 @@ def layout(shape: Sequence[int], n: int, k: int = 1) -> Layout:
     return Layout(n, 1, 1, math.prod(shape), 1)
 
 
-def stack(x: Any, lay: Layout, xp: Any = jnp) -> Any:
+def stack(x: jax.Array | np.ndarray, lay: Layout, xp: types.ModuleType = jnp) -> Any:
     """Returns the `[N, length]` pieces of the whole value `x` (`xp`: `jax.numpy` or `numpy`)."""
     if lay.blocks == 1:  # row-major: flattened, padded with zeros, cut in N
         flat = xp.ravel(x)
@@ -114,7 +115,9 @@ def stack(x: Any, lay: Layout, xp: Any = jnp) -> Any:
     return pieces.reshape(lay.n, lay.length)
 
 
-def unstack(pieces: Any, lay: Layout, shape: Sequence[int], xp: Any = jnp) -> Any:
+def unstack(
+    pieces: jax.Array | np.ndarray, lay: Layout, shape: Sequence[int], xp: types.ModuleType = jnp
+) -> Any:
     """Returns the whole value of `shape` from its `[N, length]` pieces (padding dropped)."""
     shape = tuple(shape)
     if lay.blocks == 1:
@@ -130,7 +133,7 @@ class Piece:
     """This replica's piece (`local`, `[length]`) of a value of shape `shape`, cut by
     `layout`."""
 
-    local: Any
+    local: jax.Array
     shape: tuple[int, ...]
     layout: Layout
 
@@ -146,10 +149,10 @@ class Pieces:
 
     axis_name: str
     n: int
-    index: Any  # traced replica index
+    index: jax.Array  # traced replica index
     name: str  # how errors name the transformation
     k: int = 1
-    mesh: Any = None
+    mesh: jax.sharding.Mesh | None = None
     model_axis_name: str = "model"
 
     def layout(self, shape: Sequence[int]) -> Layout:
@@ -160,7 +163,7 @@ class Pieces:
         """Returns the elements per piece of a value of `shape`."""
         return self.layout(shape).length
 
-    def take(self, x: Any, lay: Layout | None = None) -> jax.Array:
+    def take(self, x: jax.Array, lay: Layout | None = None) -> jax.Array:
         """Returns this replica's piece of the whole value `x` (cut by `lay`, else by its
         shape's)."""
         lay = self.layout(np.shape(x)) if lay is None else lay
@@ -180,7 +183,7 @@ class Pieces:
             return inside
         return jnp.broadcast_to(inside, (lay.blocks, lay.sub)).reshape(lay.length)
 
-    def fill_padding(self, piece: Piece, value: Any = 0) -> jax.Array:
+    def fill_padding(self, piece: Piece, value: jax.typing.ArrayLike = 0) -> jax.Array:
         """Returns the piece's local entries with the padding replaced by `value`.
 
         A `where`, not a product: element-wise work may have made the padding NaN or
@@ -211,7 +214,7 @@ def run(closed: jex.ClosedJaxpr, args: Sequence[Any], pieces: Pieces) -> list[An
 def _eval(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any], pieces: Pieces) -> list:
     env: dict[Any, Any] = {}
 
-    def read(v: Any) -> Any:
+    def read(v: jex.Var | jex.Literal) -> Any:
         return v.val if isinstance(v, jex.Literal) else env[v]
 
     for var, value in zip(jaxpr.constvars, consts):
@@ -230,7 +233,7 @@ def _eval(jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any], pieces: 
     return [read(v) for v in jaxpr.outvars]
 
 
-def _bind(eqn: Any, invals: Sequence[Any], **changes: Any) -> list[Any]:
+def _bind(eqn: Any, invals: Sequence[Any], **changes: object) -> list[Any]:
     """Returns the equation's primitive applied to `invals` (with some parameters changed)."""
     params = eqn.primitive.get_bind_params({**eqn.params, **changes})
     subfuns: Sequence[Any] = ()
@@ -375,7 +378,7 @@ def _all_axes(shape: tuple[int, ...], axes: Sequence[int]) -> bool:
     return all(d == 1 or i in axes for i, d in enumerate(shape))
 
 
-def _identity(name: str, dtype: Any) -> Any:
+def _identity(name: str, dtype: jax.typing.DTypeLike) -> np.ndarray:
     dtype = np.dtype(dtype)
     if name in ("reduce_sum", "reduce_or", "reduce_xor"):
         return np.zeros((), dtype)
@@ -471,7 +474,7 @@ def _cond(eqn: Any, invals: list, pieces: Pieces) -> list:
     for branch in branches:
         found: list[list[Layout | None]] = []
 
-        def trace(*flat: Any, branch=branch, found=found) -> list[Any]:
+        def trace(*flat: jax.Array, branch=branch, found=found) -> list[Any]:
             outs = _eval(branch.jaxpr, branch.consts, rebuild(flat), pieces)
             found.append([o.layout if isinstance(o, Piece) else None for o in outs])
             return [o.local if isinstance(o, Piece) else o for o in outs]
@@ -479,8 +482,8 @@ def _cond(eqn: Any, invals: list, pieces: Pieces) -> list:
         jax.eval_shape(trace, *locals_)
         layouts = [a if a is not None else b for a, b in zip(layouts, found[0])]
 
-    def run_branch(branch: Any) -> Callable[..., list[Any]]:
-        def fn(*flat: Any) -> list[Any]:
+    def run_branch(branch: jex.ClosedJaxpr) -> Callable[..., list[Any]]:
+        def fn(*flat: jax.Array) -> list[Any]:
             outs = _eval(branch.jaxpr, branch.consts, rebuild(flat), pieces)
             return [
                 (pieces.relayout(o, lay).local if isinstance(o, Piece) else pieces.take(o, lay))

@@ -21,7 +21,7 @@ The bytes moved equal one all-reduce's (an all-reduce is a reduce-scatter and an
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -168,7 +168,7 @@ def shard_update(
     return optax.GradientTransformation(init, update)
 
 
-def _name(inner: Any) -> str:
+def _name(inner: optax.GradientTransformation) -> str:
     fn = getattr(inner, "update", None)
     return getattr(fn, "__qualname__", type(inner).__name__).replace(".<locals>.", ".")
 
@@ -196,7 +196,7 @@ def _sharded_shapes(params: PyTree) -> set[tuple[int, ...]]:
     return {tuple(np.shape(p)) for p in jax.tree.leaves(params) if np.ndim(p) >= 1 and np.size(p)}
 
 
-def _is_sharded(leaf: Any, shapes: set[tuple[int, ...]]) -> bool:
+def _is_sharded(leaf: PyTree, shapes: set[tuple[int, ...]]) -> bool:
     return hasattr(leaf, "shape") and hasattr(leaf, "dtype") and tuple(leaf.shape) in shapes
 
 
@@ -225,7 +225,7 @@ def _mirrored_on(params: PyTree) -> Topology | None:
     return topology
 
 
-def _init_placed(inner: Any, params: PyTree, topology: Topology) -> PyTree:
+def _init_placed(inner: optax.GradientTransformation, params: PyTree, topology: Topology) -> PyTree:
     """Returns the sharded state of N replicas, placed: pieces stacked, the rest mirrored."""
     n, k = topology.num_replicas, _devices_per_replica(topology)
     shapes = _sharded_shapes(params)
@@ -248,7 +248,7 @@ def _init_placed(inner: Any, params: PyTree, topology: Topology) -> PyTree:
     )
 
 
-def _init_in_replica(inner: Any, params: PyTree, pieces: Pieces) -> PyTree:
+def _init_in_replica(inner: optax.GradientTransformation, params: PyTree, pieces: Pieces) -> PyTree:
     """Returns the sharded state made inside a replica function: this replica's pieces."""
     shapes = _sharded_shapes(params)
     return jax.tree.map(
@@ -258,7 +258,7 @@ def _init_in_replica(inner: Any, params: PyTree, pieces: Pieces) -> PyTree:
 
 
 def _update(
-    inner: Any,
+    inner: optax.GradientTransformation,
     grads: PyTree,
     state: PyTree,
     params: PyTree,
@@ -285,7 +285,7 @@ def _update(
     sizes = (len(grad_leaves), len(state_nodes))
     out_def: list[Any] = []
 
-    def flat_update(*flat: Any) -> list[Any]:
+    def flat_update(*flat: PyTree) -> list[Any]:
         g = grad_def.unflatten(flat[: sizes[0]])
         s = state_def.unflatten(flat[sizes[0] : sizes[0] + sizes[1]])
         p = param_def.unflatten(flat[sizes[0] + sizes[1] :])
@@ -345,7 +345,10 @@ def _buffers(leaves: Sequence[Any], bucket_bytes: int | None) -> list[tuple[Any,
 
 
 def _scatter_mean(
-    leaves: list[Any], pieces: Pieces, bucket_bytes: int | None, reduce_dtype: Any = None
+    leaves: list[Any],
+    pieces: Pieces,
+    bucket_bytes: int | None,
+    reduce_dtype: jax.typing.DTypeLike | None = None,
 ) -> list[Any]:
     """Returns the mean over the replicas of every gradient leaf: this replica's piece of each
     non-scalar leaf (one reduce-scatter per buffer), scalars whole (a small all-reduce);
@@ -374,7 +377,7 @@ def _scatter_mean(
     return [_cast(x, dtype) for x, dtype in zip(out, own)]
 
 
-def _on_wire(x: Any, reduce_dtype: Any) -> Any:
+def _on_wire(x: PyTree, reduce_dtype: jax.typing.DTypeLike | None) -> PyTree:
     """Returns `x` in the dtype it is reduced in: `reduce_dtype` for a floating leaf, else its
     own."""
     if reduce_dtype is None or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
@@ -382,7 +385,7 @@ def _on_wire(x: Any, reduce_dtype: Any) -> Any:
     return jnp.asarray(x).astype(reduce_dtype)
 
 
-def _cast(x: Any, dtype: Any) -> Any:
+def _cast(x: PyTree, dtype: jax.typing.DTypeLike) -> PyTree:
     """Returns a reduced gradient (a whole value or a `Piece`) back in its own `dtype`."""
     if isinstance(x, Piece):
         return x if x.local.dtype == dtype else dataclasses.replace(x, local=x.local.astype(dtype))
@@ -403,7 +406,7 @@ def _piece_spec(lay: Layout, pieces: Pieces) -> P:
     return P(pieces.model_axis_name) if lay.blocks > 1 else P()
 
 
-def _on_blocks(fn: Any, pieces: Pieces, in_specs: tuple, out_specs: tuple) -> Any:
+def _on_blocks(fn: Callable[..., Any], pieces: Pieces, in_specs: tuple, out_specs: tuple) -> PyTree:
     """Runs `fn` on each model device's own blocks (manual over the model axis too): every cut
     and collective of the packing is local to a device, none rebuilds a whole leaf."""
     return jax.shard_map(
@@ -426,7 +429,7 @@ def _scatter_blocks(grads: list[Any], pieces: Pieces) -> list[Piece]:
     layouts = [pieces.layout(shape) for shape in shapes]
     dtype = jnp.result_type(grads[0])
 
-    def pack(*blocks: Any) -> tuple[Any, ...]:
+    def pack(*blocks: jax.Array) -> tuple[Any, ...]:
         stacked = []
         for block, lay in zip(blocks, layouts):
             flat = jnp.ravel(block)  # this device's block: lay.block elements
@@ -473,7 +476,7 @@ def _gather_blocks(outs: list[Piece], pieces: Pieces) -> list[Any]:
     n, axis = pieces.n, pieces.axis_name
     layouts = [piece.layout for piece in outs]
 
-    def unpack(*locals_: Any) -> tuple[Any, ...]:
+    def unpack(*locals_: jax.Array) -> tuple[Any, ...]:
         buffer = jnp.concatenate(locals_)
         full = lax.all_gather(buffer, axis, tiled=True).reshape(n, buffer.shape[0])
         offsets = np.cumsum([0] + [lay.sub for lay in layouts])

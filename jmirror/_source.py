@@ -17,6 +17,7 @@ from typing import Any, cast
 
 from jmirror._prefetch import Control
 from jmirror._source_state import SourceState, has_state, is_movable, take
+from jmirror._values import PyTree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Resume:
     current: int = 1
     unit: str = "batches"
 
-    def check_movable(self, call: str, iterator: Any) -> None:
+    def check_movable(self, call: str, iterator: object) -> None:
         """Refuses a saved state from another process count that `iterator` cannot take."""
         if self.saved == self.current or is_movable(iterator):
             return
@@ -63,7 +64,7 @@ class Source:
     knows not to wait for it, and no call is made once `control.stopped` is set.
     """
 
-    def __init__(self, call: str, open_fn: Callable[[], Any], given: Any):
+    def __init__(self, call: str, open_fn: Callable[[], Any], given: PyTree):
         self._call = call
         self._open_fn = open_fn
         self._given = given  # the caller's object: never closed by jmirror
@@ -160,7 +161,7 @@ class Source:
             ) from None
 
 
-def open_source(call: str, dataset: Any) -> Source:
+def open_source(call: str, dataset: object) -> Source:
     if isinstance(dataset, Iterable):
         return Source(call, lambda: dataset, dataset)
     if callable(dataset):

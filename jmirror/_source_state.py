@@ -33,7 +33,7 @@ from typing import Any
 _GRAIN_ELASTIC = ("grain._src.python.dataset.elastic_iterator", "_ElasticMapDatasetIterator")
 
 
-def has_state(iterator: Any) -> bool:
+def has_state(iterator: object) -> bool:
     """Returns whether `iterator` can be positioned by its own state (`get_state` and
     `set_state`)."""
     return callable(getattr(iterator, "get_state", None)) and callable(
@@ -41,7 +41,7 @@ def has_state(iterator: Any) -> bool:
     )
 
 
-def is_movable(iterator: Any) -> bool:
+def is_movable(iterator: object) -> bool:
     """Returns whether `iterator`'s state restores on another number of processes (grain's
     `ElasticIterator`, recognized only when grain is already imported)."""
     module = sys.modules.get(_GRAIN_ELASTIC[0])
@@ -92,7 +92,7 @@ def take(iterator: Any) -> SourceState:
         return SourceState(None, kind=type(state).__qualname__)
 
 
-def read_public(call: str, entry: Any) -> SourceState:
+def read_public(call: str, entry: object) -> SourceState:
     """Returns a position's `source_state` entry back as a `SourceState`; `ValueError` if
     damaged."""
     if isinstance(entry, dict) and set(entry) == {"json"}:

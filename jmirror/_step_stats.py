@@ -144,7 +144,7 @@ class Recorder:
         # against the reference, so an id reused after the owner is gone gets a new row.
         self._owners: dict[int, tuple[Callable[[], Any], _Row]] = {}
 
-    def row(self, owner: Any, name: str, kind: str) -> _Row:
+    def row(self, owner: object, name: str, kind: str) -> _Row:
         """Returns the row of `owner` (a replicated function or a dataset), made if new."""
         entry = self._owners.get(id(owner))
         if entry is not None and entry[0]() is owner:
@@ -189,7 +189,7 @@ class Recorder:
         return StepStats(rows, wall, _verdict(rows, wall), compile_s)
 
 
-def _reference(owner: Any) -> Callable[[], Any]:
+def _reference(owner: object) -> Callable[[], Any]:
     """A weak reference to `owner`, or a strong one where it cannot have a weak one."""
     try:
         return weakref.ref(owner)
@@ -281,7 +281,7 @@ def _compiling(spans: list[tuple[float, float]], length: float) -> float:
     return covered
 
 
-def _on_span(event: str, start_time: float, end_time: float, **kwargs: Any) -> None:
+def _on_span(event: str, start_time: float, end_time: float, **kwargs: object) -> None:
     if event.startswith("/jax/core/compile/"):
         state = _OPEN
         if len(state.spans) > 1000:  # compiled outside replicated calls, never read: forget

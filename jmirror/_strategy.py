@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import jax
@@ -444,7 +444,9 @@ class MirroredStrategy:
         """
         return self._cross_replica("gather(value)").gather(value, axis)
 
-    def update(self, tree: PyTree, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def update(
+        self, tree: PyTree, fn: Callable[..., Any], *args: PyTree, **kwargs: PyTree
+    ) -> PyTree:
         """Applies `fn(tree, *args, **kwargs)` to every replica's copy of the mirrored `tree`.
 
         `PerReplica` arguments are split; the result is typed like a replicated function's.
@@ -466,7 +468,7 @@ class MirroredStrategy:
         args: Sequence[Any] = (),
         kwargs: dict | None = None,
         *,
-        per_replica: Any = None,
+        per_replica: PyTree = None,
     ):
         """Runs `fn(*args, **kwargs)` once per replica, at once (see `jm.replicate`).
 
@@ -528,11 +530,11 @@ class MirroredStrategy:
 
     def distribute_dataset(
         self,
-        dataset: Any,
+        dataset: object,
         *,
         remainder: str = "pad",
         prefetch: int = 2,
-        start: Any = None,
+        start: Mapping[str, Any] | None = None,
         process_local: bool = False,
     ) -> DistributedDataset:
         """Splits each global batch of `dataset` into per-replica shards on the devices.
@@ -567,7 +569,11 @@ class MirroredStrategy:
         )
 
     def distribute_datasets_from_function(
-        self, dataset_fn: Callable[..., Any], *, prefetch: int = 2, start: Any = None
+        self,
+        dataset_fn: Callable[..., Any],
+        *,
+        prefetch: int = 2,
+        start: Mapping[str, Any] | None = None,
     ) -> DistributedDataset:
         """Deals the per-replica batches of `dataset_fn(jm.InputContext(...))` to replicas.
 
@@ -595,7 +601,7 @@ class MirroredStrategy:
         )
 
 
-def _check_axis_name(axis_name: Any, argument: str = "axis_name", other: Any = None) -> None:
+def _check_axis_name(axis_name: object, argument: str = "axis_name", other: object = None) -> None:
     if not isinstance(axis_name, str) or not axis_name:
         raise TypeError(
             f"MirroredStrategy({argument}=...) expects a non-empty str, got {axis_name!r}."

@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, Sharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from jmirror._devices import Device
+from jmirror._values import PyTree
 
 # How a strategy lays out mirrored leaves inside a replica: a callable
 # `(path, leaf) -> PartitionSpec | None`, or `(regex, PartitionSpec)` pairs.
@@ -207,7 +208,7 @@ class Topology:
 
     # --- layouts -------------------------------------------------------------------------------
 
-    def layout_spec(self, path: Any, leaf: Any, call: str = "strategy.mirror") -> P:
+    def layout_spec(self, path: tuple, leaf: PyTree, call: str = "strategy.mirror") -> P:
         """Returns the `PartitionSpec` inside a replica of the mirrored leaf `leaf` at `path`: its
         own sharding metadata when that names only the model axis, else the `layout` rules, else
         replicated (always replicated when k = 1). A bad spec is a `ValueError` naming the
@@ -222,7 +223,7 @@ class Topology:
         self.check_spec(path, np.shape(leaf), spec, call)
         return spec
 
-    def _own_spec(self, leaf: Any) -> P | None:
+    def _own_spec(self, leaf: PyTree) -> P | None:
         """Returns the spec of `leaf`'s own metadata when it names only the model axis: a laid-out
         `jax.Array` of this mesh, an NNX `Variable`'s `sharding`, a linen `Partitioned` box."""
         names = _metadata_names(leaf)
@@ -239,7 +240,7 @@ class Topology:
             return None
         return P(*names)
 
-    def _rule_spec(self, path: Any, leaf: Any) -> P | None:
+    def _rule_spec(self, path: tuple, leaf: PyTree) -> P | None:
         rules = self.layout
         if rules is None:
             return None
@@ -252,7 +253,9 @@ class Topology:
                 return spec
         return None
 
-    def check_spec(self, path: Any, shape: tuple[int, ...], spec: Any, call: str) -> None:
+    def check_spec(
+        self, path: tuple, shape: tuple[int, ...], spec: jax.sharding.PartitionSpec, call: str
+    ) -> None:
         """Raises a `ValueError` naming the path, shape and spec unless `spec` lays out a leaf of
         `shape` inside one replica."""
         why = None
@@ -294,7 +297,7 @@ class Topology:
             return self.mirrored
         return NamedSharding(self.mesh, spec)
 
-    def leaf_sharding(self, path: Any, leaf: Any, call: str = "strategy.mirror") -> Sharding:
+    def leaf_sharding(self, path: tuple, leaf: PyTree, call: str = "strategy.mirror") -> Sharding:
         """Returns the layout of the mirrored leaf `leaf` at `path` (`layout_spec`)."""
         return self.mirrored_sharding(self.layout_spec(path, leaf, call))
 
@@ -429,7 +432,7 @@ class Topology:
             and not _names_axis(sharding.spec, self.axis_name)
         )
 
-    def is_stacked_elsewhere(self, x: Any) -> bool:
+    def is_stacked_elsewhere(self, x: object) -> bool:
         """Returns whether `x` is stacked per replica over a mesh of this replica axis name but
         other devices (placed by another strategy)."""
         sharding = getattr(x, "sharding", None)
@@ -478,7 +481,7 @@ class Topology:
         return f"Topology(devices=[{devices}], axis_name={self.axis_name!r}{per})"
 
 
-def check_devices_per_replica(k: Any, num_devices: int, call: str = "MirroredStrategy") -> int:
+def check_devices_per_replica(k: object, num_devices: int, call: str = "MirroredStrategy") -> int:
     """Returns `k` when it is an int >= 1 that divides `num_devices`, else raises a `ValueError`
     naming both (a `TypeError` for a non-int)."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
@@ -523,7 +526,7 @@ def register_box(names_of: Callable[[Any], Any]) -> None:
         BOX_NAMES.append(names_of)
 
 
-def _box_names(x: Any) -> Any:
+def _box_names(x: PyTree) -> Any:
     """Returns the partitioning names a registered box declares, or None."""
     for names_of in BOX_NAMES:
         names = names_of(x)
@@ -532,7 +535,7 @@ def _box_names(x: Any) -> Any:
     return None
 
 
-def _metadata_names(leaf: Any) -> Any:
+def _metadata_names(leaf: PyTree) -> Any:
     """Returns the partitioning names a leaf's own metadata gives: a registered box's, a
     `Declared`'s `sharding_names`, or None."""
     names = _box_names(leaf)
@@ -541,7 +544,7 @@ def _metadata_names(leaf: Any) -> Any:
     return getattr(leaf, "sharding_names", None) or getattr(leaf, "names", None)
 
 
-def _names_axis(spec: Any, axis: str) -> bool:
+def _names_axis(spec: P | tuple, axis: str) -> bool:
     return any(axis in (e if isinstance(e, tuple) else (e,)) for e in spec)
 
 
@@ -590,14 +593,14 @@ class Declared:
         return cls(tuple(shape), tuple(names) if names else None)
 
 
-def declared_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list:
+def declared_leaves(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> list:
     """Returns `(path, leaf, like)` for every leaf of `tree` in flattening order (with `is_leaf`):
     `like` is what the layout rules look at (`Topology.layout_spec`), the leaf itself, or for
     the value of a registered metadata box (`register_box`: linen's `nn.Partitioned`, an NNX
     `Variable` with `out_sharding`) a `Declared` with the box's names (a leaf's own metadata
     comes first)."""
 
-    def stop(x: Any) -> bool:
+    def stop(x: object) -> bool:
         return _is_box(x) or (is_leaf is not None and is_leaf(x))
 
     found = []
@@ -612,7 +615,7 @@ def declared_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> 
     return found
 
 
-def _is_box(x: Any) -> bool:
+def _is_box(x: object) -> bool:
     """Returns whether `x` is a registered box that declares partitioning names."""
     return bool(_box_names(x))
 

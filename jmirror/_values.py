@@ -131,7 +131,7 @@ class PerReplica:
         return ((jax.tree_util.GetAttrKey("values"), self._values),), self._gather
 
     @classmethod
-    def tree_unflatten(cls, gather: Any, children) -> PerReplica:
+    def tree_unflatten(cls, gather: Callable[..., Any] | None, children) -> PerReplica:
         node = cls.__new__(cls)
         node._values = children[0]
         node._gather = gather
@@ -242,7 +242,7 @@ def held_values(x: PerReplica) -> PyTree:
     return x._values
 
 
-def _fields(values: Any) -> list[str]:
+def _fields(values: PyTree) -> list[str]:
     """Returns the attribute names of the pytree children of `values` (NamedTuple, dataclass
     fields)."""
     children = jax.tree_util.tree_flatten_with_path(values, is_leaf=lambda x: x is not values)[0]
@@ -250,7 +250,7 @@ def _fields(values: Any) -> list[str]:
     return [k.name for k in keys if isinstance(k, jax.tree_util.GetAttrKey)]
 
 
-def _describe_items(values: Any) -> str:
+def _describe_items(values: PyTree) -> str:
     if isinstance(values, Mapping):
         return f"the keys {list(values)}"
     try:
@@ -346,7 +346,7 @@ class Sharded:
         ((3,), 3, (2, 2))
     """
 
-    shards: Any
+    shards: jax.Array
     shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
 
     def __post_init__(self) -> None:

@@ -26,7 +26,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import flax.linen as nn
 import jax
@@ -38,6 +38,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import jmirror as jm
 from jmirror import metrics, testing
+from jmirror._values import PyTree
+
+if TYPE_CHECKING:
+    from jmirror._devices import Device
 
 _BAR_WIDTH = 24
 _DEFAULT_DEVICES = 8
@@ -192,13 +196,13 @@ def padded_batches(
         yield batch, np.arange(batch_size) < real
 
 
-def _loss_and_logits(state: TrainState, params: Any, batch: dict[str, Any]):
+def _loss_and_logits(state: TrainState, params: PyTree, batch: dict[str, Any]):
     logits = state.apply_fn({"params": params}, batch["x"])
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
     return losses.mean(), (losses, logits)
 
 
-def _train_step(state: TrainState, batch: dict[str, Any], loss: Any, accuracy: Any):
+def _train_step(state: TrainState, batch: dict[str, Any], loss: PyTree, accuracy: metrics.Accuracy):
     """Runs one replica's step: local gradients, all-reduced MEAN; metrics updated locally."""
     grad_fn = jax.value_and_grad(lambda p: _loss_and_logits(state, p, batch), has_aux=True)
     (_, (losses, logits)), grads = grad_fn(state.params)
@@ -210,7 +214,13 @@ def _train_step(state: TrainState, batch: dict[str, Any], loss: Any, accuracy: A
     )
 
 
-def _eval_step(params: Any, apply_fn: Any, batch: dict[str, Any], mask: Any, accuracy: Any):
+def _eval_step(
+    params: PyTree,
+    apply_fn: Callable[..., Any],
+    batch: dict[str, Any],
+    mask: jax.Array,
+    accuracy: metrics.Accuracy,
+):
     return accuracy.update(apply_fn({"params": params}, batch["x"]), batch["y"], mask=mask)
 
 
@@ -233,12 +243,12 @@ def _bar(description: str, total: int, live: bool) -> Iterator[Callable[[], None
 
 def train_one_device(
     model: nn.Module,
-    params: Any,
+    params: PyTree,
     tx: optax.GradientTransformation,
     args: argparse.Namespace,
     train: dict[str, np.ndarray],
     test: dict[str, np.ndarray],
-    device: Any,
+    device: Device,
 ) -> tuple[Any, float]:
     """Trains with `jax.jit` on `device` on the same global batches; returns params, accuracy.
 
@@ -264,7 +274,7 @@ def train_one_device(
         return state.apply_gradients(grads=grads)
 
     @jax.jit
-    def correct(params: Any, batch: dict[str, Any], mask: Any) -> jax.Array:
+    def correct(params: PyTree, batch: dict[str, Any], mask: jax.Array) -> jax.Array:
         logits = cast(jax.Array, model.apply({"params": params}, batch["x"]))
         hits = jnp.argmax(logits, -1) == batch["y"]
         return jnp.sum(hits & mask)
@@ -435,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
 
 
-def _silent(*args: Any, **kwargs: Any) -> None:
+def _silent(*args: PyTree, **kwargs: PyTree) -> None:
     """Stands in for `print` on the processes that do not print (all but process 0)."""
 
 

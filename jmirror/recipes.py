@@ -131,7 +131,7 @@ def make_train_step(
         2.0
     """
 
-    def train_step(state: train_state.TrainState, batch: PyTree, key: Any = None):
+    def train_step(state: train_state.TrainState, batch: PyTree, key: jax.Array | None = None):
         pair = _nnx_recipes.pair(state, "make_train_step")
         step = state.step if pair is None else pair[1].step[...]
         args = (batch,) if key is None else (batch, fold_in_replica(key, step))
@@ -168,7 +168,7 @@ class BatchNormTrainState(train_state.TrainState):
         (2,)
     """
 
-    batch_stats: Any
+    batch_stats: PyTree
 
 
 def distribute_batch_norm_state(

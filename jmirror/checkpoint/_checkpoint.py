@@ -208,7 +208,7 @@ def with_statics(restored: PyTree, target: PyTree) -> PyTree:
     return treedef.unflatten([t if s else r for t, r, s in zip(leaves, got, static)])
 
 
-def _none_or_distributed(x: Any) -> bool:
+def _none_or_distributed(x: object) -> bool:
     return x is None or is_distributed(x)
 
 
@@ -259,7 +259,7 @@ def verify(path: pathlib.Path, call: str) -> bool:
     return True
 
 
-def read_data(path: pathlib.Path, call: str, group: _processes.Group) -> Any:
+def read_data(path: pathlib.Path, call: str, group: _processes.Group) -> PyTree:
     """Returns this process's `data` saved with the checkpoint at `path`.
 
     When as many processes saved as read, each reads its own; otherwise the saved data must

@@ -180,7 +180,7 @@ def component_paths(tree: Tree) -> dict[str, str]:
     }
 
 
-def _key_str(entry: Any) -> str:
+def _key_str(entry: object) -> str:
     return jax.tree_util.keystr((entry,))
 
 
@@ -193,7 +193,7 @@ def _mismatch(path: tuple, saved: str, expected: str) -> ValueError:
     )
 
 
-def _describe_target(x: Any) -> str:
+def _describe_target(x: PyTree) -> str:
     if isinstance(x, Sharded):
         return f"a Sharded leaf of shape {x.shape} dtype {_format.dtype_name(x.dtype)}"
     if isinstance(x, SyncOnRead):
@@ -207,7 +207,7 @@ def _describe_target(x: Any) -> str:
     return f"a {container_kind(x)} with keys {keys}"
 
 
-def _describe_leaf(x: Any) -> str:
+def _describe_leaf(x: PyTree) -> str:
     if isinstance(x, (bool, int, float, complex)):
         return f"a Python {type(x).__name__}"
     dtype = getattr(x, "dtype", None)
@@ -215,7 +215,7 @@ def _describe_leaf(x: Any) -> str:
     return f"shape {tuple(np.shape(x))} dtype {name}"
 
 
-def check_target(tree: Tree, target: Any, stacked: bool = False) -> None:
+def check_target(tree: Tree, target: PyTree, stacked: bool = False) -> None:
     """Raises `ValueError` at the first path where `target` differs from the saved tree."""
     if tree.leaf is not None:
         fits = _sharded.matches(tree.leaf, target)
@@ -248,7 +248,7 @@ def check_target(tree: Tree, target: Any, stacked: bool = False) -> None:
         check_target(child, sub, stacked)
 
 
-def fit_metrics(tree: Tree, target: Any, n: int) -> Any:
+def fit_metrics(tree: Tree, target: PyTree, n: int) -> PyTree:
     """Returns `target` with each NNX metric `Variable` holding the kind of state saved there.
 
     A metric updated by a replicated function holds sync-on-read `MetricComponents`; a target
@@ -268,7 +268,7 @@ def fit_metrics(tree: Tree, target: Any, n: int) -> Any:
         return target
     saved = {jax.tree_util.keystr(node.path): node for node in _nodes(tree)}
 
-    def one(path: tuple, x: Any) -> Any:
+    def one(path: tuple, x: PyTree) -> PyTree:
         pairs = children(x) if is_state(x) else None
         if not pairs or len(pairs) != 1:
             return x
@@ -297,7 +297,7 @@ def _nodes(tree: Tree) -> list[Tree]:
     return [tree] + [node for _, child in tree.children for node in _nodes(child)]
 
 
-def _dtype(x: Any) -> Any:
+def _dtype(x: PyTree) -> Any:
     dtype = getattr(x, "dtype", None)
     return dtype if dtype is not None else np.asarray(x).dtype
 
@@ -314,7 +314,7 @@ def _key_mismatch(tree: Tree, pairs: list, saved_keys: list, target_keys: list) 
     return _mismatch(tree.path + (entry,), there, _describe_target(sub))
 
 
-def _check_leaf(leaf: Leaf, x: Any, stacked: bool) -> None:
+def _check_leaf(leaf: Leaf, x: PyTree, stacked: bool) -> None:
     if isinstance(x, (bool, int, float, complex)) or leaf.kind == "python":
         if np.shape(x) != leaf.shape:
             raise _mismatch(leaf.path, f"a leaf ({leaf.describe()})", _describe_target(x))
@@ -353,7 +353,7 @@ def place(
     tree: Tree,
     arrays: dict[str, np.ndarray],
     strategy: MirroredStrategy,
-    target: Any,
+    target: PyTree,
     saved_n: int,
     call: str = "jm.checkpoint.restore",
 ) -> PyTree:
@@ -434,7 +434,7 @@ def _put(hosts: list[np.ndarray], shardings: list[Any], num_processes: int) -> l
     ]
 
 
-def _target_leaves(target: Any) -> list[tuple[tuple, Any]]:
+def _target_leaves(target: PyTree) -> list[tuple[tuple, Any]]:
     """Returns (path, leaf) of each leaf of `target` in flattening order; a leaf that is an NNX
     `Variable`'s value comes with that `Variable` (its partitioning metadata)."""
     out = []
@@ -490,7 +490,7 @@ def _components(leaf: Leaf, value: np.ndarray, n: int) -> np.ndarray:
     return np.broadcast_to(each, (n,) + each.shape).copy()
 
 
-def _rebuild(tree: Tree, values: Any) -> PyTree:
+def _rebuild(tree: Tree, values: PyTree) -> PyTree:
     if tree.leaf is not None:
         value = next(values)
         return Sharded(value, tree.leaf.shape) if tree.leaf.sharded else value

@@ -60,7 +60,7 @@ class Encoded:
     num_replicas: int
 
 
-def children(node: Any) -> list[tuple[Any, Any]] | None:
+def children(node: PyTree) -> list[tuple[Any, Any]] | None:
     """Returns the (key entry, child) pairs one level below `node`; `None` when `node` is a leaf.
 
     flax NNX objects flatten with a leafless internal child (`_pytree__state`), which is
@@ -73,7 +73,7 @@ def children(node: Any) -> list[tuple[Any, Any]] | None:
     return [(path[0], child) for path, child in pairs if not _is_flax_internal(path[0], child)]
 
 
-def _is_flax_internal(entry: Any, child: Any) -> bool:
+def _is_flax_internal(entry: object, child: object) -> bool:
     name = getattr(entry, "name", None)
     return (
         isinstance(name, str)
@@ -83,14 +83,14 @@ def _is_flax_internal(entry: Any, child: Any) -> bool:
     )
 
 
-def is_nnx_variable(x: Any) -> bool:
+def is_nnx_variable(x: object) -> bool:
     """Returns whether `x` is a flax `nnx.Variable` (without importing flax when it is not
     loaded)."""
     nnx = sys.modules.get("flax.nnx")
     return nnx is not None and isinstance(x, nnx.Variable)
 
 
-def container_kind(node: Any) -> str:
+def container_kind(node: PyTree) -> str:
     if node is None:
         return "none"
     for kind in (dict, list, tuple):
@@ -120,7 +120,7 @@ class _Encoder:
         self.reads.append((node, names))
         return names[0]
 
-    def node(self, x: Any, path: tuple) -> dict:
+    def node(self, x: PyTree, path: tuple) -> dict:
         where = jax.tree_util.keystr(path)
         if isinstance(x, Sharded):  # saved whole, as read
             return _leaf(_sharded.KIND, self.read_later(x), x.shape, x.shards)
@@ -153,7 +153,7 @@ class _Encoder:
         ]
         return out
 
-    def leaf(self, x: Any, where: str) -> dict:
+    def leaf(self, x: PyTree, where: str) -> dict:
         check_leaf(x, where)
         name = self._name()
         if isinstance(x, jax.Array):
@@ -183,14 +183,14 @@ class _Encoder:
         """Returns a subtree whose leaves hold N stacked components (PerReplica, SyncOnRead
         NONE)."""
 
-        def one(sub_path: tuple, x: Any) -> dict:
+        def one(sub_path: tuple, x: PyTree) -> dict:
             where = jax.tree_util.keystr(path + sub_path)
             check_leaf(x, where, stacked=True)
             return _leaf("stacked", self.components(x, where), np.shape(x)[1:], x)
 
         return self.subtree(tree, path, one)
 
-    def components(self, x: Any, where: str) -> str:
+    def components(self, x: PyTree, where: str) -> str:
         """Returns the array name of a per-replica leaf's N stacked components, fetched with the
         rest."""
         if self.several and not _is_global(x):
@@ -208,7 +208,7 @@ class _Encoder:
             self.fetch.append((name, np.array(x, copy=True)))
         return name
 
-    def globalize(self, x: Any, where: str) -> Any:
+    def globalize(self, x: PyTree, where: str) -> PyTree:
         """Returns a global stacked array of this process's components (leading axis: local
         ones)."""
         local = self.topology.num_local_replicas
@@ -228,7 +228,7 @@ class _Encoder:
         names: list[str] = []
         self.reads.append((node, names))
 
-        def one(sub_path: tuple, x: Any) -> dict:
+        def one(sub_path: tuple, x: PyTree) -> dict:
             where = jax.tree_util.keystr(path + sub_path)
             check_leaf(x, where, stacked=True)
             names.append(self._name())
@@ -238,7 +238,7 @@ class _Encoder:
 
         return self.subtree(node.value, path + (jax.tree_util.GetAttrKey("value"),), one)
 
-    def subtree(self, tree: PyTree, path: tuple, one: Any, sub_path: tuple = ()) -> dict:
+    def subtree(self, tree: PyTree, path: tuple, one: PyTree, sub_path: tuple = ()) -> dict:
         pairs = children(tree)
         if pairs is None:
             return one(sub_path, tree)
@@ -298,17 +298,17 @@ class _Encoder:
 
 
 @functools.cache
-def _mirror_all(mirrored: Any) -> Any:
+def _mirror_all(mirrored: PyTree) -> PyTree:
     """Returns a jitted identity whose outputs are mirrored: an all-gather of each array."""
     return jax.jit(lambda xs: xs, out_shardings=mirrored)
 
 
-def _is_global(x: Any) -> bool:
+def _is_global(x: object) -> bool:
     """Returns whether `x` is an array of which this process addresses only part."""
     return isinstance(x, jax.Array) and not x.is_fully_addressable
 
 
-def check_leaf(x: Any, where: str, stacked: bool = False) -> None:
+def check_leaf(x: PyTree, where: str, stacked: bool = False) -> None:
     """Raises for a leaf that cannot be stored, before anything is read or written.
 
     The one place leaves are checked: every leaf of the state passes here while the tree is
@@ -340,7 +340,7 @@ def check_leaf(x: Any, where: str, stacked: bool = False) -> None:
         )
 
 
-def _leaf(kind: str, name: str, shape: tuple, x: Any) -> dict:
+def _leaf(kind: str, name: str, shape: tuple, x: PyTree) -> dict:
     dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
     out = {
         "node": "leaf",

@@ -111,12 +111,12 @@ def corrupt(where: str, what: str) -> CorruptCheckpointError:
     )
 
 
-def dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: jax.typing.DTypeLike) -> str:
     """Returns the JSON name of an array dtype (PRNG key dtypes included, e.g. 'key<fry>')."""
     return str(dtype) if jnp.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype).name
 
 
-def is_stored_dtype(dtype: Any) -> bool:
+def is_stored_dtype(dtype: jax.typing.DTypeLike) -> bool:
     """Returns whether arrays of `dtype` can be written (plain numeric, bool, PRNG keys)."""
     try:
         return jnp.issubdtype(dtype, jax.dtypes.prng_key) or np.dtype(dtype).name in _DTYPES
@@ -196,7 +196,7 @@ def entry_from_json(entry: object, where: str) -> Any:
     raise corrupt(where, f"tree key {entry!r} is not a jmirror tree key")
 
 
-def entry_name(entry: Any) -> str | int:
+def entry_name(entry: object) -> str | int:
     """Returns the key a rebuilt dict uses for a child: a field name, dict key or index."""
     for attr in ("name", "key", "idx"):
         if hasattr(entry, attr):

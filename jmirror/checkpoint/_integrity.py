@@ -44,6 +44,7 @@ import google_crc32c
 import jax
 import numpy as np
 
+from jmirror._values import PyTree
 from jmirror.checkpoint._format import CorruptCheckpointError, corrupt
 
 FILES = "_JMIRROR_FILES"
@@ -70,7 +71,7 @@ def _load_crc32c() -> Callable[[Any], int]:
         value.restype = ctypes.c_uint32
         value.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
-        def crc32c(data: Any, value: Any = value) -> int:
+        def crc32c(data: PyTree, value: PyTree = value) -> int:
             view = np.frombuffer(data, np.uint8)
             return int(value(view.ctypes.data, view.nbytes))
 
@@ -81,7 +82,7 @@ def _load_crc32c() -> Callable[[Any], int]:
 _CRC32C = _load_crc32c()
 
 
-def crc32c(data: Any) -> int:
+def crc32c(data: PyTree) -> int:
     """Returns the CRC-32C of a bytes-like object (a contiguous buffer)."""
     return _CRC32C(data)
 
@@ -135,7 +136,7 @@ def saved_checksums(root: pathlib.Path, kind: str = CRC32C) -> dict[str, Any]:
     list of piece CRC-32Cs each (`CRC32C`), or one CRC-32 each (`CRC32`)."""
     table = _read_list(root).get("arrays")
 
-    def valid(v: Any) -> bool:
+    def valid(v: object) -> bool:
         return type(v) is int and 0 <= v < 2**32
 
     if kind == CRC32C:
@@ -382,6 +383,6 @@ def rethrow(error: CorruptCheckpointError, note: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(str(error).rstrip() + note)
 
 
-def leaf_paths(tree: Any) -> dict[str, str]:
+def leaf_paths(tree: PyTree) -> dict[str, str]:
     """Returns each array name's leaf path (of a `_decode.Tree`), for messages."""
     return {leaf.array: jax.tree_util.keystr(leaf.path) for leaf in tree.leaves()}

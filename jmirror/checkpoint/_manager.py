@@ -36,7 +36,7 @@ from jmirror.checkpoint import (
 from jmirror.checkpoint._preemption import PreemptionMixin
 
 
-def _positive_int(value: Any, name: str, allow_none: bool) -> int | None:
+def _positive_int(value: object, name: str, allow_none: bool) -> int | None:
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
@@ -49,7 +49,7 @@ def _positive_int(value: Any, name: str, allow_none: bool) -> int | None:
     return value
 
 
-def _json_copy(data: Any) -> Any:
+def _json_copy(data: PyTree) -> PyTree:
     try:
         return json.loads(json.dumps(data, allow_nan=False))
     except (TypeError, ValueError) as error:
@@ -222,12 +222,12 @@ class CheckpointManager(PreemptionMixin):
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     # --- saving ------------------------------------------------------------------------------
 
-    def save(self, step: int, state: PyTree, *, data: Any = None, force: bool = False) -> bool:
+    def save(self, step: int, state: PyTree, *, data: PyTree = None, force: bool = False) -> bool:
         """Saves `state` (and `data`, e.g. an input position) as checkpoint `step`.
 
         Args:
@@ -351,7 +351,7 @@ class CheckpointManager(PreemptionMixin):
         strategy = self._current_strategy()
         return _checkpoint.read(path, target, strategy, "CheckpointManager.restore")
 
-    def data(self, step: int | None = None) -> Any:
+    def data(self, step: int | None = None) -> PyTree:
         """Returns the `data` saved with `step` (the latest when None), e.g. an input position.
 
         With several processes each process reads the data it saved. A step saved by another

@@ -52,12 +52,14 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import Any, NoReturn
+from types import FrameType
+from typing import NoReturn
 
 import jax
 from jax.experimental import multihost_utils
 
 from jmirror import distributed
+from jmirror._values import PyTree
 from jmirror.checkpoint import _storage
 
 _MAX_STEP = 2**31 - 1  # JAX's sync point counts steps in a C int
@@ -98,11 +100,11 @@ class _Handler:
     to close puts the previous handler back when ours is still on top.
     """
 
-    def __init__(self, previous: Any) -> None:
+    def __init__(self, previous: PyTree) -> None:
         self.previous = previous
         self.seen = 0
 
-    def __call__(self, number: int, frame: Any) -> None:
+    def __call__(self, number: int, frame: FrameType | None) -> None:
         self.seen += 1
         if _OPEN:
             _NOTICE.received = True
@@ -260,7 +262,7 @@ class PreemptionMixin:
         """
         return reached(_storage.check_step(step, "CheckpointManager.reached_preemption", _MAX_STEP))
 
-    def save_and_exit_if_preempted(self, step: int, state: Any, *, data: Any = None) -> bool:
+    def save_and_exit_if_preempted(self, step: int, state: PyTree, *, data: PyTree = None) -> bool:
         """Saves `state`, closes the manager and exits with status 0 at the preemption step.
 
         Exactly `if manager.reached_preemption(step): manager.save(step, state, data=data);

@@ -32,6 +32,7 @@ import itertools
 import json
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -40,6 +41,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jmirror import _deadline
+from jmirror._values import PyTree
 
 if TYPE_CHECKING:
     from jmirror._strategy import MirroredStrategy
@@ -147,7 +149,7 @@ class Group:
         if error is not None:
             raise error
 
-    def gather_json(self, data: Any) -> list[Any]:
+    def gather_json(self, data: PyTree) -> list[Any]:
         """Returns every process's JSON-able `data`, in process order (a collective of every
         process)."""
         if self.size == 1:
@@ -165,7 +167,7 @@ class Group:
             every = np.asarray(multihost_utils.process_allgather(padded))
         return [json.loads(bytes(row[:k]).decode()) for row, k in zip(every, lengths)]
 
-    def not_written(self, call: str, path: Any) -> RuntimeError:
+    def not_written(self, call: str, path: Path) -> RuntimeError:
         return RuntimeError(
             f"{call}: process {self.writer}, which writes the checkpoints of this strategy, did "
             f"not complete {path}; its error is raised on process {self.writer}."

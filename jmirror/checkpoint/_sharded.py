@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from jmirror import _shard_jaxpr
-from jmirror._values import Sharded
+from jmirror._values import PyTree, Sharded
 
 KIND = "sharded"
 
@@ -26,7 +26,7 @@ def pieces(host: np.ndarray, n: int, k: int = 1) -> np.ndarray:
     return _shard_jaxpr.stack(host, _shard_jaxpr.layout(np.shape(host), n, k), xp=np)
 
 
-def matches(leaf: Any, target: Any) -> bool | None:
+def matches(leaf: Any, target: PyTree) -> bool | None:
     """Returns whether `target` fits the saved `leaf` as a `Sharded` node, setting how it restores.
 
     Returns `None` when neither side is sharded (the plain checks apply), `True` when they

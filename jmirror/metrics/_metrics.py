@@ -37,7 +37,7 @@ _UPDATE_OUTSIDE = (
 )
 
 
-def _is_sync_on_read(x: Any) -> bool:
+def _is_sync_on_read(x: object) -> bool:
     return isinstance(x, SyncOnRead)
 
 

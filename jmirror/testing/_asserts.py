@@ -17,7 +17,7 @@ def _strategy(strategy: MirroredStrategy | None) -> MirroredStrategy:
     return get_strategy() if strategy is None else strategy
 
 
-def _host(x: Any) -> np.ndarray:
+def _host(x: PyTree) -> np.ndarray:
     """Returns `x` as a NumPy array; a typed PRNG key array as its key data
     (`jax.random.key_data`)."""
     if _is_key(x):
@@ -114,7 +114,7 @@ def assert_replicas_equal(
     del first
 
 
-def _is_key(x: Any) -> bool:
+def _is_key(x: object) -> bool:
     """Returns whether `x` is a typed PRNG key array (`jax.random.key`)."""
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)

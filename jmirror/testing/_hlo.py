@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -63,7 +64,7 @@ class Collective:
     dtypes: tuple[np.dtype, ...] = ()
 
 
-def collectives(step: Any) -> list[Collective]:
+def collectives(step: Callable[..., Any]) -> list[Collective]:
     """Lists the cross-device collectives one call of a compiled step runs, in HLO order.
 
     Args:
