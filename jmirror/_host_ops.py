@@ -21,6 +21,7 @@ import numpy as np
 
 from jmirror import _shard_jaxpr
 from jmirror._adapter import static_leaves
+from jmirror._components import replica_component, replica_copy
 from jmirror._cross_replica import REDUCERS, CrossReplica
 from jmirror._topology import Topology, declared_leaves
 from jmirror._values import (
@@ -233,7 +234,7 @@ class HostOps(CrossReplica):
     def _on_replica(self, x: jax.Array, i: int) -> jax.Array:
         """Returns replica `i`'s copy of the mirrored `x` (on its device, or laid out on its
         devices)."""
-        copy = self.topology.replica_copy(x, i)  # its own shards: no transfer
+        copy = replica_copy(self.topology, x, i)  # its own shards: no transfer
         return copy if copy is not None else jax.device_put(x, self.topology.read_sharding(x, i))
 
     def _gathered(self, stacked: PyTree) -> jax.Array:
@@ -247,7 +248,7 @@ class HostOps(CrossReplica):
         """Returns replica `i`'s whole component of a stacked leaf: from its own shards where they
         hold it (laid out over its devices when k > 1), else moved to its first device."""
         if isinstance(stacked, jax.Array):
-            component = self.topology.replica_component(stacked, i)
+            component = replica_component(self.topology, stacked, i)
             if component is not None:
                 return component
             device = self.topology.replica_devices(i)[0]

@@ -29,6 +29,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jmirror import _deadline
+from jmirror._components import local_copy, replica_component
 from jmirror._host_ops import HostOps, concatenate, pieces_span, reducer, unshard
 from jmirror._topology import Topology
 from jmirror._values import (
@@ -118,7 +119,7 @@ class ProcessHostOps(HostOps):
         timeout = self.topology.timeout_s
         with _deadline.bounded(call, timeout):  # a cheap program may run (and wait) inline
             out = _jit_mirrored(fn, self.topology.mirrored)(x)
-            mine = jax.block_until_ready(self.topology.local_copy(out))
+            mine = jax.block_until_ready(local_copy(self.topology, out))
         return mine
 
     def stacked(self, x: PyTree) -> PyTree:
@@ -146,7 +147,7 @@ class ProcessHostOps(HostOps):
         that replica's devices when k > 1)."""
         if isinstance(stacked, jax.Array) and not stacked.is_fully_addressable:
             replica = self.topology.local_replica_ids[i]
-            component = self.topology.replica_component(stacked, replica)
+            component = replica_component(self.topology, stacked, replica)
             if component is not None:
                 return component
             # Laid out some other way: every process gathers the whole stack (every process

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -301,82 +300,6 @@ class Topology:
         """Returns the layout of the mirrored leaf `leaf` at `path` (`layout_spec`)."""
         return self.mirrored_sharding(self.layout_spec(path, leaf, call))
 
-    def replica_copy(self, x: jax.Array, replica: int) -> jax.Array | None:
-        """Returns replica `replica`'s whole copy of the mirrored leaf `x`, made of its own shards
-        (no transfer) and laid out as `read_sharding` says; None where this process does not hold
-        them."""
-        devices = self.replica_devices(replica)
-        by_device = {shard.device: shard.data for shard in x.addressable_shards}
-        if not all(d in by_device for d in devices):
-            return None
-        if len(devices) == 1:
-            data = by_device[devices[0]]
-            return data if data.shape == x.shape else None
-        parts = [by_device[d] for d in devices]
-        sharding = self.read_sharding(x, replica)
-        return jax.make_array_from_single_device_arrays(x.shape, sharding, parts)
-
-    def replica_component(self, x: jax.Array, replica: int) -> jax.Array | None:
-        """Returns replica `replica`'s whole component of the per-replica stack `x` (leading axis
-        split over the replicas), made of its own shards (no transfer): on its device (k = 1),
-        or laid out over its devices as `x` is inside a replica (k > 1). None where this
-        process does not hold them, or `x` is not split one component per replica."""
-        if self.is_emulated:
-            return None
-        devices = self.replica_devices(replica)
-        by_device = {shard.device: shard for shard in x.addressable_shards}
-        if not all(d in by_device for d in devices):
-            return None
-        shards = [by_device[d] for d in devices]
-        if any(_rows(s.index, x.shape) != (replica, replica + 1) for s in shards):
-            return None
-        if len(devices) == 1:
-            data = shards[0].data
-            return _first_row(data) if data.shape[1:] == x.shape[1:] else None
-        inner = self._inner_spec(x)
-        if inner is None:
-            return None
-        mesh = Mesh(np.array(devices), (self.model_axis_name,))
-        one = NamedSharding(mesh, P(None, *inner))
-        shape = (1, *x.shape[1:])
-        expected = one.devices_indices_map(shape)
-        for d, shard in zip(devices, shards):
-            if _normal(expected[d], shape)[1:] != _normal(shard.index, x.shape)[1:]:
-                return None
-        stacked = jax.make_array_from_single_device_arrays(shape, one, [s.data for s in shards])
-        return _first_row_as(NamedSharding(mesh, P(*inner)))(stacked)
-
-    def _inner_spec(self, x: jax.Array) -> tuple | None:
-        """Returns the spec of a component of the stack `x` inside a replica (the model axis only),
-        or None when `x` is not laid out over this mesh's replica axis that way."""
-        sharding = x.sharding
-        if not isinstance(sharding, NamedSharding) or sharding.mesh.axis_names != (
-            self.axis_name,
-            self.model_axis_name,
-        ):
-            return None
-        spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
-        if spec[:1] != (self.axis_name,) or _names_axis(spec[1:], self.axis_name):
-            return None
-        return spec[1:]
-
-    def local_copy(self, x: jax.Array) -> jax.Array:
-        """Returns this process's whole copy of the mirrored leaf `x`, without a transfer: the shard
-        on its first device when `x` is replicated inside a replica, else its first replica's
-        copy (`replica_copy`)."""
-        copy = None
-        if x.sharding.is_fully_replicated:
-            first = self.first_local_device
-            copy = next((s.data for s in x.addressable_shards if s.device == first), None)
-        elif not self.is_emulated:
-            copy = self.replica_copy(x, self.local_replica_ids[0])
-        if copy is None:
-            raise ValueError(
-                f"no whole copy of this value on process {self.process_index}'s devices: it is "
-                "not mirrored"
-            )
-        return copy
-
     def stacked_sharding(self, spec: P | None = None) -> Sharding:
         """Returns the layout of a per-replica stack whose components are laid out by `spec` inside
         each replica (`stacked` for None or `P()`)."""
@@ -429,7 +352,7 @@ class Topology:
             and isinstance(sharding, NamedSharding)
             and sharding.mesh.shape_tuple == self.mesh.shape_tuple
             and sharding.device_set == self.device_set
-            and not _names_axis(sharding.spec, self.axis_name)
+            and not names_axis(sharding.spec, self.axis_name)
         )
 
     def is_stacked_elsewhere(self, x: object) -> bool:
@@ -544,7 +467,7 @@ def _metadata_names(leaf: PyTree) -> Any:
     return getattr(leaf, "sharding_names", None) or getattr(leaf, "names", None)
 
 
-def _names_axis(spec: P | tuple, axis: str) -> bool:
+def names_axis(spec: P | tuple, axis: str) -> bool:
     return any(axis in (e if isinstance(e, tuple) else (e,)) for e in spec)
 
 
@@ -618,27 +541,3 @@ def declared_leaves(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None) 
 def _is_box(x: object) -> bool:
     """Returns whether `x` is a registered box that declares partitioning names."""
     return bool(_box_names(x))
-
-
-# --- one replica's component of a stack -------------------------------------------------------
-
-
-def _normal(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    """Returns a shard's index as (start, stop) per dimension."""
-    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
-
-
-def _rows(index: tuple, shape: tuple[int, ...]) -> tuple[int, int] | None:
-    """Returns the (start, stop) of a shard's rows of the leading axis, or None for a scalar."""
-    return _normal(index, shape)[0] if shape else None
-
-
-_first_row = jax.jit(lambda x: x[0])
-
-
-@functools.cache
-def _first_row_as(sharding: Sharding) -> Callable[[jax.Array], jax.Array]:
-    """Returns a function giving `x[0]` of a one-row stack, laid out by `sharding` (no transfer:
-    each device keeps its part)."""
-    return jax.jit(lambda x: x[0], out_shardings=sharding)

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmirror import _deadline
+from jmirror._components import local_copy
 from jmirror._values import Aggregation, PerReplica, PyTree, Sharded, SyncOnRead
 from jmirror.checkpoint import _format, _sharded
 
@@ -161,7 +162,7 @@ class _Encoder:
             # replicated over them; one replica's copy is the whole value, written once.
             if not (x.is_fully_replicated or self.topology.is_mirrored(x)):
                 raise TypeError(_NOT_MIRRORED.format(where=where, sharding=x.sharding))
-            self.fetch.append((name, self.topology.local_copy(x)))
+            self.fetch.append((name, local_copy(self.topology, x)))
             return _leaf("mirrored", name, x.shape, x)
         if isinstance(x, (np.ndarray, np.generic)):
             self.fetch.append((name, np.array(x, copy=True)))

@@ -1,0 +1,121 @@
+"""Takes a replica's whole value out of a distributed array, from its own shards.
+
+A mirrored leaf laid out inside the replicas (k > 1) is whole only over a replica's k
+devices, and a per-replica stack's component i only over replica i's: `replica_copy`,
+`local_copy` and `replica_component` put those shards together without a transfer, laid out
+over the replica's devices, wherever jmirror takes a replica's value (`HostOps`, the reads
+across processes, checkpoints).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, Sharding
+from jax.sharding import PartitionSpec as P
+
+from jmirror._topology import Topology, names_axis
+
+
+def replica_copy(topology: Topology, x: jax.Array, replica: int) -> jax.Array | None:
+    """Returns replica `replica`'s whole copy of the mirrored leaf `x`, made of its own shards
+    (no transfer) and laid out as `read_sharding` says; None where this process does not hold
+    them."""
+    devices = topology.replica_devices(replica)
+    by_device = {shard.device: shard.data for shard in x.addressable_shards}
+    if not all(d in by_device for d in devices):
+        return None
+    if len(devices) == 1:
+        data = by_device[devices[0]]
+        return data if data.shape == x.shape else None
+    parts = [by_device[d] for d in devices]
+    sharding = topology.read_sharding(x, replica)
+    return jax.make_array_from_single_device_arrays(x.shape, sharding, parts)
+
+
+def replica_component(topology: Topology, x: jax.Array, replica: int) -> jax.Array | None:
+    """Returns replica `replica`'s whole component of the per-replica stack `x` (leading axis
+    split over the replicas), made of its own shards (no transfer): on its device (k = 1),
+    or laid out over its devices as `x` is inside a replica (k > 1). None where this
+    process does not hold them, or `x` is not split one component per replica."""
+    if topology.is_emulated:
+        return None
+    devices = topology.replica_devices(replica)
+    by_device = {shard.device: shard for shard in x.addressable_shards}
+    if not all(d in by_device for d in devices):
+        return None
+    shards = [by_device[d] for d in devices]
+    if any(_rows(s.index, x.shape) != (replica, replica + 1) for s in shards):
+        return None
+    if len(devices) == 1:
+        data = shards[0].data
+        return _first_row(data) if data.shape[1:] == x.shape[1:] else None
+    inner = _inner_spec(topology, x)
+    if inner is None:
+        return None
+    mesh = Mesh(np.array(devices), (topology.model_axis_name,))
+    one = NamedSharding(mesh, P(None, *inner))
+    shape = (1, *x.shape[1:])
+    expected = one.devices_indices_map(shape)
+    for d, shard in zip(devices, shards):
+        if _normal(expected[d], shape)[1:] != _normal(shard.index, x.shape)[1:]:
+            return None
+    stacked = jax.make_array_from_single_device_arrays(shape, one, [s.data for s in shards])
+    return _first_row_as(NamedSharding(mesh, P(*inner)))(stacked)
+
+
+def _inner_spec(topology: Topology, x: jax.Array) -> tuple | None:
+    """Returns the spec of a component of the stack `x` inside a replica (the model axis only),
+    or None when `x` is not laid out over this mesh's replica axis that way."""
+    sharding = x.sharding
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.axis_names != (
+        topology.axis_name,
+        topology.model_axis_name,
+    ):
+        return None
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    if spec[:1] != (topology.axis_name,) or names_axis(spec[1:], topology.axis_name):
+        return None
+    return spec[1:]
+
+
+def local_copy(topology: Topology, x: jax.Array) -> jax.Array:
+    """Returns this process's whole copy of the mirrored leaf `x`, without a transfer: the shard
+    on its first device when `x` is replicated inside a replica, else its first replica's
+    copy (`replica_copy`)."""
+    copy = None
+    if x.sharding.is_fully_replicated:
+        first = topology.first_local_device
+        copy = next((s.data for s in x.addressable_shards if s.device == first), None)
+    elif not topology.is_emulated:
+        copy = replica_copy(topology, x, topology.local_replica_ids[0])
+    if copy is None:
+        raise ValueError(
+            f"no whole copy of this value on process {topology.process_index}'s devices: it is "
+            "not mirrored"
+        )
+    return copy
+
+
+def _normal(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """Returns a shard's index as (start, stop) per dimension."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def _rows(index: tuple, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """Returns the (start, stop) of a shard's rows of the leading axis, or None for a scalar."""
+    return _normal(index, shape)[0] if shape else None
+
+
+_first_row = jax.jit(lambda x: x[0])
+
+
+@functools.cache
+def _first_row_as(sharding: Sharding) -> Callable[[jax.Array], jax.Array]:
+    """Returns a function giving `x[0]` of a one-row stack, laid out by `sharding` (no transfer:
+    each device keeps its part)."""
+    return jax.jit(lambda x: x[0], out_shardings=sharding)
