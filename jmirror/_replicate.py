@@ -172,9 +172,15 @@ class Replicated:
         """Splits, places and checks a call's arguments; returns them, whether the call
         donates and whether it is inside the caller's own transformation (holds tracers)."""
         topology = strategy.topology
-        if topology.process_count > 1:
+        several = topology.process_count > 1
+        if several:
             args, kwargs = self._globalize(topology, args, kwargs)
         prepared, leaves, types = self._arguments.prepare(strategy, args, kwargs)
+        if several:
+            # Values of this process alone cannot be put on other processes' devices: JAX
+            # takes them as the same value on every process (global arrays stay as they are).
+            donate = self._donation_on(strategy).check_prepared(self, prepared)
+            return prepared, donate, has_tracers(types)
         placement = self._placement
         if placement is None or placement.topology is not topology:
             placement = self._placement = Placement(topology)
