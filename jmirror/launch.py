@@ -359,8 +359,10 @@ def _program_start(argv: list[str]) -> int:
 # gloo (JAX's CPU collectives) prints "[Gloo] Rank R is connected to N peer ranks. Expected
 # number of connected peer ranks is : N" on stdout for every rank of every communicator it
 # makes (8 lines and more per run), from several threads at once, so that pieces of two
-# reports may share a line. A line made of such pieces only, every count the expected one,
-# tells the user nothing and is left out; one with a count short of the expected is kept.
+# reports may share a line. A line made of such pieces only tells the user nothing and is
+# left out, unless two counts it can read (a number right after "is connected to" or "is :")
+# differ: a rank short of its peers is kept. Pieces of several reports interleaved so that no
+# count can be read (digits of two reports run together) are left out too.
 _GLOO_PIECE = re.compile(
     r"\[Gloo\] Rank | is connected to | peer ranks\. |Expected number of connected peer "
     r"ranks is : |\d+"
@@ -373,10 +375,10 @@ def _is_gloo_report(line: str) -> bool:
     if "[Gloo] Rank" not in line and " peer ranks" not in line:
         return False
     pieces = _GLOO_PIECE.findall(line)
-    if "".join(pieces) != line.strip():
+    if "".join(pieces).strip() != line.strip():
         return False
     counts = {count for piece, count in zip(pieces, pieces[1:]) if piece in _GLOO_COUNTS}
-    return len(counts) <= 1 and all(count.isdigit() for count in counts)
+    return len({count for count in counts if count.isdigit()}) <= 1
 
 
 def _free_port() -> int:

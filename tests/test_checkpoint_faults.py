@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import zlib
 
 import google_crc32c
@@ -522,6 +523,8 @@ def test_crc32c_checksums_of_pieces_equal_one_pass_and_run_on_several_threads(mo
 
     def crc32c(data):
         names.add(threading.current_thread().name)
+        # Slow enough that one thread cannot take every piece before the others start.
+        time.sleep(0.01)
         return real(data)
 
     monkeypatch.setattr(_integrity, "_CRC32C", crc32c)

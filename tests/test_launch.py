@@ -60,6 +60,12 @@ GLOO = "[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected
         ("[Gloo] Rank [Gloo] Rank 1 is connected to 1 peer ranks. Expected number of "
          "connected peer ranks is : 1", True),
         ("1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1", True),
+        # digits of two reports run together: no count can be read, nothing but gloo's words
+        (
+            "[Gloo] Rank 7 is connected to [Gloo] Rank 76 peer ranks.  is connected to Expected "
+            "number of connected peer ranks is : 77 peer ranks. ",
+            True,
+        ),
         (GLOO.replace("connected to 7", "connected to 6"), False),  # a rank short: kept
         (GLOO + " and more", False),
         ("[Gloo] Rank 3 failed: Connection reset by peer", False),
