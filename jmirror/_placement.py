@@ -21,6 +21,7 @@ step returns share their shardings. Tracers (a call inside the caller's own `jit
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -76,8 +77,15 @@ class Placement:
           ValueError: a leaf of a distributed value whose leading axis is not the replica
             count (a `PerReplica` made for another strategy).
         """
-        if has_tracers(types):
+        if not self._laid_out and types <= _PLACED_ARRAYS:
+            # The common call: every leaf a placed jax.Array; one C-level pass over their
+            # shardings' ids.
+            if set(map(id, map(_SHARDING, leaves))) <= self._in_place.keys():
+                return None
+        elif has_tracers(types):
             return None
+        else:
+            _PLACED_ARRAYS.update(t for t in types if _is_placed_array_type(t))
         expected = self._expected_of(name, layout, leaves, tree) if self._laid_out else None
         if np.ndarray not in types:
             # Leaves without a sharding (Python numbers, statics) give None: in place.
@@ -209,6 +217,15 @@ def split_error(name: str, topology: Topology, path: str | None, leaf: PyTree) -
         "of replicas), one slice per replica. Reshape the global batch to (num_replicas, "
         "per_replica_batch, ...) or use strategy.distribute_dataset, which does this for you."
     )
+
+
+_SHARDING = operator.attrgetter("sharding")
+# The classes of placed (concrete) jax.Arrays met so far.
+_PLACED_ARRAYS: set[type] = set()
+
+
+def _is_placed_array_type(t: type) -> bool:
+    return issubclass(t, jax.Array) and not issubclass(t, jax.core.Tracer)
 
 
 _REPEAT_SHARDING = itertools.repeat("sharding")
