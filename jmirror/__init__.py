@@ -14,7 +14,7 @@ from jmirror._context import replica_id as replica_id
 from jmirror._context import replica_key as replica_key
 from jmirror._context import sync as sync
 from jmirror._input import InputContext as InputContext
-from jmirror._mirrored_state import MirroredStateError as MirroredStateError  # SPEC 11, round 4
+from jmirror._mirrored_state import MirroredStateError as MirroredStateError
 from jmirror._mirrored_state import MirroredStateWarning as MirroredStateWarning
 from jmirror._multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from jmirror._replicate import replicate as replicate
@@ -22,7 +22,7 @@ from jmirror._shard_update import shard_update as shard_update
 from jmirror._step_stats import StepStats as StepStats
 from jmirror._strategy import MirroredStrategy as MirroredStrategy
 from jmirror._strategy import get_strategy as get_strategy
-from jmirror._sync_batch_norm import sync_batch_norm as sync_batch_norm  # SPEC 11, round 4
+from jmirror._sync_batch_norm import sync_batch_norm as sync_batch_norm
 from jmirror._values import Aggregation as Aggregation
 from jmirror._values import PerReplica as PerReplica
 from jmirror._values import ReduceOp as ReduceOp

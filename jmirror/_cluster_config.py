@@ -594,7 +594,7 @@ def bind_address(coordinator_address: str | None) -> str | None:
     return coordinator_address if loopback else None
 
 
-# --- the address gloo gives this process (SPEC 10, round 4 notes: several hosts) -------------
+# --- the address gloo gives this process (several hosts) -----------------------------------------
 # JAX 0.10 creates gloo's TCP transport without a host name or interface, so gloo binds the
 # first address this host's name resolves to (`gethostname()`, then `getaddrinfo`) and
 # publishes it to the other processes, which connect to it. A name that resolves to a loopback

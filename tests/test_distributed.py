@@ -29,7 +29,7 @@ starts_processes = pytest.mark.skipif(
     reason="starts processes: runs once, in the 8-device pass",
 )
 STARTUP_S = 60
-LOST_PEER_S = 30  # SPEC: the survivors end within 30 s, naming the lost process
+LOST_PEER_S = 30  # documented: the survivors end within 30 s, naming the lost process
 
 CLUSTER_VARIABLES = (
     "JMIRROR_COORDINATOR",
@@ -419,7 +419,7 @@ def test_jax_is_told_every_gpu_of_a_task_alone_on_its_host(tmp_path, tasks_per_n
         assert seen["visible_gpus"] == visible[index]
 
 
-# --- configuration checked at once (SPEC "9-10, round 3 notes") -------------------------------
+# --- configuration checked at once ----------------------------------------------------------------
 # Each case is raised before anything else is tried: in this process JAX's backends are already
 # initialized, so a configuration that passed the checks would be the "too late" RuntimeError.
 
@@ -543,7 +543,7 @@ def test_numpy_integers_are_accepted(fresh):
         jm.distributed.initialize("127.0.0.1:1234", np.int64(2), np.int32(1))
 
 
-# --- several hosts: a host name on loopback (SPEC "10, round 4 notes") ------------------------
+# --- several hosts: a host name on loopback --------------------------------------------------------
 # The decision, in this process; tests/test_two_hosts.py runs it on two hosts for real.
 
 

@@ -63,7 +63,7 @@ def _public_members(cls):
                 yield name, member
 
 
-# Reachable as jm.<name> and documented, but not in __all__ (not named by the SPEC).
+# Reachable as jm.<name> and documented, but not in __all__ (not named by the public contract).
 DOCUMENTED_EXTRA = {"Sharded"}
 
 PUBLIC = [("jmirror", name) for name in sorted(EXPECTED_ALL | DOCUMENTED_EXTRA)] + [

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
     reason="starts processes: runs once, in the 8-device pass",
 )
 STARTUP_S = 60  # generous: two JAX processes on two busy CI cores
-STOP_S = 10  # SPEC: the others are stopped within 10 s
+STOP_S = 10  # documented: the others are stopped within 10 s
 
 
 def _launch(tmp_path, *args, name="launch"):

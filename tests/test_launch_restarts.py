@@ -25,7 +25,7 @@ starts_processes = pytest.mark.skipif(
     reason="starts processes: runs once, in the 8-device pass",
 )
 STARTUP_S = 60  # generous: JAX processes on two busy CI cores
-ORPHANS_S = 10  # SPEC: the launcher's processes end within 10 s of its death
+ORPHANS_S = 10  # documented: the launcher's processes end within 10 s of its death
 
 
 def _script(tmp_path, name, code):
