@@ -543,7 +543,7 @@ def test_numpy_integers_are_accepted(fresh):
         jm.distributed.initialize("127.0.0.1:1234", np.int64(2), np.int32(1))
 
 
-# --- several hosts: a host name on loopback --------------------------------------------------------
+# --- several hosts: a host name on loopback -------------------------------------------------------
 # The decision, in this process; tests/test_two_hosts.py runs it on two hosts for real.
 
 
