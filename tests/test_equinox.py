@@ -261,13 +261,7 @@ def _batch_norm_model(axis_name):
 
 
 def _bn_step(model, state, x):
-    def loss(model, state):
-        y, state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
-            x, state
-        )
-        return jnp.mean(y**2), state
-
-    (value, state), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model, state)
+    grads, state, value = _one_bn_step(model, state, x)
     return jm.all_reduce("mean", grads), state, jm.all_reduce("mean", value)
 
 
