@@ -112,6 +112,7 @@ class _Wait:
     missing: Callable[[], str] | None = None  # names the absent processes itself
     paused: bool = False  # while its thread traces and compiles a new program
     absent: tuple[int, ...] | None = None  # the absent processes, when known already
+    nth: int = 0  # for a blocking wait: how many waits of its name this process began, this one too
 
 
 def _ready(wait: _Wait) -> bool:
@@ -133,6 +134,7 @@ class _Watchdog:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waits: dict[int, _Wait] = {}  # blocking waits in progress, by id
+        self._begun: dict[str, int] = {}  # blocking waits begun so far, by name
         self._queue: collections.deque[_Wait] = collections.deque()  # watched, not yet waited
         self._head: _Wait | None = None  # the watched call the waiter waits for
         self._numbers = itertools.count(1)
@@ -190,6 +192,11 @@ class _Watchdog:
     def add_wait(self, wait: _Wait) -> int:
         key = id(wait)
         with self._lock:
+            # Every process makes the same calls in the same order: the n-th wait of one name
+            # is the same wait on every process, so a report of an earlier one (a peer that
+            # has not reported since) is not taken for this one.
+            label = _label(wait.call)
+            wait.nth = self._begun[label] = self._begun.get(label, 0) + 1
             self._waits[key] = wait
         return key
 
@@ -259,6 +266,7 @@ class _Watchdog:
                 "done": self._done,
                 "head": None if head is None else _label(head.call),
                 "waiting": sorted(_label(w.call) for w in self._waits.values()),
+                "waiting_nth": sorted([_label(w.call), w.nth] for w in self._waits.values()),
                 "time": time.time(),
             }
 
@@ -350,7 +358,7 @@ class _Watchdog:
             elif wait.seq:
                 arrived = seen["dispatched"] >= wait.seq
             else:
-                arrived = _label(wait.call) in seen["waiting"]
+                arrived = [_label(wait.call), wait.nth] in seen.get("waiting_nth", [])
             if not arrived:
                 absent.append(p)
             lines.append(f"process {p}: {doing}")
