@@ -90,13 +90,6 @@ class OutputLayout:
         return path
 
 
-def output_layout(result_top: PyTree) -> OutputLayout | None:
-    """Returns the `OutputLayout` a variant's result ends with, or None."""
-    if isinstance(result_top, tuple) and result_top and isinstance(result_top[-1], OutputLayout):
-        return result_top[-1]
-    return None
-
-
 class Adapter(Protocol):
     """One kind of argument that a replicated call runs through a variant of its function,
     or whose nodes it polices."""

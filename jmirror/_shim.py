@@ -1,11 +1,7 @@
 """jmirror's uses of JAX internals, each with its public fallback.
 
 1. `put_rows`: placing row i of a host array on device i in one call.
-2. `compiled_count`: how many entries a `jax.jit` function's dispatch cache holds, so that
-   `jm.replicate` notices a call that compiled (a new input signature, including a new input
-   sharding, which does not retrace the Python function) without looking at every leaf of
-   every call.
-3. `distributed_client`: the client of JAX's coordination service (key-value store, barriers);
+2. `distributed_client`: the client of JAX's coordination service (key-value store, barriers);
    `distributed_configuration`: the coordinator, count and index it was started with.
 
 **put_rows.**
@@ -27,10 +23,6 @@ copied before it returns, and the caller may reuse the buffer at once.
 Only `put_rows` touches the internal. When `batched_device_put` is missing, it uses the public
 path; when it exists but rejects the call (a jaxlib whose signature changed), it warns once and
 uses the public path from then on.
-
-**compiled_count.** A `jax.jit` function's `_cache_size()` (a method of jaxlib's C++ dispatch
-object, cheap: no Python per argument). Where it is missing it returns None, and the caller
-falls back to what it can see from Python (the signatures its traces recorded).
 
 **distributed_client.** `jax.distributed` keeps the coordination service's client in an
 internal and does not expose it (orbax reads the same internal); `jmirror._deadline` uses it to
@@ -120,14 +112,6 @@ def put_rows(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
 def _put_public(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     # Each piece is copied first: the public call may alias an aligned host buffer.
     return jax.make_array_from_callback(x.shape, sharding, lambda index: np.array(x[index]))
-
-
-def compiled_count(jitted: Any) -> int | None:
-    """Returns how many compiled entries `jitted` (a `jax.jit` function) caches; None if unknown."""
-    cache_size = getattr(jitted, "_cache_size", None)
-    if cache_size is None:
-        return None
-    return cache_size()
 
 
 def distributed_configuration() -> tuple[str | None, int | None, int | None] | None:
