@@ -27,11 +27,13 @@ def _cheap_step(strategy):
     return cheap_step
 
 
-def _heavy_step(strategy):
+def _heavy_step(strategy, layers=8):
     @jm.replicate(strategy=strategy)
     def heavy_step(w, x):
         y = x
-        for _ in range(8):
+        # Unrolled, not a loop: XLA:CPU runs a program of few instructions on the caller's
+        # thread, which would make device time look like dispatch.
+        for _ in range(layers):
             y = jnp.tanh(y @ w)
         return w + 1e-6 * jm.all_reduce("mean", jnp.mean(y))
 
@@ -100,7 +102,9 @@ def test_a_source_slower_than_the_steps_is_input_bound(strategy, n):
 
 def test_steps_slower_than_the_host_are_device_bound(n):
     strategy = jm.MirroredStrategy()
-    step = _heavy_step(strategy)
+    # Deep enough that waiting for room outweighs dispatch even when other processes share
+    # the cores (8 host devices on 2 cores slow the caller's thread in proportion to the work).
+    step = _heavy_step(strategy, layers=24)
     size = 512 if n == 1 else 320
     w = strategy.mirror(jnp.eye(size, dtype=jnp.float32) * 0.5)
     # Placed once, as distribute_dataset places batches (a host array would be copied to the
