@@ -2,12 +2,13 @@
 
     python benchmarks/per_call_bench.py [--hidden 32] [--calls 3000] [--rounds 5]
 
-prints `per_call_us <median over rounds>` and which jmirror it imported. The step is small on
-purpose (a 2-layer MLP of `--hidden` units, 8 examples per replica), so that the figure is
-mostly what a call costs on the host: jmirror's Python, the JIT's dispatch, the in-flight
-bound. Self-contained (it imports only jmirror, JAX, optax, flax), so that it can time another
-checkout of jmirror: `PYTHONPATH=/path/to/other/checkout python benchmarks/per_call_bench.py`.
-RESULTS.md pairs the two with `farm-bench --vs` (A B A B ...) and takes the ratio of medians.
+prints `per_call_us <median over rounds> min_us <fastest round>` and which jmirror it
+imported. The step is small on purpose (a 2-layer MLP of `--hidden` units, 8 examples per
+replica), so that the figure is mostly what a call costs on the host: jmirror's Python, the
+JIT's dispatch, the in-flight bound. Self-contained (it imports only jmirror, JAX, optax,
+flax), so that it can time another checkout of jmirror:
+`PYTHONPATH=/path/to/other/checkout python benchmarks/per_call_bench.py`. RESULTS.md
+alternates the two in fresh processes (A B A B ...) and takes the ratio of each pair.
 """
 
 from __future__ import annotations
@@ -76,7 +77,10 @@ def main() -> None:
             state = step(*state, x, y)[:2]
         jax.block_until_ready(state)
         per_call.append((time.perf_counter() - start) / args.calls * 1e6)
-    print(f"per_call_us {statistics.median(per_call):.2f} jmirror={os.path.dirname(jm.__file__)}")
+    print(
+        f"per_call_us {statistics.median(per_call):.2f} min_us {min(per_call):.2f} "
+        f"jmirror={os.path.dirname(jm.__file__)}"
+    )
 
 
 if __name__ == "__main__":

@@ -122,12 +122,17 @@ class InFlight:
         find room at once, so most calls wait on nothing and none waits on one step at a
         time. At most `limit` steps are ever in flight.
         """
+        if len(self._queue) < limit:
+            # Read without the lock first: the common call takes no lock. A call may pass
+            # beside another thread's here, as it may between this check and its `track`.
+            return 0.0
         with self._lock:
             if len(self._queue) < limit:
                 return 0.0
             done = [self._queue.popleft() for _ in range(len(self._queue) - limit // 2)]
         began = _step_stats.clock()
-        jax.block_until_ready(done)
+        for token in done:  # concrete arrays: their own method, without jax's tree walk
+            token.block_until_ready()
         return _step_stats.clock() - began
 
     def track(self, token: jax.Array) -> None:
@@ -263,11 +268,11 @@ class Donation:
         """
         if not self.argnums:
             return False
-        donated = list(prepared.donated)
+        donated = prepared.donated
         concrete = _all_concrete(donated)
         if not (self._always or self._policy(donated, concrete)):
             return False
-        if not _safe(donated, concrete, [list(prepared.others)], {}, ()):
+        if not _safe_flat(donated, concrete, prepared.others):
             args, kwargs = prepared.plan.rebuild(prepared.donated, prepared.others)
             _explain_donated(call, args, kwargs, self.argnums)
         return True
@@ -279,7 +284,7 @@ class Donation:
             return per_arg[i] if i < n else []
         return list(itertools.chain.from_iterable(per_arg[i] for i in self.argnums if i < n))
 
-    def _policy(self, donated: list[Any], concrete: bool) -> bool:
+    def _policy(self, donated: Sequence[Any], concrete: bool) -> bool:
         """`donates` for these leaves under "auto" on several CPU devices, once per signature.
 
         The key holds the ids of the leaves' avals; the cache holds those avals, so an id in
@@ -323,13 +328,23 @@ def _safe(
     return not _any_deleted(donated)
 
 
+def _safe_flat(donated: Sequence[Any], concrete: bool, others: Sequence[Any]) -> bool:
+    """`_safe` for a call's flat leaves: the donated ones, and the others."""
+    ids = set(map(id, donated))
+    if len(ids) != len(donated) or not ids.isdisjoint(map(id, others)):
+        return False
+    if concrete:
+        return not any(map(_IS_DELETED, donated))
+    return not _any_deleted(donated)
+
+
 _CONCRETE: set[type] = set()  # the concrete (never traced) jax.Array classes seen
 _IS_DELETED = operator.methodcaller("is_deleted")
 _AVAL = operator.attrgetter("aval")
 _LEAVES = jax.tree_util.tree_leaves
 
 
-def _all_concrete(leaves: list[Any]) -> bool:
+def _all_concrete(leaves: Sequence[Any]) -> bool:
     """Whether every leaf is a concrete (placed, never traced) `jax.Array`: one C-level pass
     once each class has been seen."""
     if _CONCRETE.issuperset(map(type, leaves)):
@@ -341,7 +356,7 @@ def _all_concrete(leaves: list[Any]) -> bool:
     return True
 
 
-def _any_deleted(leaves: list[Any]) -> bool:
+def _any_deleted(leaves: Sequence[Any]) -> bool:
     """Whether a concrete array among `leaves` is deleted (one C-level pass when all are)."""
     if _CONCRETE.issuperset(map(type, leaves)):
         return any(map(_IS_DELETED, leaves))

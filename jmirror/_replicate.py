@@ -202,15 +202,15 @@ class Replicated:
         dispatch.wait_for_room()
         jitted = step.jitted[donate]
         before = _compilations.on_this_thread()
-        with dispatch.bounded(self), strategy.topology.mesh_scope():
-            # With replicas spanning devices the mesh is in context while the step is traced
-            # and lowered: `axis_index` inside a scan, cond or while body lowers through it.
-            try:
-                result, token = jitted(prepared.plan, prepared.donated, prepared.others)
-            except Exception:
-                # Name pmap leftovers and host batches before JAX's own error about them.
-                self._warnings.of_arguments(*self._warning_args(strategy, prepared))
-                raise
+        if dispatch.timeout_s is None and strategy.topology.devices_per_replica == 1:
+            # The common call: no deadline across processes, no mesh to set.
+            result, token = self._dispatch(strategy, jitted, prepared)
+        else:
+            with dispatch.bounded(self), strategy.topology.mesh_scope():
+                # With replicas spanning devices the mesh is in context while the step is
+                # traced and lowered: `axis_index` inside a scan, cond or while body lowers
+                # through it.
+                result, token = self._dispatch(strategy, jitted, prepared)
         compiled = 0 if traced else _compilations.on_this_thread() - before
         # Called inside the caller's own transformation (jit, grad, vmap, scan, ...), what an
         # eager grad or vmap compiled is the transformation's program, not a step's.
@@ -224,6 +224,15 @@ class Replicated:
         else:
             step.settled = True
         return result
+
+    def _dispatch(self, strategy: Runner, jitted: Any, prepared: Prepared) -> tuple:
+        """Calls the step's `jax.jit` on the prepared arguments."""
+        try:
+            return jitted(prepared.plan, prepared.donated, prepared.others)
+        except Exception:
+            # Name pmap leftovers and host batches before JAX's own error about them.
+            self._warnings.of_arguments(*self._warning_args(strategy, prepared))
+            raise
 
     def _warning_args(self, strategy: Runner, prepared: Prepared) -> tuple:
         positions = prepared.plan.positions

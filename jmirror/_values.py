@@ -79,6 +79,9 @@ _NO_SINGLE_VALUE = (
 )
 
 
+_VALUES_KEY = jax.tree_util.GetAttrKey("values")
+
+
 @jax.tree_util.register_pytree_with_keys_class
 class PerReplica:
     """A value that may differ between replicas: one component per replica.
@@ -128,7 +131,12 @@ class PerReplica:
         return self._gather is not None
 
     def tree_flatten_with_keys(self):
-        return ((jax.tree_util.GetAttrKey("values"), self._values),), self._gather
+        return ((_VALUES_KEY, self._values),), self._gather
+
+    def tree_flatten(self):
+        # Without it JAX flattens through tree_flatten_with_keys and drops the keys: a
+        # Python wrapper on every call's arguments.
+        return (self._values,), self._gather
 
     @classmethod
     def tree_unflatten(cls, gather: Callable[..., Any] | None, children) -> PerReplica:
