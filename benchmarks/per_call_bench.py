@@ -1,6 +1,6 @@
 """Per-call time of a small MLP's replicated train step, in one process: prints one figure.
 
-    python benchmarks/per_call_bench.py [--hidden 32] [--calls 3000] [--rounds 5]
+    python benchmarks/per_call_bench.py [--hidden 32] [--calls 3000] [--rounds 5] [--nnx]
 
 prints `per_call_us <median over rounds> min_us <fastest round>` and which jmirror it
 imported. The step is small on purpose (a 2-layer MLP of `--hidden` units, 8 examples per
@@ -17,6 +17,8 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -37,16 +39,9 @@ class _MLP(nn.Module):
         return nn.Dense(10)(nn.relu(nn.Dense(self.hidden)(x)))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=32)
-    parser.add_argument("--calls", type=int, default=3000)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-
-    strategy = jm.MirroredStrategy()
-    n = strategy.num_replicas
-    model, tx = _MLP(args.hidden), optax.sgd(1e-3)
+def _plain_step(strategy: jm.MirroredStrategy, hidden: int, x, y) -> Callable[[], Any]:
+    """The linen step, state threaded through the loop: returns one call of it."""
+    model, tx = _MLP(hidden), optax.sgd(1e-3)
     params = model.init(jax.random.key(0), jnp.zeros((1, 16)))
 
     @jm.replicate(strategy=strategy, donate_argnums=(0, 1))
@@ -59,6 +54,52 @@ def main() -> None:
         updates, opt_state = tx.update(jm.all_reduce("mean", grads), opt_state, params)
         return optax.apply_updates(params, updates), opt_state, jm.all_reduce("mean", loss)
 
+    held = {"state": strategy.mirror((params, tx.init(params)))}
+
+    def call():
+        held["state"] = step(*held["state"], x, y)[:2]
+        return held["state"]
+
+    return call
+
+
+def _nnx_step(strategy: jm.MirroredStrategy, hidden: int, x, y) -> Callable[[], Any]:
+    """The NNX in-place step (the model and optimizer written back): returns one call of it."""
+    from flax import nnx
+
+    class Mlp(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.hidden = nnx.Linear(16, hidden, rngs=rngs)
+            self.out = nnx.Linear(hidden, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(nnx.relu(self.hidden(x)))
+
+    model = Mlp(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param)
+
+    @jm.replicate(strategy=strategy)
+    def step(model, optimizer, x, y):
+        def loss_fn(model):
+            return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, jm.all_reduce("mean", grads))
+        return jm.all_reduce("mean", loss)
+
+    return lambda: step(model, optimizer, x, y)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=32)
+    parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--nnx", action="store_true", help="the NNX in-place step instead")
+    args = parser.parse_args()
+
+    strategy = jm.MirroredStrategy()
+    n = strategy.num_replicas
     rng = np.random.default_rng(0)
     batch = (
         rng.normal(size=(n * 8, 16)).astype(np.float32),
@@ -66,16 +107,16 @@ def main() -> None:
     )
     placed = next(iter(strategy.distribute_dataset([batch], remainder="drop")))  # placed once
     x, y = (jm.PerReplica(v) for v in placed.values)
-    state = strategy.mirror((params, tx.init(params)))
+    call = (_nnx_step if args.nnx else _plain_step)(strategy, args.hidden, x, y)
     for _ in range(50):  # compile and warm up
-        state = step(*state, x, y)[:2]
-    jax.block_until_ready(state)
+        out = call()
+    jax.block_until_ready(out)
     per_call = []
     for _ in range(args.rounds):
         start = time.perf_counter()
         for _ in range(args.calls):
-            state = step(*state, x, y)[:2]
-        jax.block_until_ready(state)
+            out = call()
+        jax.block_until_ready(out)
         per_call.append((time.perf_counter() - start) / args.calls * 1e6)
     print(
         f"per_call_us {statistics.median(per_call):.2f} min_us {min(per_call):.2f} "

@@ -47,6 +47,7 @@ from jmirror._placement import Placement, has_tracers
 from jmirror._process_ops import globalize
 from jmirror._step import Body
 from jmirror._topology import Topology
+from jmirror._tracing import restore_statics
 from jmirror._values import PyTree
 
 _adapter.register(_nnx.ADAPTER)
@@ -211,6 +212,7 @@ class Replicated:
                 # traced and lowered: `axis_index` inside a scan, cond or while body lowers
                 # through it.
                 result, token = self._dispatch(strategy, jitted, prepared)
+        result = restore_statics(result)
         compiled = 0 if traced else _compilations.on_this_thread() - before
         # Called inside the caller's own transformation (jit, grad, vmap, scan, ...), what an
         # eager grad or vmap compiled is the transformation's program, not a step's.
@@ -332,7 +334,7 @@ class _Compiled:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         prepared = self._prepare_call(args, kwargs)
-        return self._compiled(prepared.donated, prepared.others)
+        return restore_statics(self._compiled(prepared.donated, prepared.others))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._compiled, name)

@@ -15,7 +15,8 @@ top-level leaf of the argument (or result) tree, where a `PerReplica` or `SyncOn
 one slot holding its own leaves, and a static leaf (a function, a string, an equinox module's
 flag) a slot holding its value and no leaf. `build_result` puts a step's flat outputs back
 into the result's structure; a static output comes back as the same Python object, carried
-out of `jax.jit` in the output structure itself (`StaticOut`).
+out of `jax.jit` in the output structure itself (`StaticOut`, inside a `WithStatics` that
+`restore_statics` opens after the call).
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ class Slot:
 
 
 class StaticOut:
-    """A static output of a compiled step: no leaves, the value in the structure, so that it
-    leaves `jax.jit` as the same Python object (unflattening gives the value itself)."""
+    """A static output of a compiled step while it is traced: no leaves, the value in the
+    structure (`WithStatics` carries it out of `jax.jit`)."""
 
     __slots__ = ("value",)
 
@@ -88,7 +89,61 @@ class StaticOut:
         self.value = value
 
 
-jax.tree_util.register_pytree_node(StaticOut, lambda s: ((), s.value), lambda value, _: value)
+class WithStatics:
+    """A step's result that holds static values, as `jax.jit` returns it: its array leaves,
+    and in the output structure (static), how to put the values back (`restore()`).
+
+    `jax.jit` dispatches a compiled call in C++ only when every output, unflattened and
+    flattened again, is an array: a static value unflattened in place (a function, a string)
+    would send every call of the step through JAX's Python dispatch. The one type check of
+    `restore_statics` tells the results that hold any.
+    """
+
+    __slots__ = ("leaves", "rebuild")
+
+    def __init__(self, leaves: Sequence[Any], rebuild: _Rebuild):
+        self.leaves = leaves
+        self.rebuild = rebuild
+
+    @classmethod
+    def of(cls, result: Any) -> WithStatics:
+        """Wraps a result (traced) in which static values are `StaticOut` leaves."""
+        flat, treedef = jax.tree_util.tree_flatten(result, is_leaf=_is_static_out)
+        statics = tuple((i, x.value) for i, x in enumerate(flat) if type(x) is StaticOut)
+        leaves = [x for x in flat if type(x) is not StaticOut]
+        return cls(leaves, _Rebuild(treedef, statics))
+
+    def restore(self) -> Any:
+        """Returns the result with the static values in place."""
+        leaves = list(self.leaves)
+        for i, value in self.rebuild.statics:
+            leaves.insert(i, value)
+        return self.rebuild.treedef.unflatten(leaves)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Rebuild:
+    """Where a `WithStatics` puts its values back: the result's structure (static values
+    as leaves) and `(flat index, value)` of each static value."""
+
+    treedef: Any
+    statics: tuple[tuple[int, Any], ...]
+
+
+def _is_static_out(x: Any) -> bool:
+    return type(x) is StaticOut
+
+
+jax.tree_util.register_pytree_node(
+    WithStatics,
+    lambda w: (w.leaves, w.rebuild),
+    lambda rebuild, leaves: WithStatics(leaves, rebuild),
+)
+
+
+def restore_statics(result: Any) -> Any:
+    """Returns a step's result as the replica function returned it (static values in place)."""
+    return result.restore() if type(result) is WithStatics else result
 
 
 def flatten_slots(
@@ -275,11 +330,12 @@ def _run_replica(call: ReplicaCall, round_: _Round, *flat: Any) -> list[jax.Arra
 def build_result(step: ProvenStep, outs: Sequence[Any]) -> Any:
     """Returns the result of a step from its flat outputs (`outs`, the run's): per-replica
     leaves as `PerReplica`, sync-on-read ones as `SyncOnRead`, `Sharded` nodes rebuilt,
-    static values as `StaticOut`."""
-    built, pos = [], 0
+    static values as `StaticOut` (the whole result then inside a `WithStatics`)."""
+    built, pos, statics = [], 0, False
     for slot in step.out_slots:
         leaves = outs[pos : pos + slot.size]
         if slot.kind == STATIC:
+            statics = True
             built.append(StaticOut(slot.value))
         elif slot.kind == STORAGE:
             built.append(SyncOnRead(slot.treedef.unflatten(leaves), slot.aggregation))
@@ -290,7 +346,8 @@ def build_result(step: ProvenStep, outs: Sequence[Any]) -> Any:
         else:
             built.append(PerReplica(leaves[0]) if step.out_split[pos] else leaves[0])
         pos += slot.size
-    return step.out_treedef.unflatten(built), built
+    result = step.out_treedef.unflatten(built)
+    return (WithStatics.of(result) if statics else result), built
 
 
 def _unbound_axis(call: ReplicaCall, error: NameError) -> Exception:

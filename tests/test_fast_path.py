@@ -1,0 +1,116 @@
+"""A steady replicated call stays on `jax.jit`'s C++ dispatch, whatever the step returns.
+
+`jax.jit` dispatches a call of a compiled signature in C++ when every output leaf is an array;
+otherwise every call runs JAX's Python dispatch (several times slower per call). The oracle is
+the interpreter itself: while a steady call runs, no Python function of JAX's jit dispatch
+(`jax/_src/pjit.py`) is entered.
+"""
+
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jmirror as jm
+
+PJIT = ("jax", "_src", "pjit.py")
+
+
+def _entered_jit_dispatch(call) -> list[str]:
+    """Calls `call()` and returns the names of the functions of JAX's jit dispatch entered."""
+    entered = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.endswith("/".join(PJIT)):
+            entered.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        jax.block_until_ready(call())
+    finally:
+        sys.setprofile(None)
+    return entered
+
+
+def _steady(call, calls: int = 3):
+    """Warms `call` up (compiles), then returns the jit dispatch functions a later call entered."""
+    for _ in range(calls):
+        jax.block_until_ready(call())
+    return _entered_jit_dispatch(call)
+
+
+def test_an_array_step(strategy, n):
+    step = jm.replicate(lambda w, x: w + jm.all_reduce("mean", x), strategy=strategy)
+    w = strategy.mirror(jnp.zeros(3))
+    x = jm.PerReplica(np.ones((n, 3), np.float32))
+    assert _steady(lambda: step(w, x)) == []
+
+
+def test_a_step_returning_static_values(strategy, n):
+    @jm.replicate(strategy=strategy)
+    def step(w, x):
+        return w + jm.all_reduce("mean", x), "a label", jnp.tanh
+
+    w = strategy.mirror(jnp.zeros(3))
+    x = jm.PerReplica(np.ones((n, 3), np.float32))
+    out, label, fn = step(w, x)
+    assert (label, fn) == ("a label", jnp.tanh)  # the same objects come back
+    assert _steady(lambda: step(w, x)) == []
+
+
+def test_an_equinox_step(strategy, n):
+    model = eqx.nn.MLP(4, 2, 8, 1, activation=jax.nn.relu, key=jax.random.key(0))
+    tx = optax.sgd(0.1)
+    state = strategy.mirror((model, tx.init(eqx.filter(model, eqx.is_array))))
+
+    @jm.replicate(strategy=strategy)
+    def step(model, opt_state, x):
+        loss, grads = eqx.filter_value_and_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+        updates, opt_state = tx.update(jm.all_reduce("mean", grads), opt_state, model)
+        return eqx.apply_updates(model, updates), opt_state, jm.all_reduce("mean", loss)
+
+    x = jm.PerReplica(np.ones((n, 5, 4), np.float32))
+    held = {"state": state}
+
+    def call():
+        model, opt_state, loss = step(*held["state"], x)
+        held["state"] = (model, opt_state)
+        return loss
+
+    assert _steady(call) == []
+    assert held["state"][0].activation is jax.nn.relu
+
+
+def test_an_nnx_in_place_step(strategy, n):
+    model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    @jm.replicate(strategy=strategy)
+    def step(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optimizer.update(model, jm.all_reduce("mean", grads))
+        return jm.all_reduce("mean", loss)
+
+    x = jm.PerReplica(np.ones((n, 5, 4), np.float32))
+    before = int(optimizer.step[...])
+    assert _steady(lambda: step(model, optimizer, x)) == []
+    assert int(optimizer.step[...]) == before + 4  # every call wrote back
+
+
+@pytest.mark.parametrize("static", ["a label", 3])
+def test_values_come_back_after_compiling_ahead(strategy, n, static):
+    @jm.replicate(strategy=strategy, static_argnums=(2,))
+    def step(w, x, s):
+        return w + jm.all_reduce("mean", x), s, "fixed"
+
+    w = strategy.mirror(jnp.zeros(3))
+    x = jm.PerReplica(np.ones((n, 3), np.float32))
+    compiled = step.lower(w, x, static).compile()
+    out, s, fixed = compiled(w, x, static)
+    assert (s, fixed) == (static, "fixed")
+    np.testing.assert_allclose(np.asarray(strategy.read(out)), np.ones(3))
