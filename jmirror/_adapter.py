@@ -69,6 +69,10 @@ class Adapted:
       check: the trace-time check of the variant's result (it may depend on the variant,
         never on one call's objects).
       settle: puts the call's state into its steady form (see the module docstring).
+      flat: the call's arguments already flattened by the adapter, when it flattened them
+        anyway (None: not given): per dynamic positional argument (by position) and for the
+        keyword arguments (`"kwargs"`), its leaves and structure as
+        `jax.tree_util.tree_flatten` gives them, so that the call flattens nothing twice.
     """
 
     variant: Hashable
@@ -76,6 +80,7 @@ class Adapted:
     finish: Callable[[Any], Any]
     check: Callable[[Traced], None]
     settle: Callable[[Callable[[Any], Any]], None]
+    flat: dict[int | str, tuple[list[Any], Any]] | None = None
 
 
 class OutputLayout:

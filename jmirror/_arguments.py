@@ -222,7 +222,12 @@ class Positions:
     @functools.cached_property
     def take(self) -> tuple[Callable[[tuple], tuple], ...]:
         """Returns, per group, a function picking that group's arguments out of `args`."""
-        return tuple(_picker([i for i, g in enumerate(self.groups) if g == k]) for k in range(3))
+        return tuple(_picker(list(indices)) for indices in self.indices)
+
+    @functools.cached_property
+    def indices(self) -> tuple[tuple[int, ...], ...]:
+        """Returns, per group, the positions of its arguments."""
+        return tuple(tuple(i for i, g in enumerate(self.groups) if g == k) for k in range(3))
 
     def where(self, path: Sequence[Any]) -> str:
         """Names a path into `(donated args, other args, kwargs)`: `args[i]...`, `kwargs[...]`."""
@@ -337,8 +342,15 @@ class Arguments:
             self._positions[num_args] = positions
         return positions
 
-    def prepare(self, strategy: Any, args: tuple, kwargs: dict) -> tuple[Prepared, list, set]:
-        """Splits a call's arguments into its plan and traced leaves.
+    def prepare(
+        self,
+        strategy: Any,
+        args: tuple,
+        kwargs: dict,
+        flat: dict[int | str, tuple[list[Any], Any]] | None = None,
+    ) -> tuple[Prepared, list, set]:
+        """Splits a call's arguments into its plan and traced leaves (`flat`: the arguments
+        already flattened, as an adapter gives them in `Adapted.flat`).
 
         Returns:
           The `Prepared` call, every flat leaf of its arguments (statics included) and the
@@ -356,7 +368,10 @@ class Arguments:
             )
             kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         tree = (donated, others, kwargs)
-        leaves, treedef = _flatten(tree)
+        if flat is None or static_kwargs:
+            leaves, treedef = _flatten(tree)
+        else:
+            leaves, treedef = _joined(flat, positions)
         layout = self._layouts.get(treedef)
         if layout is None:
             layout = self._layouts[treedef] = Layout.of(treedef, self._policy_of)
@@ -386,6 +401,29 @@ class Arguments:
             _check_hash(self.name, f"args[{i}] (static_argnums)", value)
         for k, value in kwargs:
             _check_hash(self.name, f"kwargs[{k!r}] (static_argnames)", value)
+
+
+def _joined(
+    flat: dict[int | str, tuple[list[Any], Any]], positions: Positions
+) -> tuple[list[Any], Any]:
+    """Returns the flat leaves and structure of `(donated args, other args, kwargs)` from each
+    argument's own (`flat`, by position, and `"kwargs"`)."""
+    leaves: list[Any] = []
+    groups = []
+    for indices in positions.indices[:2]:  # the donated arguments, then the others
+        structures = []
+        for i in indices:
+            below, structure = flat[i]
+            leaves.extend(below)
+            structures.append(structure)
+        groups.append(_treedef_tuple(structures))
+    below, structure = flat["kwargs"]
+    leaves.extend(below)
+    groups.append(structure)
+    return leaves, _treedef_tuple(groups)
+
+
+_treedef_tuple = jax.tree_util.treedef_tuple
 
 
 def _traced_leaves(layout: Layout, statics: Any, leaves: list[Any]) -> tuple[list[Any], int]:

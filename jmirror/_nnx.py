@@ -155,7 +155,7 @@ class NnxAdapter:
         if not _has_nodes(args, kwargs, static_argnums):
             return None
         dynamic = _dynamic(args, kwargs, static_argnums)
-        variables = _variables(dynamic)
+        variables, flat = _flat_arguments(args, kwargs, static_argnums)
         seen: dict[int, int] = {}
         aliases = []
         for k, v in enumerate(variables):
@@ -177,7 +177,7 @@ class NnxAdapter:
         def settle(first_component: Callable[[Any], Any]) -> None:
             _settle_metrics(dynamic, variables, first_component)
 
-        return Adapted(variant, make, finish, check, settle)
+        return Adapted(variant, make, finish, check, settle, flat)
 
     def check_plain(self, name: str, in_treedef: Any) -> None:
         _check_nested(name, in_treedef)
@@ -326,9 +326,55 @@ def _dynamic(args: tuple, kwargs: dict, static_argnums: tuple[int, ...]) -> tupl
     return [a for i, a in enumerate(args) if i not in static_argnums], kwargs
 
 
-def _variables(dynamic: tuple) -> list[Any]:
-    leaves = jax.tree_util.tree_leaves(dynamic, is_leaf=_is_variable)
-    return [x for x in leaves if _is_variable(x)]
+def _flat_arguments(
+    args: tuple, kwargs: dict, static_argnums: tuple[int, ...]
+) -> tuple[list[Any], dict[int | str, tuple[list[Any], Any]]]:
+    """Flattens a call's dynamic arguments once: returns their `Variable`s (in flattening
+    order: the positional arguments, then the keyword arguments) and, per positional argument
+    and for the keyword arguments, the leaves and structure `jax.tree_util.tree_flatten`
+    gives (`Adapted.flat`).
+
+    Each argument is flattened with its `Variable`s as leaves (what finding them takes anyway);
+    its full leaves are then each `Variable`'s own, and its full structure is looked up by the
+    structure between the `Variable`s and theirs: an NNX object's own flatten runs in Python,
+    a `Variable`'s is short.
+    """
+    variables: list[Any] = []
+    flat: dict[int | str, tuple[list[Any], Any]] = {}
+    parts: list[tuple[int | str, Any]] = [
+        (i, a) for i, a in enumerate(args) if i not in static_argnums
+    ]
+    parts.append(("kwargs", kwargs))
+    for where, value in parts:
+        items, outer = jax.tree_util.tree_flatten(value, is_leaf=_is_variable)
+        leaves: list[Any] = []
+        inner = []
+        for x in items:
+            if _is_variable(x):
+                variables.append(x)
+                below, structure = _FLATTEN(x)
+                leaves.extend(below)
+                inner.append(structure)
+            else:
+                leaves.append(x)
+        if not inner:  # no Variable: the structure is the one flattened
+            flat[where] = (leaves, outer)
+            continue
+        key = (outer, tuple(inner))
+        structure = _STRUCTURES.get(key)
+        if structure is None:
+            if len(_STRUCTURES) >= _STRUCTURES_KEPT:
+                _STRUCTURES.clear()
+            structure = _STRUCTURES[key] = jax.tree_util.tree_structure(value)
+        flat[where] = (leaves, structure)
+    return variables, flat
+
+
+# `jax.tree_util.tree_flatten` without its Python wrapper.
+_FLATTEN = jax.tree_util.default_registry.flatten
+# An argument's full structure by the structure between its `Variable`s and theirs.
+_STRUCTURES: dict[tuple[Any, tuple[Any, ...]], Any] = {}
+_STRUCTURES_KEPT = 256
 
 
 def _tops(dynamic: tuple) -> list[Any]:

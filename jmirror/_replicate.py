@@ -152,9 +152,13 @@ class Replicated:
         with HELD:
             strategy = self._check_call(args)
             step, adapted = self._adapt(args, kwargs)
-            if adapted is not None and not step.settled:
-                adapted.settle(functools.partial(_first_component, strategy.topology))
-            prepared, donate, traced = self._prepare(strategy, args, kwargs)
+            flat = None
+            if adapted is not None:
+                flat = adapted.flat
+                if not step.settled:
+                    adapted.settle(functools.partial(_first_component, strategy.topology))
+                    flat = None  # settling may have changed the state's leaves
+            prepared, donate, traced = self._prepare(strategy, args, kwargs, flat)
             result = self._run(strategy, step, prepared, donate, traced)
             return result if adapted is None else adapted.finish(result)
 
@@ -169,14 +173,18 @@ class Replicated:
             step = self._variants[adapted.variant] = self._compile(fn, adapted.check)
         return step, adapted
 
-    def _prepare(self, strategy: Runner, args: tuple, kwargs: dict) -> tuple[Prepared, bool, bool]:
-        """Splits, places and checks a call's arguments; returns them, whether the call
-        donates and whether it is inside the caller's own transformation (holds tracers)."""
+    def _prepare(
+        self, strategy: Runner, args: tuple, kwargs: dict, flat: dict | None = None
+    ) -> tuple[Prepared, bool, bool]:
+        """Splits, places and checks a call's arguments (`flat`: already flattened by an
+        adapter); returns them, whether the call donates and whether it is inside the
+        caller's own transformation (holds tracers)."""
         topology = strategy.topology
         several = topology.process_count > 1
         if several:
             args, kwargs = self._globalize(topology, args, kwargs)
-        prepared, leaves, types = self._arguments.prepare(strategy, args, kwargs)
+            flat = None  # globalizing replaced this process's components
+        prepared, leaves, types = self._arguments.prepare(strategy, args, kwargs, flat)
         if several:
             # Values of this process alone cannot be put on other processes' devices: JAX
             # takes them as the same value on every process (global arrays stay as they are).

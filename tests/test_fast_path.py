@@ -114,3 +114,40 @@ def test_values_come_back_after_compiling_ahead(strategy, n, static):
     out, s, fixed = compiled(w, x, static)
     assert (s, fixed) == (static, "fixed")
     np.testing.assert_allclose(np.asarray(strategy.read(out)), np.ones(3))
+
+
+def _nnx_flattens(call) -> int:
+    """Calls `call()` and returns how many times an NNX object's own flatten ran in it."""
+    count = 0
+
+    def profile(frame, event, arg):
+        nonlocal count
+        if event == "call" and frame.f_code.co_name == "_pytree__flatten":
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+def test_an_nnx_step_flattens_each_object_once_per_call(strategy, n):
+    # An NNX object's flatten runs in Python: finding its Variables (to write them back) and
+    # passing its arrays to the step share one.
+    model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.Linear(8, 2, rngs=nnx.Rngs(1)))
+    optimizer = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
+
+    @jm.replicate(strategy=strategy)
+    def step(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optimizer.update(model, jm.all_reduce("mean", grads))
+        return jm.all_reduce("mean", loss)
+
+    x = jm.PerReplica(np.ones((n, 5, 4), np.float32))
+    for _ in range(3):
+        jax.block_until_ready(step(model, optimizer, x))
+    once = _nnx_flattens(lambda: jax.tree_util.tree_flatten((model, optimizer)))
+    assert once >= 4  # the model, its two layers, the optimizer (and what it holds)
+    assert _nnx_flattens(lambda: jax.block_until_ready(step(model, optimizer, x))) == once
