@@ -19,7 +19,9 @@ caller's objects after the step. An *adapter* owns one such kind. For each call 
   - `settle(first_component)`: on calls that compile, puts state that is not yet in the form
     the step gives back into that form (an NNX metric's fresh state as sync-on-read
     components, made by `first_component(value)`: the value on replica 0, zero elsewhere),
-    so that the next call, with the state this one writes back, compiles nothing new.
+    so that the next call, with the state this one writes back, compiles nothing new;
+  - `flat` (optional): the arguments as the adapter already flattened them, per argument,
+    so that the call does not flatten them again (NNX objects flatten in Python).
 
 - `Adapter.check_plain(name, in_treedef)`, once per input signature of a call it did not
   adapt: refuses what it would have had to adapt but could not see (an NNX object nested
