@@ -44,6 +44,18 @@ def _steady(call, calls: int = 3):
     return _entered_jit_dispatch(call)
 
 
+def _nnx_step(strategy):
+    """The usual NNX in-place step, replicated."""
+
+    @jm.replicate(strategy=strategy)
+    def step(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optimizer.update(model, jm.all_reduce("mean", grads))
+        return jm.all_reduce("mean", loss)
+
+    return step
+
+
 def test_an_array_step(strategy, n):
     step = jm.replicate(lambda w, x: w + jm.all_reduce("mean", x), strategy=strategy)
     w = strategy.mirror(jnp.zeros(3))
@@ -90,11 +102,7 @@ def test_an_nnx_in_place_step(strategy, n):
     model = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
-    @jm.replicate(strategy=strategy)
-    def step(model, optimizer, x):
-        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
-        optimizer.update(model, jm.all_reduce("mean", grads))
-        return jm.all_reduce("mean", loss)
+    step = _nnx_step(strategy)
 
     x = jm.PerReplica(np.ones((n, 5, 4), np.float32))
     before = int(optimizer.step[...])
@@ -139,11 +147,7 @@ def test_an_nnx_step_flattens_each_object_once_per_call(strategy, n):
     model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.Linear(8, 2, rngs=nnx.Rngs(1)))
     optimizer = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
 
-    @jm.replicate(strategy=strategy)
-    def step(model, optimizer, x):
-        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
-        optimizer.update(model, jm.all_reduce("mean", grads))
-        return jm.all_reduce("mean", loss)
+    step = _nnx_step(strategy)
 
     x = jm.PerReplica(np.ones((n, 5, 4), np.float32))
     for _ in range(3):
