@@ -37,7 +37,6 @@ MODES = ("jm", "hand")
 def _problem(model: str):
     """Returns (params, loss_fn, x, y) of `model` ("mlp" or "lm")."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     import optax
 
@@ -46,27 +45,9 @@ def _problem(model: str):
 
         params, _, loss_fn, x, y = make_problem(512)
         return params, loss_fn, x, y
-    import flax.linen as nn
+    from benchmarks.shard_bench import transformer
 
-    class Block(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
-            h = nn.SelfAttention(num_heads=4)(nn.LayerNorm()(x), mask=mask)
-            x = x + h
-            h = nn.Dense(512)(nn.LayerNorm()(x))
-            return x + nn.Dense(x.shape[-1])(nn.gelu(h))
-
-    class Decoder(nn.Module):
-        @nn.compact
-        def __call__(self, tokens):
-            x = nn.Embed(256, 128)(tokens)
-            x = x + self.param("pos", nn.initializers.normal(0.02), (32, 128))
-            for _ in range(2):
-                x = Block()(x)
-            return nn.Dense(256)(nn.LayerNorm()(x))
-
-    decoder = Decoder()
+    decoder = transformer()
     tokens = np.random.default_rng(0).integers(0, 256, size=(64, 32)).astype(np.int32)
     params = decoder.init(jax.random.key(0), tokens[:1])
 

@@ -66,7 +66,7 @@ def _problem(kind: str, hidden: int = 512, depth: int = 2, batch: int = 256):
             return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
         return params, deep_loss, x, y
-    model = _transformer()
+    model = transformer()
     tokens = rng.integers(0, 256, size=(64, 32)).astype(np.int32)
     params = model.init(jax.random.key(0), tokens[:1])
 
@@ -77,7 +77,7 @@ def _problem(kind: str, hidden: int = 512, depth: int = 2, batch: int = 256):
     return params, lm_loss, tokens, np.roll(tokens, -1, axis=1)
 
 
-def _transformer():
+def transformer():
     """A small decoder: 256-token vocabulary, width 128, 2 blocks of 4 heads."""
     import flax.linen as nn
     import jax.numpy as jnp

@@ -41,7 +41,7 @@ LeafPolicy = Callable[[type], "Callable[[Any], bool] | None"]
 
 _DISTRIBUTED_NODES = (PerReplica, SyncOnRead, Sharded)
 # `jax.tree_util.tree_flatten` without its Python wrapper (one call per replicated call).
-_flatten = jax.tree_util.default_registry.flatten
+flatten = jax.tree_util.default_registry.flatten
 _NUMBERS = (int, float, bool, complex)
 # Leaf types `jax.jit` traces, and those it cannot (static here), learned as they are met.
 _TRACED: set[type] = {*_NUMBERS, np.ndarray}
@@ -369,7 +369,7 @@ class Arguments:
             kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         tree = (donated, others, kwargs)
         if flat is None or static_kwargs:
-            leaves, treedef = _flatten(tree)
+            leaves, treedef = flatten(tree)
         else:
             leaves, treedef = _joined(flat, positions)
         layout = self._layouts.get(treedef)

@@ -313,23 +313,16 @@ def _safe(
     kwargs: dict,
     argnums: tuple[int, ...],
 ) -> bool:
-    """Whether no donated leaf is deleted or appears twice (C-level passes when `concrete`:
-    every donated leaf is a concrete `jax.Array`)."""
-    ids = set(map(id, donated))
-    if len(ids) != len(donated):
-        return False
+    """Whether no donated leaf is deleted or appears twice, from the leaves per argument."""
     others = [a for i, a in enumerate(per_arg) if i not in argnums]
     if kwargs:
         others.append(jax.tree_util.tree_leaves(kwargs))
-    if not ids.isdisjoint(map(id, itertools.chain.from_iterable(others))):
-        return False
-    if concrete:
-        return not any(map(_IS_DELETED, donated))
-    return not _any_deleted(donated)
+    return _safe_flat(donated, concrete, list(itertools.chain.from_iterable(others)))
 
 
 def _safe_flat(donated: Sequence[Any], concrete: bool, others: Sequence[Any]) -> bool:
-    """`_safe` for a call's flat leaves: the donated ones, and the others."""
+    """Whether no donated leaf is deleted or appears twice (in `donated` or among `others`);
+    C-level passes when `concrete`: every donated leaf is a concrete `jax.Array`."""
     ids = set(map(id, donated))
     if len(ids) != len(donated) or not ids.isdisjoint(map(id, others)):
         return False

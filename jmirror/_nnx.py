@@ -35,6 +35,7 @@ import jax
 
 from jmirror import _context, _mirrored_state, _nnx_metrics, _proof
 from jmirror._adapter import Adapted, OutputLayout
+from jmirror._arguments import flatten
 from jmirror._backends import Output
 from jmirror._flax import BATCH_NORM
 from jmirror._mirrored_state import Diverged, Traced
@@ -352,7 +353,7 @@ def _flat_arguments(
         for x in items:
             if _is_variable(x):
                 variables.append(x)
-                below, structure = _FLATTEN(x)
+                below, structure = flatten(x)
                 leaves.extend(below)
                 inner.append(structure)
             else:
@@ -370,8 +371,6 @@ def _flat_arguments(
     return variables, flat
 
 
-# `jax.tree_util.tree_flatten` without its Python wrapper.
-_FLATTEN = jax.tree_util.default_registry.flatten
 # An argument's full structure by the structure between its `Variable`s and theirs.
 _STRUCTURES: dict[tuple[Any, tuple[Any, ...]], Any] = {}
 _STRUCTURES_KEPT = 256

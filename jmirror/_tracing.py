@@ -80,8 +80,8 @@ class Slot:
 
 
 class StaticOut:
-    """A static output of a compiled step while it is traced: no leaves, the value in the
-    structure (`WithStatics` carries it out of `jax.jit`)."""
+    """Marks a static output of a step while it is traced (a leaf holding the value, which
+    `WithStatics.of` takes out of the outputs)."""
 
     __slots__ = ("value",)
 
