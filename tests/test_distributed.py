@@ -647,3 +647,35 @@ def test_initialize_raises_on_every_process_before_gloo_starts(
     assert "put the line '10.1.2.3 node-7' in /etc/hosts" in message
     assert "process 1:" not in message
     assert shutdowns == [1]  # the runtime is left before the error, on every process
+
+
+def _launched_alone(extra_env: dict[str, str]) -> subprocess.CompletedProcess:
+    """One process started as the launcher starts it (`JMIRROR_*`), summing over 4 host devices."""
+    code = textwrap.dedent("""
+        import jmirror as jm
+        jm.distributed.initialize()
+        import jax, numpy as np
+        strategy = jm.MirroredStrategy()
+        total = jm.replicate(lambda x: jm.all_reduce("sum", x), strategy=strategy)
+        x = strategy.distribute_values_from_function(
+            lambda context: np.float32(context.replica_id + 1))
+        print("sum", float(strategy.read(total(x))), jax.process_count())
+    """)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **extra_env}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=STARTUP_S, env=env
+    )
+
+
+@starts_processes
+def test_one_launched_process_sums_with_xlas_collectives_not_gloo():
+    env = {
+        "JMIRROR_COORDINATOR": f"127.0.0.1:{_free_port()}",
+        "JMIRROR_NUM_PROCESSES": "1",
+        "JMIRROR_PROCESS_ID": "0",
+        "JMIRROR_DEVICES_PER_PROCESS": "4",
+    }
+    result = _launched_alone(env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["sum", "10.0", "1"]  # 1 + 2 + 3 + 4
+    assert "[Gloo]" not in result.stdout + result.stderr  # gloo reports the ranks it connects
