@@ -229,6 +229,12 @@ class Positions:
         """Returns, per group, the positions of its arguments."""
         return tuple(tuple(i for i, g in enumerate(self.groups) if g == k) for k in range(3))
 
+    @functools.cached_property
+    def flat_order(self) -> tuple[int | str, ...]:
+        """Returns the order of the arguments in the flat leaves: the donated positions, the
+        other traced ones, then `"kwargs"`."""
+        return (*self.indices[0], *self.indices[1], "kwargs")
+
     def where(self, path: Sequence[Any]) -> str:
         """Names a path into `(donated args, other args, kwargs)`: `args[i]...`, `kwargs[...]`."""
         group = path[0].idx
@@ -333,6 +339,7 @@ class Arguments:
         self._policy_of = policy_of
         self._positions: dict[int, Positions] = {}
         self._layouts: dict[Any, Layout] = {}
+        self._joined_layouts: dict[tuple[int, ...], tuple[tuple[Any, ...], Layout]] = {}
 
     def positions(self, num_args: int) -> Positions:
         """Returns the `Positions` of a call with `num_args` positional arguments."""
@@ -370,11 +377,9 @@ class Arguments:
         tree = (donated, others, kwargs)
         if flat is None or static_kwargs:
             leaves, treedef = flatten(tree)
+            layout = self._layout(treedef)
         else:
-            leaves, treedef = _joined(flat, positions)
-        layout = self._layouts.get(treedef)
-        if layout is None:
-            layout = self._layouts[treedef] = Layout.of(treedef, self._policy_of)
+            leaves, layout = self._joined(flat, positions)
         types = set(map(type, leaves))
         statics = layout.statics(leaves, types)
         key = (id(strategy), statics, static_args, static_kwargs)
@@ -391,6 +396,41 @@ class Arguments:
         prepared = Prepared(plan, donated_leaves, other_leaves, tree, tree)
         return prepared, leaves, types
 
+    def _layout(self, treedef: Any) -> Layout:
+        layout = self._layouts.get(treedef)
+        if layout is None:
+            layout = self._layouts[treedef] = Layout.of(treedef, self._policy_of)
+        return layout
+
+    def _joined(
+        self, flat: dict[int | str, tuple[list[Any], Any]], positions: Positions
+    ) -> tuple[list[Any], Layout]:
+        """Returns the flat leaves of `(donated args, other args, kwargs)` and its `Layout`,
+        from each argument's own leaves and structure (`flat`, by position, and `"kwargs"`).
+
+        The layout is looked up by the identity of the arguments' structures: an adapter
+        hands the same structure object for equal structures, having compared them already.
+        """
+        leaves: list[Any] = []
+        structures = []
+        for where in positions.flat_order:
+            below, structure = flat[where]
+            leaves.extend(below)
+            structures.append(structure)
+        key = (id(positions), *map(id, structures))
+        known = self._joined_layouts.get(key)
+        if known is not None:
+            return leaves, known[1]
+        donated = len(positions.indices[0])
+        groups = (structures[:donated], structures[donated:-1])
+        treedef = _treedef_tuple([*map(_treedef_tuple, groups), structures[-1]])
+        layout = self._layout(treedef)
+        if len(self._joined_layouts) >= _JOINED_KEPT:
+            self._joined_layouts.clear()
+        # The entry keeps its structures alive: no other object can take their ids meanwhile.
+        self._joined_layouts[key] = (tuple(structures), layout)
+        return leaves, layout
+
     def _unhashable(
         self, tree: tuple, statics: Any, positions: Positions, static_args: tuple, kwargs: tuple
     ) -> None:
@@ -403,27 +443,9 @@ class Arguments:
             _check_hash(self.name, f"kwargs[{k!r}] (static_argnames)", value)
 
 
-def _joined(
-    flat: dict[int | str, tuple[list[Any], Any]], positions: Positions
-) -> tuple[list[Any], Any]:
-    """Returns the flat leaves and structure of `(donated args, other args, kwargs)` from each
-    argument's own (`flat`, by position, and `"kwargs"`)."""
-    leaves: list[Any] = []
-    groups = []
-    for indices in positions.indices[:2]:  # the donated arguments, then the others
-        structures = []
-        for i in indices:
-            below, structure = flat[i]
-            leaves.extend(below)
-            structures.append(structure)
-        groups.append(_treedef_tuple(structures))
-    below, structure = flat["kwargs"]
-    leaves.extend(below)
-    groups.append(structure)
-    return leaves, _treedef_tuple(groups)
-
-
 _treedef_tuple = jax.tree_util.treedef_tuple
+# Layouts kept by the identity of the arguments' structures, per replicated function.
+_JOINED_KEPT = 64
 
 
 def _traced_leaves(layout: Layout, statics: Any, leaves: list[Any]) -> tuple[list[Any], int]:

@@ -26,6 +26,7 @@ top-level arguments only (and of the items of tuple, list and dict arguments).
 
 from __future__ import annotations
 
+import operator
 import sys
 import types
 from collections.abc import Callable
@@ -273,14 +274,15 @@ def _write_back(dynamic: tuple, variables: list[Any], aliases: tuple, out: tuple
     """Writes a step's new values into the caller's `Variable`s; the step's own result, with
     the NNX objects it returned from the arguments resolved to the caller's."""
     result, values, _ = out
-    duplicate = {k for k, _ in aliases}
-    unique = [v for k, v in enumerate(variables) if k not in duplicate]
+    unique = variables
+    if aliases:
+        duplicate = {k for k, _ in aliases}
+        unique = [v for k, v in enumerate(variables) if k not in duplicate]
     for variable, value in zip(unique, values):
         if type(value) is SyncOnRead:
             value = MetricComponents(value.value, value.aggregation)
         _set_raw_value(variable, value)
-    refs = jax.tree_util.tree_leaves(result, is_leaf=_is_ref)
-    if any(isinstance(r, _Ref) for r in refs):
+    if any(type(r) is _Ref for r in jax.tree_util.tree_leaves(result, is_leaf=_is_ref)):
         tops = _tops(dynamic)
         result = jax.tree.map(
             lambda r: r.resolve(tops) if isinstance(r, _Ref) else r, result, is_leaf=_is_ref
@@ -335,10 +337,10 @@ def _flat_arguments(
     and for the keyword arguments, the leaves and structure `jax.tree_util.tree_flatten`
     gives (`Adapted.flat`).
 
-    Each argument is flattened with its `Variable`s as leaves (what finding them takes anyway);
-    its full leaves are then each `Variable`'s own, and its full structure is looked up by the
-    structure between the `Variable`s and theirs: an NNX object's own flatten runs in Python,
-    a `Variable`'s is short.
+    Each argument is flattened whole (an NNX object's own flatten runs in Python, once); its
+    `Variable`s are then taken by the `_Finder` of its structure, which follows the paths
+    where the first argument of that structure had them. Equal structures are handed on as
+    one object, which `Arguments.prepare` looks its layout up by.
     """
     variables: list[Any] = []
     flat: dict[int | str, tuple[list[Any], Any]] = {}
@@ -347,33 +349,101 @@ def _flat_arguments(
     ]
     parts.append(("kwargs", kwargs))
     for where, value in parts:
-        items, outer = jax.tree_util.tree_flatten(value, is_leaf=_is_variable)
-        leaves: list[Any] = []
-        inner = []
-        for x in items:
-            if _is_variable(x):
-                variables.append(x)
-                below, structure = flatten(x)
-                leaves.extend(below)
-                inner.append(structure)
-            else:
-                leaves.append(x)
-        if not inner:  # no Variable: the structure is the one flattened
-            flat[where] = (leaves, outer)
-            continue
-        key = (outer, tuple(inner))
-        structure = _STRUCTURES.get(key)
-        if structure is None:
-            if len(_STRUCTURES) >= _STRUCTURES_KEPT:
-                _STRUCTURES.clear()
-            structure = _STRUCTURES[key] = jax.tree_util.tree_structure(value)
+        leaves, structure = flatten(value)
+        known = _FINDERS.get(structure)
+        if known is None:
+            if len(_FINDERS) >= _FINDERS_KEPT:
+                _FINDERS.clear()
+            known = _FINDERS[structure] = (structure, _Finder.of(value))
+        structure, finder = known  # the first equal structure: one object for equal ones
+        variables.extend(finder(value))
         flat[where] = (leaves, structure)
     return variables, flat
 
 
-# An argument's full structure by the structure between its `Variable`s and theirs.
-_STRUCTURES: dict[tuple[Any, tuple[Any, ...]], Any] = {}
-_STRUCTURES_KEPT = 256
+class _Finder:
+    """Takes the `Variable`s out of any value of one structure, in flattening order.
+
+    Equal structures have the same node types, attribute names, keys and lengths, so the
+    paths to the `Variable`s of one value lead to those of every value of its structure.
+    The paths are followed as a tree: each node on the way is reached once, through the
+    instance `__dict__` of an NNX object (what its flatten reads) and items or attributes
+    elsewhere. A structure whose paths cannot be followed (a node keyed by flat index, or
+    one whose keys do not name its children) is searched by flattening it each call.
+    """
+
+    __slots__ = ("steps", "outputs")
+
+    def __init__(self, steps: tuple, outputs: tuple[int, ...]):
+        # steps: (index of the node the step starts from, how it reaches the child); node 0
+        # is the value. outputs: the nodes that are the `Variable`s.
+        self.steps, self.outputs = steps, outputs
+
+    def __call__(self, value: PyTree) -> list[Any]:
+        nodes = [value]
+        for parent, child in self.steps:
+            nodes.append(child(nodes[parent]))
+        return [nodes[i] for i in self.outputs]
+
+    @classmethod
+    def of(cls, value: PyTree) -> Callable[[PyTree], list[Any]]:
+        """Returns the finder of `value`'s structure, checked against a search of `value`."""
+        found = jax.tree_util.tree_flatten_with_path(value, is_leaf=_is_variable)[0]
+        found = [(path, x) for path, x in found if _is_variable(x)]
+        if not found:
+            return _no_variables
+        steps: list[tuple[int, Callable[[Any], Any]]] = []
+        reached: dict[tuple, tuple[int, Any]] = {(): (0, value)}
+        outputs = []
+        for path, _ in found:
+            for depth in range(1, len(path) + 1):
+                if path[:depth] in reached:
+                    continue
+                parent, node = reached[path[: depth - 1]]
+                child = _child_getter(node, path[depth - 1])
+                if child is None:
+                    return _search
+                steps.append((parent, child))
+                reached[path[:depth]] = (len(steps), child(node))
+            outputs.append(reached[path][0])
+        finder = cls(tuple(steps), tuple(outputs))
+        taken = finder(value)
+        if len(taken) != len(found) or any(a is not b for a, (_, b) in zip(taken, found)):
+            return _search
+        return finder
+
+
+def _child_getter(node: PyTree, key: Any) -> Callable[[Any], Any] | None:
+    """Returns how to reach the child of `node` at a `jax.tree_util` key, or None."""
+    if _is_graph(node):
+        name = getattr(key, "name", None)
+        if name is None:
+            name = getattr(key, "idx", None)
+        if name is None or str(name) not in vars(node):
+            return None
+        name = str(name)
+        return lambda n: vars(n)[name]
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return operator.attrgetter(key.name)
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return operator.itemgetter(key.idx)
+    if isinstance(key, jax.tree_util.DictKey):
+        return operator.itemgetter(key.key)
+    return None  # a flat index: nothing names the child
+
+
+def _no_variables(value: PyTree) -> list[Any]:
+    return []
+
+
+def _search(value: PyTree) -> list[Any]:
+    """Returns `value`'s `Variable`s by flattening it with them as leaves."""
+    return [x for x in jax.tree_util.tree_leaves(value, is_leaf=_is_variable) if _is_variable(x)]
+
+
+# Each argument structure met (the first object of it) and its `Variable` finder.
+_FINDERS: dict[Any, tuple[Any, Callable[[PyTree], list[Any]]]] = {}
+_FINDERS_KEPT = 256
 
 
 def _tops(dynamic: tuple) -> list[Any]:

@@ -170,6 +170,63 @@ def test_variable_and_containers_as_arguments(strategy):
     np.testing.assert_allclose(strategy.read(layer.bias[...]), np.ones(3))
 
 
+def test_a_variable_replaced_by_an_equal_one_between_calls_is_the_one_written(strategy):
+    # Same structure, another Variable object: the second call updates the new one only.
+    layer = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+
+    @jm.replicate(strategy=strategy)
+    def step(layer, scale):
+        layer.bias[...] += scale
+        return jm.all_reduce("sum", layer.bias[...].sum())
+
+    step(layer, 1.0)
+    old = layer.bias
+    layer.bias = nnx.Param(jnp.full((3,), 10.0))
+    out = step(layer, 2.0)
+    np.testing.assert_allclose(strategy.read(layer.bias[...]), np.full(3, 12.0))
+    np.testing.assert_allclose(strategy.read(old[...]), np.ones(3))
+    assert float(strategy.read(out)) == 36.0 * strategy.num_replicas
+
+
+@jax.tree_util.register_pytree_node_class
+class _Unkeyed:
+    """A pytree node without keys: its children are reached by flat index only."""
+
+    def __init__(self, *children):
+        self.children = children
+
+    def tree_flatten(self):
+        return self.children, None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+
+class _Holder(nnx.Module):
+    def __init__(self):
+        self.counters = nnx.data(_Unkeyed(nnx.Variable(jnp.zeros(())), nnx.Variable(jnp.ones(()))))
+
+
+def test_variables_below_a_node_without_keys_are_found_every_call(strategy):
+    holder = _Holder()
+
+    @jm.replicate(strategy=strategy)
+    def step(holder):
+        for counter in holder.counters.children:
+            counter[...] += 1.0
+
+    for _ in range(2):
+        step(holder)
+    first, second = holder.counters.children
+    assert float(strategy.read(first[...])) == 2.0
+    assert float(strategy.read(second[...])) == 3.0
+    holder.counters.children = (nnx.Variable(jnp.full((), 5.0)), second)  # same structure
+    step(holder)
+    assert float(strategy.read(holder.counters.children[0][...])) == 6.0
+    assert float(strategy.read(second[...])) == 4.0
+
+
 def test_keyword_arguments_and_an_exception_leave_the_objects_unchanged(strategy):
     layer = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     bias = layer.bias[...]
