@@ -2,10 +2,12 @@
 
     python benchmarks/per_call_bench.py [--hidden 32] [--calls 3000] [--rounds 5] [--nnx]
 
-prints `per_call_us <median over rounds> min_us <fastest round>` and which jmirror it
-imported. The step is small on purpose (a 2-layer MLP of `--hidden` units, 8 examples per
-replica), so that the figure is mostly what a call costs on the host: jmirror's Python, the
-JIT's dispatch, the in-flight bound. Self-contained (it imports only jmirror, JAX, optax,
+prints `per_call_us <median over rounds> min_us <fastest round> thread_cpu_us <median>` and
+which jmirror it imported; `thread_cpu_us` is the CPU time of the calling thread per call (the
+host's share, which the device threads' scheduling on a few cores does not move). The step is
+small on purpose (a 2-layer MLP of `--hidden` units, 8 examples per replica), so that the figure
+is mostly what a call costs on the host: jmirror's Python, the JIT's dispatch, the in-flight
+bound. Self-contained (it imports only jmirror, JAX, optax,
 flax), so that it can time another checkout of jmirror:
 `PYTHONPATH=/path/to/other/checkout python benchmarks/per_call_bench.py`. RESULTS.md
 alternates the two in fresh processes (A B A B ...) and takes the ratio of each pair.
@@ -111,15 +113,17 @@ def main() -> None:
     for _ in range(50):  # compile and warm up
         out = call()
     jax.block_until_ready(out)
-    per_call = []
+    per_call, thread_cpu = [], []
     for _ in range(args.rounds):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         for _ in range(args.calls):
             out = call()
         jax.block_until_ready(out)
         per_call.append((time.perf_counter() - start) / args.calls * 1e6)
+        thread_cpu.append((time.thread_time() - start_cpu) / args.calls * 1e6)
     print(
         f"per_call_us {statistics.median(per_call):.2f} min_us {min(per_call):.2f} "
+        f"thread_cpu_us {statistics.median(thread_cpu):.1f} "
         f"jmirror={os.path.dirname(jm.__file__)}"
     )
 
