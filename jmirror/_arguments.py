@@ -397,6 +397,7 @@ class Arguments:
         return prepared, leaves, types
 
     def _layout(self, treedef: Any) -> Layout:
+        """Returns the `Layout` of an arguments' structure (made once per structure)."""
         layout = self._layouts.get(treedef)
         if layout is None:
             layout = self._layouts[treedef] = Layout.of(treedef, self._policy_of)
