@@ -383,6 +383,10 @@ class Arguments:
         types = set(map(type, leaves))
         statics = layout.statics(leaves, types)
         key = (id(strategy), statics, static_args, static_kwargs)
+        if static_args or static_kwargs:
+            # As `jax.jit` does, static arguments that compare equal across types (1, 1.0,
+            # True) are different steps: the function may read the type.
+            key += (tuple(map(type, static_args)), tuple(type(v) for _, v in static_kwargs))
         try:
             plan = layout.plans.get(key)
         except TypeError:

@@ -44,7 +44,13 @@ class CallWarnings:
         self._signatures: set[tuple] = set()
 
     def after_compile(
-        self, num_replicas: int, topology: Topology, inputs: PyTree, where: Any
+        self,
+        num_replicas: int,
+        topology: Topology,
+        inputs: PyTree,
+        where: Any,
+        statics: Sequence[tuple[int, Any]] = (),
+        named: Sequence[tuple[str, Any]] = (),
     ) -> None:
         """Warns of a compiled call's arguments and of a function that keeps retracing.
 
@@ -53,10 +59,19 @@ class CallWarnings:
           topology: the strategy's `Topology`.
           inputs: `(donated args, other args, kwargs)` as the call got them.
           where: names a key path into `inputs` (`Positions.where`).
+          statics: `(flat index, value)` of the static leaves of `inputs`.
+          named: `(where, value)` of the static arguments (`static_argnums` / `argnames`).
         """
         leaves = jax.tree_util.tree_flatten_with_path(inputs)[0]
         self.of_arguments(num_replicas, topology, inputs, where)
-        signature = tuple((where(p), _shape(x), _dtype(x)) for p, x in leaves)
+        static_at = dict(statics)
+        signature = tuple(
+            (where(p), "static", _value(static_at[i]))
+            if i in static_at
+            else (where(p), _shape(x), _dtype(x))
+            for i, (p, x) in enumerate(leaves)
+        )
+        signature += tuple((at, "static", _value(value)) for at, value in named)
         self._signatures.add((jax.tree_util.tree_structure(inputs), signature))
         if len(self._signatures) <= RETRACE_WARNING_AT:
             return
@@ -113,6 +128,11 @@ def _shape(x: PyTree) -> tuple | str:
     if shape is not None:
         return tuple(shape)
     return () if isinstance(x, (int, float, complex)) else "static"
+
+
+def _value(x: Any) -> str:
+    """Returns how the retracing warning shows a static value: its repr and type."""
+    return f"{repr(x)[:40]} ({type(x).__name__})"
 
 
 def _dtype(x: PyTree) -> str:

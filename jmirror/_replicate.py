@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -86,7 +87,6 @@ class Replicated:
         self._fn = fn
         self._strategy = strategy
         self._per_replica = per_replica
-        self._min_args = max(static_argnums) + 1 if static_argnums else 0
         self._name = repr(self)
         self._arguments = Arguments(
             repr(self), static_argnums, static_argnames, donate_argnums, _adapter.leaf_policy
@@ -230,7 +230,13 @@ class Replicated:
             return result
         dispatch.track(token, self)
         if compiled:
-            self._warnings.after_compile(*self._warning_args(strategy, prepared))
+            plan = prepared.plan
+            named = [
+                (f"args[{i}]", v) for i, v in zip(plan.positions.static_argnums, plan.static_args)
+            ]
+            named += [(f"kwargs[{k!r}]", v) for k, v in plan.static_kwargs]
+            warning_args = self._warning_args(strategy, prepared)
+            self._warnings.after_compile(*warning_args, plan.statics, named)
         else:
             step.settled = True
         return result
@@ -298,12 +304,6 @@ class Replicated:
             raise RuntimeError(
                 f"{self!r} was called inside another replicated function; replicated functions "
                 "do not nest. Call the inner function directly: it already runs per replica."
-            )
-        if len(args) < self._min_args:
-            raise ValueError(
-                f"{self!r} has static_argnums={self._arguments.static_argnums}, but was called "
-                f"with {len(args)} positional argument(s); pass the static arguments "
-                "positionally."
             )
         if self._strategy is not None:
             return self._strategy
@@ -473,12 +473,33 @@ def replicate(
         )
     if not callable(fn):
         raise TypeError(f"jm.replicate expects a callable, got {fn!r}.")
-    static = _argnums("static_argnums", static_argnums)
     donate = _argnums("donate_argnums", donate_argnums)
+    static, names = _infer_static(
+        fn, _argnums("static_argnums", static_argnums), _argnames(static_argnames)
+    )
     if set(static) & set(donate):
         raise ValueError(
-            f"jm.replicate got argument(s) {sorted(set(static) & set(donate))} in both "
-            "static_argnums and donate_argnums; a static argument has no buffer to donate."
+            f"jm.replicate got argument(s) {sorted(set(static) & set(donate))} both static "
+            "(static_argnums or static_argnames) and in donate_argnums; a static argument has "
+            "no buffer to donate."
         )
-    names = _argnames(static_argnames)
     return Replicated(fn, strategy, donate, static, names, per_replica)
+
+
+def _infer_static(
+    fn: Callable[..., Any], argnums: tuple[int, ...], argnames: tuple[str, ...]
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Completes `static_argnums` / `static_argnames` from `fn`'s signature as `jax.jit` does:
+    given one of them alone, the parameters that can be passed either way join the other."""
+    if bool(argnums) == bool(argnames):
+        return argnums, argnames  # both given (only those), or neither
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (some builtins)
+        return argnums, argnames
+    either = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    if argnames:
+        found = [i for i, p in enumerate(parameters) if p.kind is either and p.name in argnames]
+        return tuple(sorted({*argnums, *found})), argnames
+    named = [p.name for i, p in enumerate(parameters) if i in argnums and p.kind is either]
+    return argnums, (*argnames, *named)

@@ -150,6 +150,15 @@ def test_static_argnames(strategy):
     assert step.num_compilations == 2
 
 
+def test_retracing_warning_counts_changing_static_leaves_of_a_module(strategy):
+    step = jm.replicate(lambda m: m(1.0), strategy=strategy)
+    for i in range(8):
+        step(_Scaled(jnp.ones(2), 0.5 + i))
+    with pytest.warns(UserWarning, match=r"compiled 9 input signatures.*\.scale: static"):
+        step(_Scaled(jnp.ones(2), 9.5))
+    assert step.num_compilations == 9
+
+
 class _Unhashable:
     __hash__ = None  # type: ignore[assignment]
 

@@ -283,6 +283,17 @@ def test_retracing_warning_names_the_changing_argument(strategy):
         f(w, x=jnp.ones(10))  # once per function
 
 
+def test_retracing_warning_counts_changing_static_arguments(strategy):
+    f = jm.replicate(lambda w, k: w * k, strategy=strategy, static_argnums=1)
+    w = strategy.mirror(jnp.ones(2))
+    for k in range(1, 9):
+        f(w, k)
+    with pytest.warns(
+        UserWarning, match=r"compiled 9 input signatures.*args\[1\]: static 1 \(int\)"
+    ):
+        f(w, 9)
+
+
 def test_traced_calls_do_not_count_toward_the_retracing_warning(strategy):
     f = jm.replicate(lambda x: x.sum(), strategy=strategy)
     for size in range(1, 12):  # eleven signatures, all traced by the caller's own jit

@@ -181,6 +181,35 @@ def test_static_argnums_and_decorator_forms(strategy, n):
         np.testing.assert_array_equal(double(x).values, np.full((n, 2), 2.0))
 
 
+def _repeat_double(x, n):
+    for _ in range(n):  # a Python loop: `n` must be static
+        x = x * 2
+    return x
+
+
+@pytest.mark.parametrize(
+    "given", [{"static_argnames": "n"}, {"static_argnums": 1}], ids=["argnames", "argnums"]
+)
+def test_static_arguments_are_static_passed_either_way_as_jax_jit_takes_them(strategy, given):
+    step = jm.replicate(_repeat_double, strategy=strategy, **given)
+    expected = jax.jit(_repeat_double, **given)(jnp.ones(2), 2)
+    for out in (step(jnp.ones(2), 2), step(jnp.ones(2), n=2)):
+        np.testing.assert_array_equal(strategy.read(out), expected)
+    step(jnp.ones(2), 3)
+    assert step.num_compilations == 3  # n=2 by position, n=2 by name, n=3
+
+
+def test_static_arguments_equal_across_types_are_different_steps(strategy):
+    full = jm.replicate(lambda n: jnp.full((2,), n), strategy=strategy, static_argnums=0)
+    pick = jm.replicate(lambda x, n: x[n], strategy=strategy, static_argnames="n")
+    for n in (1, 1.0, True):  # equal and of one hash, as dictionary keys
+        expected = jax.jit(jnp.full, static_argnums=(0, 1))((2,), n)
+        assert strategy.read(full(n)).dtype == expected.dtype
+    for n in (1, True):  # an index, then a new axis
+        np.testing.assert_array_equal(strategy.read(pick(jnp.arange(3.0), n=n)), np.arange(3.0)[n])
+    assert (full.num_compilations, pick.num_compilations) == (3, 2)
+
+
 def test_donate_argnums(strategy, n):
     step = jm.replicate(
         lambda w, x: w + jm.all_reduce("sum", x), strategy=strategy, donate_argnums=0
