@@ -177,6 +177,12 @@ class Plan:
     static_kwargs: tuple[tuple[str, Any], ...]
     positions: Positions
 
+    def static_arguments(self) -> list[tuple[str, Any]]:
+        """Returns `(where, value)` of the static arguments: `args[i]`, then `kwargs['name']`."""
+        at = self.positions.static_argnums
+        named = [(f"args[{i}]", value) for i, value in zip(at, self.static_args)]
+        return named + [(f"kwargs[{k!r}]", value) for k, value in self.static_kwargs]
+
     def rebuild(self, donated: Sequence[Any], others: Sequence[Any]) -> tuple[tuple, dict]:
         """Returns the call's `(args, kwargs)` from its traced leaves."""
         leaves = [*donated, *others]

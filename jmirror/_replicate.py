@@ -231,12 +231,10 @@ class Replicated:
         dispatch.track(token, self)
         if compiled:
             plan = prepared.plan
-            named = [
-                (f"args[{i}]", v) for i, v in zip(plan.positions.static_argnums, plan.static_args)
-            ]
-            named += [(f"kwargs[{k!r}]", v) for k, v in plan.static_kwargs]
             warning_args = self._warning_args(strategy, prepared)
-            self._warnings.after_compile(*warning_args, plan.statics, named)
+            self._warnings.after_compile(
+                *warning_args, statics=plan.statics, named=plan.static_arguments()
+            )
         else:
             step.settled = True
         return result
