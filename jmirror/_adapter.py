@@ -170,6 +170,14 @@ def static_leaves(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None) ->
     ]
 
 
+def map_traced(fn: Callable[[Any], Any], tree: PyTree) -> PyTree:
+    """Returns `tree` with `fn` applied to every leaf that is not static (`static_leaves`):
+    an equinox module's functions and flags inside a `PerReplica` stay as they are."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    static = static_leaves(tree)
+    return treedef.unflatten([x if s else fn(x) for x, s in zip(leaves, static)])
+
+
 def policed_statics(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> list[bool]:
     """Returns, per leaf of `tree` (flattened with `is_leaf`), whether it is a static leaf
     inside a policed node (an `eqx.Module`'s function, flag or number); leaves elsewhere are

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jmirror._adapter import static_leaves
 from jmirror._values import (
     Aggregation,
     PerReplica,
@@ -127,16 +128,20 @@ class CrossReplica(abc.ABC):
         """Returns `strategy.reduce`: `PerReplica` nodes reduced, other values by the plain rule."""
         if type(value) is int and value == 0:
             return 0
-        leaves = jax.tree.leaves(value, is_leaf=is_distributed)
-        if not any(isinstance(x, PerReplica) for x in leaves):
+        nodes, treedef = jax.tree_util.tree_flatten(value, is_leaf=is_distributed)
+        if not any(isinstance(x, PerReplica) for x in nodes):
             return self.reduce_plain(op, value)
-
-        def one(x: PyTree) -> PyTree:
-            if isinstance(x, PerReplica):
-                return self.reduce_per_replica(op, x, axis)
-            return self.reduce_plain(op, x)
-
-        return jax.tree.map(one, value, is_leaf=is_distributed)
+        static = static_leaves(value, is_leaf=is_distributed)  # an equinox module's functions
+        return treedef.unflatten(
+            [
+                x
+                if s
+                else self.reduce_per_replica(op, x, axis)
+                if isinstance(x, PerReplica)
+                else self.reduce_plain(op, x)
+                for x, s in zip(nodes, static)
+            ]
+        )
 
     def reduce_plain(self, op: ReduceOp, value: PyTree) -> PyTree:
         """Returns a value that is not per replica: `MEAN` returns it, `SUM` only with one

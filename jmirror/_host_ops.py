@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmirror import _shard_jaxpr
-from jmirror._adapter import static_leaves
+from jmirror._adapter import map_traced, static_leaves
 from jmirror._components import replica_component, replica_copy
 from jmirror._cross_replica import REDUCERS, CrossReplica
 from jmirror._topology import Topology, declared_leaves
@@ -269,18 +269,18 @@ class HostOps(CrossReplica):
         n = self.num_replicas
         if isinstance(x, (PerReplica, SyncOnRead)):
             stacked = x.values if isinstance(x, PerReplica) else x.value
-            return [jax.tree.map(lambda v, i=i: self._component(v, i), stacked) for i in range(n)]
+            return [map_traced(lambda v, i=i: self._component(v, i), stacked) for i in range(n)]
         if isinstance(x, jax.Array) and n > 1 and self.topology.is_mirrored(x):
             return [self._on_replica(x, i) for i in range(n)]
         return None
 
     def reduce_per_replica(self, op: ReduceOp, x: PerReplica, axis: int | None) -> PyTree:
-        return jax.tree.map(lambda v: _reduce_fn(op, axis)(self._gathered(v)), x.values)
+        return map_traced(lambda v: _reduce_fn(op, axis)(self._gathered(v)), x.values)
 
     def gather(self, value: PyTree, axis: int) -> PyTree:
         def one(x: PyTree) -> PyTree:
             if isinstance(x, PerReplica):
-                return jax.tree.map(lambda v: self._gather_stacked(v, axis), x.values)
+                return map_traced(lambda v: self._gather_stacked(v, axis), x.values)
             if isinstance(x, SyncOnRead):
                 raise TypeError(
                     "strategy.gather got a SyncOnRead; read it with strategy.read, or see its "

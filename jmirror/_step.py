@@ -46,7 +46,7 @@ from jmirror._tracing import (
     flatten_slots,
     trace_and_prove,
 )
-from jmirror._values import is_distributed
+from jmirror._values import PerReplica, PyTree, held_values, is_distributed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +74,9 @@ class Body:
         static_argnums = plan.positions.static_argnums
         statics = tuple(args[i] for i in static_argnums)
         dynamic = tuple(a for i, a in enumerate(args) if i not in static_argnums)
-        top, treedef = jax.tree_util.tree_flatten((dynamic, kwargs), is_leaf=is_distributed)
+        top, treedef = jax.tree_util.tree_flatten(
+            _open_static_holders((dynamic, kwargs)), is_leaf=is_distributed
+        )
         if self.check is None:  # what no adapter took: refuse what one would have had to
             _adapter.check_plain(self.name, treedef)
         # Inside the trace every traced leaf is a tracer: what is not is a static value.
@@ -191,3 +193,22 @@ def _path_of(args: tuple, kwargs: dict, leaf: Any) -> str:
         if candidate is leaf:
             return ("args" if p[0].idx == 0 else "kwargs") + jax.tree_util.keystr(tuple(p[1:]))
     return "<unknown>"
+
+
+def _open_static_holders(tree: PyTree) -> PyTree:
+    """Returns `tree` with each `PerReplica` that holds static leaves (an equinox module's
+    functions and flags, which are no replica's slice) opened into its own structure: a
+    `PerReplica` per traced leaf, the static leaves as they are. Each replica sees the same."""
+
+    def open_one(x: Any) -> Any:
+        if not isinstance(x, PerReplica):
+            return x
+        values = held_values(x)
+        leaves = jax.tree_util.tree_leaves(values)
+        if all(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+            return x
+        return jax.tree.map(
+            lambda v: PerReplica(v) if isinstance(v, jax.core.Tracer) else v, values
+        )
+
+    return jax.tree.map(open_one, tree, is_leaf=is_distributed)

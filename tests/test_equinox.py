@@ -172,6 +172,62 @@ def test_unhashable_static_leaf_is_a_type_error_naming_the_path(strategy):
         step(jnp.ones(2), {"cfg": _Unhashable()})
 
 
+def _stacked_modules(n):
+    """Returns `jm.PerReplica` of n MLPs (replica r's of seed r) and the n modules."""
+    models = [_mlp(seed) for seed in range(n)]
+    stacked = jax.tree.map(lambda *a: np.stack([np.asarray(x) for x in a]), *_arrays_of(models))
+    values = eqx.combine(stacked, eqx.filter(models[0], eqx.is_array, inverse=True))
+    return jm.PerReplica(values), models
+
+
+def _arrays_of(models):
+    return [eqx.filter(m, eqx.is_array) for m in models]
+
+
+def test_a_per_replica_module_keeps_its_functions_where_replicas_are_taken_apart(strategy, n):
+    per_replica, models = _stacked_modules(n)
+    x = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
+    out = jm.replicate(lambda m, x: jax.vmap(m)(x), strategy=strategy)(per_replica, x)
+    for r, (got, model) in enumerate(zip(strategy.local_results(out), models)):
+        np.testing.assert_allclose(got, jax.vmap(model)(x), rtol=1e-5, err_msg=f"replica {r}")
+    parts = strategy.local_results(per_replica)
+    assert all(p.activation is models[0].activation for p in parts)
+    for part, model in zip(parts, models):
+        for a, b in zip(_arrays(part), _arrays(model)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for op, combine in (("mean", np.mean), ("sum", np.sum)):
+        reduced = strategy.reduce(op, per_replica)
+        assert reduced.activation is models[0].activation
+        for a, *bs in zip(_arrays(reduced), *map(_arrays, models)):
+            expected = combine(np.stack([np.asarray(b) for b in bs]), axis=0)
+            np.testing.assert_allclose(np.asarray(a), expected, rtol=1e-5, atol=1e-6)
+    same = jm.PerReplica(
+        eqx.combine(
+            jax.tree.map(
+                lambda a: np.stack([np.asarray(a)] * n), eqx.filter(models[0], eqx.is_array)
+            ),
+            eqx.filter(models[0], eqx.is_array, inverse=True),
+        )
+    )
+    jmt.assert_replicas_equal(same)
+    if n > 1:
+        with pytest.raises(AssertionError, match=r"layers\[0\]\.weight"):
+            jmt.assert_replicas_equal(per_replica)
+
+
+def test_sum_of_a_module_returned_per_replica_keeps_its_functions(strategy, n):
+    @jm.replicate(strategy=strategy, per_replica=lambda path, leaf: True)
+    def scaled(model):
+        arrays, rest = eqx.partition(model, eqx.is_array)
+        return eqx.combine(jax.tree.map(lambda a: a * (jm.replica_id() + 1.0), arrays), rest)
+
+    model = _mlp()
+    total = strategy.reduce("sum", scaled(strategy.mirror(model)))
+    assert total.activation is model.activation
+    for a, b in zip(_arrays(total), _arrays(model)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b) * n * (n + 1) / 2, rtol=1e-5)
+
+
 def test_mirror_read_and_per_replica_of_a_module(strategy, n):
     model = _mlp()
     mirrored = strategy.mirror(model)
