@@ -421,7 +421,9 @@ def replicate(
         donates exactly these arguments. A donated argument is deleted by the call: passing
         it again is a `ValueError`.
       static_argnums: positional arguments that are static (hashed, not traced).
-      static_argnames: keyword arguments that are static, as `jax.jit`'s.
+      static_argnames: keyword arguments that are static. As in `jax.jit`, given one of the
+        two alone, the other is completed from `fn`'s signature (a static parameter is
+        static passed by position or by name), and static values are keyed by type too.
       per_replica: state kept per replica on purpose. State that enters mirrored and would
         leave not proven mirrored (an NNX `Variable` written back, a field of a returned
         `TrainState` or other dataclass) is a `jm.MirroredStateError` raised by the first
