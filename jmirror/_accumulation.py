@@ -81,7 +81,9 @@ def accumulate_gradients(
       reduce: `False` gives this replica's own mean gradients, not reduced (for
         `jm.shard_update`, which reduce-scatters them itself); the loss is reduced either
         way.
-      dtype: the dtype the gradients are reduced in (`jm.all_reduce(..., dtype=)`).
+      dtype: the dtype the gradients are reduced in (`jm.all_reduce(..., dtype=)`). The
+        loss rides in the same all-reduce, so it is reduced in `dtype` too (one reduction
+        per step); it comes back in its own dtype.
 
     Raises:
       ValueError: when `num_micro_batches` is not a positive int, or a batch leaf's leading
@@ -243,7 +245,8 @@ def make_accumulating_train_step(
       num_micro_batches: micro-batches per replica batch.
       tx: the optax transformation of an equinox `(model, opt_state)` pair (not used for a
         `TrainState` or an NNX pair, which hold theirs).
-      dtype: the dtype the gradients are reduced in (`jm.all_reduce(..., dtype=)`).
+      dtype: the dtype the gradients (and, in the same all-reduce, the loss) are reduced
+        in (`jm.all_reduce(..., dtype=)`).
       strategy: passed to `jm.replicate`.
 
     Example:
