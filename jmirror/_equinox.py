@@ -109,7 +109,31 @@ def _first(axis_name: Any) -> Any:
     return axis_name
 
 
-_mirrored_state.register_state_kind(StateKind(_is_state, _cause))
+def _describe(traced: Traced, state: Any, path: tuple) -> str | None:
+    """Names what a diverged leaf of a returned `eqx.nn.State` is: the state of the layer
+    whose `StateIndex` keys it (an `eqx.nn.State` flattens to one child per index, keyed by
+    position only)."""
+    eqx = _equinox()
+    if eqx is None or not isinstance(state, eqx.nn.State) or not path:
+        return None
+    position = getattr(path[0], "key", None)  # a FlattenedIndexKey
+    markers = state.tree_flatten()[1]
+    if not isinstance(position, int) or not 0 <= position < len(markers):
+        return None
+    marker = markers[position]
+    index = eqx.nn.StateIndex
+    flat = jax.tree_util.tree_flatten_with_path(
+        traced.inputs, is_leaf=lambda x: isinstance(x, index)
+    )[0]
+    for where, x in flat:
+        if isinstance(x, index) and x.marker == marker:
+            item = jax.tree_util.keystr(path[1:])
+            owner = traced.argument_path(where[:-1]) if where else "the arguments"
+            return f"eqx.nn.State of {owner}" + (f", item {item}" if item else "")
+    return None
+
+
+_mirrored_state.register_state_kind(StateKind(_is_state, _cause, _describe))
 
 
 # --- jm.sync_batch_norm --------------------------------------------------------------------------

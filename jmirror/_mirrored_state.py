@@ -202,10 +202,13 @@ class StateKind:
       cause: the fix for a diverged leaf of such state: a key of the known causes
         (`GRADIENTS`, ...), a sentence of its own, or None; given the check's `Traced`, the
         state and the leaf's path inside it.
+      describe: what a diverged leaf is, for the message (the layer it belongs to), or None
+        for "a <type> field"; given the same as `cause`.
     """
 
     is_state: Callable[[Any], bool]
     cause: Callable[[Traced, Any, tuple], str | None]
+    describe: Callable[[Traced, Any, tuple], str | None] | None = None
 
 
 STATE_KINDS: list[StateKind] = []
@@ -287,8 +290,12 @@ def _check_dataclasses(
                 if per_replica is not None and per_replica(p, x.values):
                     continue
                 at = f"result{jax.tree_util.keystr(where)}{jax.tree_util.keystr(p)}"
-                cause = state_kind.cause(traced, out, p) if state_kind is not None else None
-                diverged.append(Diverged(at, f"a {kind} field", cause or _cause(p)))
+                cause = what = None
+                if state_kind is not None:
+                    cause = state_kind.cause(traced, out, p)
+                    if state_kind.describe is not None:
+                        what = state_kind.describe(traced, out, p)
+                diverged.append(Diverged(at, what or f"a {kind} field", cause or _cause(p)))
     return diverged
 
 

@@ -340,6 +340,7 @@ def test_batch_norm_state_without_the_replica_axis_is_refused_naming_both_fixes(
         step(model, strategy.mirror(state), x)
     message = str(info.value)
     assert "BatchNorm" in message
+    assert "(eqx.nn.State of args[0].norm, item [0])" in message  # the leaves name their layer
     assert f'axis_name=("batch", {strategy.axis_name!r})' in message.replace("'batch'", '"batch"')
     assert "jm.sync_batch_norm" in message
 
