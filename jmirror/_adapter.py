@@ -75,6 +75,8 @@ class Adapted:
         anyway (None: not given): per dynamic positional argument (by position) and for the
         keyword arguments (`"kwargs"`), its leaves and structure as
         `jax.tree_util.tree_flatten` gives them, so that the call flattens nothing twice.
+      shared: the arguments reach one object holding leaves twice (a shared NNX `Variable`),
+        so a leaf may be passed twice: such a call does not donate.
     """
 
     variant: Hashable
@@ -83,6 +85,7 @@ class Adapted:
     check: Callable[[Traced], None]
     settle: Callable[[Callable[[Any], Any]], None]
     flat: dict[int | str, tuple[list[Any], Any]] | None = None
+    shared: bool = False
 
 
 class OutputLayout:

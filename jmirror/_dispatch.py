@@ -258,9 +258,11 @@ class Donation:
             _explain_donated(call, args, kwargs, self.argnums)
         return True
 
-    def check_prepared(self, call: object, prepared: PyTree) -> bool:
+    def check_prepared(self, call: object, prepared: PyTree, shared: bool = False) -> bool:
         """Returns whether a prepared call (`jmirror._arguments.Prepared`) donates; if it
         does, refuses what would crash jaxlib (as `check`), from the call's flat leaves.
+        With `shared` (the arguments reach one object holding leaves twice: a shared NNX
+        `Variable`), a leaf passed twice makes the call not donate instead.
 
         Raises:
           ValueError: a donated leaf is deleted (donated to an earlier call) or is passed
@@ -273,6 +275,8 @@ class Donation:
         if not (self._always or self._policy(donated, concrete)):
             return False
         if not _safe_flat(donated, concrete, prepared.others):
+            if shared and not (concrete and any(map(_IS_DELETED, donated))):
+                return False  # one buffer twice cannot be donated; nothing is deleted
             args, kwargs = prepared.plan.rebuild(prepared.donated, prepared.others)
             _explain_donated(call, args, kwargs, self.argnums)
         return True

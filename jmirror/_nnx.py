@@ -29,7 +29,7 @@ from __future__ import annotations
 import operator
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -179,7 +179,7 @@ class NnxAdapter:
         def settle(first_component: Callable[[Any], Any]) -> None:
             _settle_metrics(dynamic, variables, first_component)
 
-        return Adapted(variant, make, finish, check, settle, flat)
+        return Adapted(variant, make, finish, check, settle, flat, shared=bool(aliases))
 
     def check_plain(self, name: str, in_treedef: Any) -> None:
         _check_nested(name, in_treedef)
@@ -367,9 +367,10 @@ class _Finder:
     Equal structures have the same node types, attribute names, keys and lengths, so the
     paths to the `Variable`s of one value lead to those of every value of its structure.
     The paths are followed as a tree: each node on the way is reached once, through the
-    instance `__dict__` of an NNX object (what its flatten reads) and items or attributes
-    elsewhere. A structure whose paths cannot be followed (a node keyed by flat index, or
-    one whose keys do not name its children) is searched by flattening it each call.
+    instance `__dict__` of an NNX object (what its flatten reads), and items of sequences
+    and mappings or fields of NamedTuples and dataclasses elsewhere. A structure whose paths
+    cannot be followed that way (a node keyed by flat index, or another node, whose keys may
+    only label its children) is searched by flattening it each call.
     """
 
     __slots__ = ("steps", "outputs")
@@ -403,8 +404,11 @@ class _Finder:
                 child = _child_getter(node, path[depth - 1])
                 if child is None:
                     return _search
+                try:
+                    reached[path[:depth]] = (len(steps) + 1, child(node))
+                except (AttributeError, LookupError, TypeError):
+                    return _search  # a key that only labels the child
                 steps.append((parent, child))
-                reached[path[:depth]] = (len(steps), child(node))
             outputs.append(reached[path][0])
         finder = cls(tuple(steps), tuple(outputs))
         taken = finder(value)
@@ -423,13 +427,24 @@ def _child_getter(node: PyTree, key: Any) -> Callable[[Any], Any] | None:
             return None
         name = str(name)
         return lambda n: vars(n)[name]
-    if isinstance(key, jax.tree_util.GetAttrKey):
+    # Elsewhere only the containers whose keys are known to name their children: another
+    # node's keys may be labels of its own (a custom node keyed `a` that stores `_a`).
+    if isinstance(key, jax.tree_util.GetAttrKey) and key.name in _field_names(node):
         return operator.attrgetter(key.name)
-    if isinstance(key, jax.tree_util.SequenceKey):
+    if isinstance(key, jax.tree_util.SequenceKey) and isinstance(node, Sequence):
         return operator.itemgetter(key.idx)
-    if isinstance(key, jax.tree_util.DictKey):
+    if isinstance(key, jax.tree_util.DictKey) and isinstance(node, Mapping):  # nnx.State too
         return operator.itemgetter(key.key)
-    return None  # a flat index: nothing names the child
+    return None  # a flat index or a label: nothing known names the child
+
+
+def _field_names(node: Any) -> tuple[str, ...]:
+    """Returns the fields of a NamedTuple or dataclass (optax's states, flax structs), whose
+    keys are their attribute names; none for other nodes."""
+    if isinstance(node, tuple):
+        return getattr(type(node), "_fields", ())
+    fields = getattr(type(node), "__dataclass_fields__", None)
+    return tuple(fields) if fields is not None else ()
 
 
 def _no_variables(value: PyTree) -> list[Any]:
@@ -469,7 +484,11 @@ class _Ref:
     def resolve(self, tops: list[Any]) -> PyTree:
         node = tops[self.top]
         for key in self.path:
-            node = node[key] if isinstance(node, (list, tuple, dict)) else getattr(node, key)
+            # An index is an item (of a list, or of an `nnx.List`, which keys items so too).
+            if isinstance(node, (list, tuple, dict)) or not isinstance(key, str):
+                node = node[key]
+            else:
+                node = getattr(node, key)
         return node
 
 

@@ -158,7 +158,8 @@ class Replicated:
                 if not step.settled:
                     adapted.settle(functools.partial(_first_component, strategy.topology))
                     flat = None  # settling may have changed the state's leaves
-            prepared, donate, traced = self._prepare(strategy, args, kwargs, flat)
+            shared = adapted is not None and adapted.shared
+            prepared, donate, traced = self._prepare(strategy, args, kwargs, flat, shared)
             result = self._run(strategy, step, prepared, donate, traced)
             return result if adapted is None else adapted.finish(result)
 
@@ -174,11 +175,17 @@ class Replicated:
         return step, adapted
 
     def _prepare(
-        self, strategy: Runner, args: tuple, kwargs: dict, flat: dict | None = None
+        self,
+        strategy: Runner,
+        args: tuple,
+        kwargs: dict,
+        flat: dict | None = None,
+        shared: bool = False,
     ) -> tuple[Prepared, bool, bool]:
         """Splits, places and checks a call's arguments (`flat`: already flattened by an
-        adapter); returns them, whether the call donates and whether it is inside the
-        caller's own transformation (holds tracers)."""
+        adapter; `shared`: they reach a leaf twice through one holder, `Adapted.shared`);
+        returns them, whether the call donates and whether it is inside the caller's own
+        transformation (holds tracers)."""
         topology = strategy.topology
         several = topology.process_count > 1
         if several:
@@ -188,7 +195,7 @@ class Replicated:
         if several:
             # Values of this process alone cannot be put on other processes' devices: JAX
             # takes them as the same value on every process (global arrays stay as they are).
-            donate = self._donation_on(strategy).check_prepared(self, prepared)
+            donate = self._donation_on(strategy).check_prepared(self, prepared, shared)
             return prepared, donate, has_tracers(types)
         placement = self._placement
         if placement is None or placement.topology is not topology:
@@ -200,7 +207,7 @@ class Replicated:
             # What needed placing may be a pmap leftover or a host batch: say so.
             self._warnings.of_arguments(*self._warning_args(strategy, prepared))
             prepared = prepared.with_leaves(placed)
-        donate = self._donation_on(strategy).check_prepared(self, prepared)
+        donate = self._donation_on(strategy).check_prepared(self, prepared, shared)
         return prepared, donate, has_tracers(types)
 
     def _run(

@@ -153,6 +153,81 @@ def test_shared_references_identity_and_returned_objects(strategy):
     assert float(strategy.read(one)) == 1.0
 
 
+def test_an_item_of_an_nnx_list_returned_is_the_callers_object(strategy):
+    class Stack(nnx.Module):
+        def __init__(self):
+            self.blocks = nnx.List([nnx.Linear(2, 2, rngs=nnx.Rngs(0))])
+
+    model = Stack()
+    bias = np.asarray(model.blocks[0].bias[...])
+
+    @jm.replicate(strategy=strategy)
+    def step(model):
+        model.blocks[0].bias[...] += 1.0
+        return model.blocks[0]
+
+    assert step(model) is model.blocks[0]
+    np.testing.assert_allclose(strategy.read(model.blocks[0].bias[...]), bias + 1.0)
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class _Labelled:
+    """A pytree node whose key paths label its children (`a`, `b`) without naming them."""
+
+    def __init__(self, a, b):
+        self._a, self._b = a, b
+
+    def tree_flatten_with_keys(self):
+        keys = (jax.tree_util.GetAttrKey("a"), jax.tree_util.GetAttrKey("b"))
+        return list(zip(keys, (self._a, self._b))), None
+
+    def tree_flatten(self):
+        return [self._a, self._b], None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+
+def test_variables_below_a_node_whose_keys_are_labels_are_written_back(strategy):
+    class Holder(nnx.Module):
+        def __init__(self):
+            self.box = nnx.data(_Labelled(nnx.Param(jnp.zeros(2)), nnx.Param(jnp.ones(2))))
+
+    def body(model, x):
+        a, b = model.box._a, model.box._b
+        a[...] += x
+        b[...] *= 2.0
+
+    model, ref = Holder(), Holder()
+    step, one = jm.replicate(body, strategy=strategy), nnx.jit(body)
+    for _ in range(2):
+        step(model, jnp.ones(2))
+        one(ref, jnp.ones(2))
+    for got, want in ((model.box._a, ref.box._a), (model.box._b, ref.box._b)):
+        np.testing.assert_allclose(strategy.read(got[...]), want[...])
+
+
+def test_a_donated_model_with_a_shared_variable_runs_as_nnx_jit(strategy):
+    class Tied(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+            self.b = nnx.Linear(2, 2, rngs=nnx.Rngs(1))
+            self.b.bias = self.a.bias  # one Variable at two places
+
+    def body(model):
+        model.a.bias[...] += 1.0
+        return model.b.bias[...]
+
+    model, ref = Tied(), Tied()
+    step, one = jm.replicate(body, strategy=strategy, donate_argnums=0), nnx.jit(body)
+    for _ in range(3):
+        out, want = step(model), one(ref)
+        np.testing.assert_allclose(strategy.read(out), want)
+    assert model.b.bias is model.a.bias
+    np.testing.assert_allclose(strategy.read(model.a.bias[...]), ref.a.bias[...])
+
+
 def test_variable_and_containers_as_arguments(strategy):
     counter = nnx.Variable(jnp.zeros(()))
     layer = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
