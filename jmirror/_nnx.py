@@ -97,6 +97,30 @@ def _is_graph(x: object) -> bool:
     return known
 
 
+def _refuse_graph_only(
+    nnx: types.ModuleType, name: str, flat: list[tuple[tuple, Any]], dynamic: list[int]
+) -> None:
+    """Raises a `TypeError` at an NNX object that is no JAX pytree (declared with
+    `pytree=False`, as `nnx.Object` is): it reaches the trace as one static leaf, so nothing
+    in it can be traced or written back. `flat`: the leaves of `([dynamic args], kwargs)`
+    with their paths; `dynamic`: the positions of those arguments."""
+    for path, x in flat:
+        if isinstance(x, nnx.Pytree) and not isinstance(x, nnx.Variable):
+            keystr = jax.tree_util.keystr
+            if path[0].idx == 0:
+                where = f"args[{dynamic[path[1].idx]}]{keystr(path[2:])}"
+            else:
+                where = f"kwargs{keystr(path[1:])}"
+            raise TypeError(
+                f"{name} got {type(x).__name__} at {where}, an "
+                "NNX object that is not a JAX pytree (declared with pytree=False, as "
+                "nnx.Object is): jm.replicate takes NNX objects through their pytree leaves to "
+                "trace them and write their changes back. Declare the class without "
+                "pytree=False (nnx.Module's default), or pass nnx.split(obj)'s state and "
+                "nnx.merge it inside the function."
+            )
+
+
 def _is_variable(x: object) -> bool:
     t = type(x)
     known = _IS_VARIABLE_TYPE.get(t)
@@ -531,6 +555,7 @@ class _Entry:
         is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
         flat = jax.tree_util.tree_flatten_with_path(root, is_leaf=is_variable)[0]
         found = [(p, x) for p, x in flat if isinstance(x, nnx.Variable)]
+        _refuse_graph_only(nnx, self.name, flat, dynamic)
         for path, first in self.shared:
             _set_at(root, path, _get_at(root, first))
         for j, i in self.aliases:

@@ -228,6 +228,22 @@ def test_a_donated_model_with_a_shared_variable_runs_as_nnx_jit(strategy):
     np.testing.assert_allclose(strategy.read(model.a.bias[...]), ref.a.bias[...])
 
 
+def test_an_nnx_object_that_is_no_pytree_is_a_type_error_naming_it(strategy):
+    class Legacy(nnx.Module, pytree=False):  # a graph node only, as nnx.Object is
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros(2))
+
+    model = Legacy()
+
+    @jm.replicate(strategy=strategy)
+    def step(x, model):
+        model.w[...] += x
+
+    with pytest.raises(TypeError, match=r"Legacy at args\[1\].*pytree=False"):
+        step(jnp.ones(2), model)
+    np.testing.assert_array_equal(model.w[...], np.zeros(2))
+
+
 def test_variable_and_containers_as_arguments(strategy):
     counter = nnx.Variable(jnp.zeros(()))
     layer = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
