@@ -10,7 +10,8 @@ across processes, checkpoints).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -25,15 +26,40 @@ def replica_copy(topology: Topology, x: jax.Array, replica: int) -> jax.Array | 
     (no transfer) and laid out as `read_sharding` says; None where this process does not hold
     them."""
     devices = topology.replica_devices(replica)
-    by_device = {shard.device: shard.data for shard in x.addressable_shards}
+    by_device = {shard.device: shard for shard in x.addressable_shards}
     if not all(d in by_device for d in devices):
         return None
     if len(devices) == 1:
-        data = by_device[devices[0]]
+        data = by_device[devices[0]].data
         return data if data.shape == x.shape else None
-    parts = [by_device[d] for d in devices]
     sharding = topology.read_sharding(x, replica)
+    # `x` may have been laid out by another strategy over these devices in another order:
+    # each device keeps its part, and the devices are ordered by the part each holds.
+    held = {d: _normal(by_device[d].index, x.shape) for d in devices}
+    if isinstance(sharding, NamedSharding):
+        expected = sharding.devices_indices_map(x.shape)
+        wanted = [_normal(expected[d], x.shape) for d in devices]
+        if [held[d] for d in devices] != wanted:
+            order = _order_by_part(devices, held, wanted)
+            if order is None:
+                return None
+            sharding = NamedSharding(Mesh(np.array(order), sharding.mesh.axis_names), sharding.spec)
+            devices = order
+    parts = [by_device[d].data for d in devices]
     return jax.make_array_from_single_device_arrays(x.shape, sharding, parts)
+
+
+def _order_by_part(devices: Sequence[Any], held: dict, wanted: list) -> list | None:
+    """Returns `devices` ordered so that the i-th holds the part `wanted[i]` (by `held`), or
+    None when they do not hold those parts."""
+    pool, order = list(devices), []
+    for part in wanted:
+        match = next((d for d in pool if held[d] == part), None)
+        if match is None:
+            return None
+        pool.remove(match)
+        order.append(match)
+    return order
 
 
 def replica_component(topology: Topology, x: jax.Array, replica: int) -> jax.Array | None:
@@ -88,14 +114,20 @@ def local_copy(topology: Topology, x: jax.Array) -> jax.Array:
     copy (`replica_copy`)."""
     copy = None
     if x.sharding.is_fully_replicated:
+        # Whole on each of its devices: the first device's copy, or any (a value mirrored by
+        # another strategy over other devices of this process).
         first = topology.first_local_device
-        copy = next((s.data for s in x.addressable_shards if s.device == first), None)
+        shards = x.addressable_shards
+        copy = next(
+            (s.data for s in shards if s.device == first), shards[0].data if shards else None
+        )
     elif not topology.is_emulated:
         copy = replica_copy(topology, x, topology.local_replica_ids[0])
     if copy is None:
         raise ValueError(
-            f"no whole copy of this value on process {topology.process_index}'s devices: it is "
-            "not mirrored"
+            f"expected a mirrored value with a whole copy on process {topology.process_index}'s "
+            f"devices; found one laid out by {x.sharding}, which this process does not hold "
+            "whole. Mirror it first with strategy.mirror(value)."
         )
     return copy
 

@@ -269,17 +269,40 @@ class HostOps(CrossReplica):
         n = self.num_replicas
         if isinstance(x, (PerReplica, SyncOnRead)):
             stacked = x.values if isinstance(x, PerReplica) else x.value
+            self._check_count(stacked, "local_results")
             return [map_traced(lambda v, i=i: self._component(v, i), stacked) for i in range(n)]
         if isinstance(x, jax.Array) and n > 1 and self.topology.is_mirrored(x):
             return [self._on_replica(x, i) for i in range(n)]
         return None
 
     def reduce_per_replica(self, op: ReduceOp, x: PerReplica, axis: int | None) -> PyTree:
+        self._check_count(x.values, "reduce")
         return map_traced(lambda v: _reduce_fn(op, axis)(self._gathered(v)), x.values)
+
+    def _check_count(self, stacked: PyTree, call: str) -> None:
+        """Raises a `ValueError` naming both counts when a leaf of a per-replica value is not
+        one component per replica (a `PerReplica` built for another replica count)."""
+        n = self.num_replicas
+        if self.topology.process_count > 1:
+            return  # there a PerReplica holds this process's components: checked on entry
+        flat = jax.tree_util.tree_flatten_with_path(stacked)[0]
+        for (path, leaf), static in zip(flat, static_leaves(stacked)):
+            shape = getattr(leaf, "shape", None)
+            if static or shape is None or shape[:1] == (n,):
+                continue
+            where = jax.tree_util.keystr(path) or "<root>"
+            raise ValueError(
+                f"strategy.{call} got a per-replica value whose leaf at {where} has shape "
+                f"{tuple(shape)}: {shape[0] if shape else 'no'} component(s) where the "
+                f"strategy has {n} replicas. A PerReplica holds one component per replica "
+                "(leading axis num_replicas); build it for this strategy, or use the strategy "
+                "that made it."
+            )
 
     def gather(self, value: PyTree, axis: int) -> PyTree:
         def one(x: PyTree) -> PyTree:
             if isinstance(x, PerReplica):
+                self._check_count(x.values, "gather")
                 return map_traced(lambda v: self._gather_stacked(v, axis), x.values)
             if isinstance(x, SyncOnRead):
                 raise TypeError(

@@ -350,3 +350,30 @@ def test_shard_update_state_saved_at_two_restores_at_k(tmp_path, k):
     want = _sharded_run(one, tx, at_one["params"], at_one["opt"], (3,))
     for a, b in zip(jax.tree.leaves(other.read((params, state))), jax.tree.leaves(one.read(want))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("order", ["reversed", "pairs swapped"])
+def test_a_value_laid_out_in_another_device_order_reads_and_saves_whole(tmp_path, order):
+    devices = jax.devices()
+    if order == "reversed":
+        devices = devices[::-1]
+    else:
+        devices = [d for pair in zip(devices[1::2], devices[::2]) for d in pair]
+    layout = [(r"w", P(None, "model"))]
+    w = np.arange(32, dtype=np.float32).reshape(4, 8)
+    laid_out = jm.MirroredStrategy(devices_per_replica=2, layout=layout).mirror({"w": w})
+    other = jm.MirroredStrategy(devices, devices_per_replica=2, layout=layout)
+    np.testing.assert_array_equal(other.read(laid_out)["w"], w)
+    for copy in other.local_results(laid_out):
+        np.testing.assert_array_equal(copy["w"], w)
+    jm.checkpoint.save(tmp_path / "c", laid_out, strategy=other)
+    np.testing.assert_array_equal(jm.checkpoint.restore(tmp_path / "c", strategy=other)["w"], w)
+
+
+def test_a_value_mirrored_over_other_devices_saves(tmp_path):
+    w = np.arange(8, dtype=np.float32)
+    elsewhere = jm.MirroredStrategy(jax.devices()[4:]).mirror({"w": w})
+    for strategy in (jm.MirroredStrategy(), jm.MirroredStrategy(devices_per_replica=2)):
+        jm.checkpoint.save(tmp_path / str(strategy.num_replicas), elsewhere, strategy=strategy)
+        back = jm.checkpoint.restore(tmp_path / str(strategy.num_replicas), strategy=strategy)
+        np.testing.assert_array_equal(strategy.read(back)["w"], w)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jmirror as jm
+import jmirror.testing as jmt
 
 # --- devices --------------------------------------------------------------------------------
 
@@ -376,3 +377,16 @@ def test_gather_of_a_mirrored_scalar_is_the_vector_of_its_copies(strategy, n):
     got = strategy.gather(strategy.mirror(np.float32(3.0)))
     np.testing.assert_array_equal(got, np.full(n, 3.0, np.float32))
     np.testing.assert_array_equal(got, strategy.gather(jm.PerReplica(np.full(n, 3.0, np.float32))))
+
+
+def test_a_per_replica_value_for_another_replica_count_is_a_value_error_naming_both(strategy):
+    n = strategy.num_replicas
+    other = jm.PerReplica(np.zeros((n + 1, 3), np.float32))
+    for call in (
+        strategy.local_results,
+        strategy.gather,
+        lambda x: strategy.reduce("sum", x),
+        lambda x: jmt.assert_replicas_equal(x, strategy),
+    ):
+        with pytest.raises(ValueError, match=rf"shape \({n + 1}, 3\).*{n} replicas"):
+            call(other)
