@@ -55,7 +55,7 @@ from typing import Any, Protocol
 import jax
 
 from jmirror._arguments import is_array, is_traced, leaf_policies
-from jmirror._mirrored_state import Traced
+from jmirror._mirrored_state import Diverged, Traced
 from jmirror._values import PyTree
 
 
@@ -69,7 +69,8 @@ class Adapted:
         per variant; `name` is how errors name the replicated function).
       finish: turns the variant's result into what the caller gets.
       check: the trace-time check of the variant's result (it may depend on the variant,
-        never on one call's objects).
+        never on one call's objects): it raises what it refuses and returns what the warning
+        of plain pytrees names (`jmirror._mirrored_state.check_returned` of the rest).
       settle: puts the call's state into its steady form (see the module docstring).
       flat: the call's arguments already flattened by the adapter, when it flattened them
         anyway (None: not given): per dynamic positional argument (by position) and for the
@@ -82,7 +83,7 @@ class Adapted:
     variant: Hashable
     make: Callable[[Callable[..., Any], str], Callable[..., Any]]
     finish: Callable[[Any], Any]
-    check: Callable[[Traced], None]
+    check: Callable[[Traced], list[Diverged]]
     settle: Callable[[Callable[[Any], Any]], None]
     flat: dict[int | str, tuple[list[Any], Any]] | None = None
     shared: bool = False

@@ -26,6 +26,7 @@ top-level arguments only (and of the items of tuple, list and dict arguments).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import sys
 import types
@@ -197,8 +198,8 @@ class NnxAdapter:
         def finish(out: tuple[Any, list[Any]]) -> PyTree:
             return _write_back(dynamic, variables, variant[0], out)
 
-        def check(traced: Traced) -> None:
-            _check_mirrored(traced, variant[0])
+        def check(traced: Traced) -> list[Diverged]:
+            return _check_mirrored(traced, variant[0])
 
         def settle(first_component: Callable[[Any], Any]) -> None:
             _settle_metrics(dynamic, variables, first_component)
@@ -229,10 +230,12 @@ def _settle_metrics(
             _set_raw_value(variable, MetricComponents(first_component(value), aggregation))
 
 
-def _check_mirrored(traced: Traced, aliases: tuple) -> None:
+def _check_mirrored(traced: Traced, aliases: tuple) -> list[Diverged]:
     """Refuses a step whose written-back `Variable`s would lose their mirroring: each
     that entered mirrored and comes back per replica, unless
-    `per_replica=` matches it, with the fix its type and owner call for."""
+    `per_replica=` matches it, with the fix its type and owner call for. Then checks the
+    rest of the result as any step's (dataclass state refused, plain pytrees returned for
+    the warning): NNX objects among the arguments switch nothing off."""
     nnx = _flax()
     dynamic, kwargs = traced.inputs
     root = (list(dynamic), kwargs)
@@ -258,6 +261,8 @@ def _check_mirrored(traced: Traced, aliases: tuple) -> None:
         what = f"nnx.{type(variable).__name__} of {owner}"
         diverged.append(Diverged(traced.argument_path(path), what, _cause(nnx, variable, owners)))
     _mirrored_state.refuse(traced.name, diverged)
+    # The user's own result, NNX objects in it stood for by references (no leaves).
+    return _mirrored_state.check_returned(dataclasses.replace(traced, result=traced.result[0]))
 
 
 def _owners(root: PyTree, path: tuple) -> list[Any]:

@@ -106,7 +106,7 @@ class Replicated:
         name = getattr(fn, "__name__", None)  # the name of its row and its profiler steps
         self._step_name = name if isinstance(name, str) else repr(self)
 
-    def _compile(self, fn: Callable[..., Any], check: Callable[..., None] | None) -> _Step:
+    def _compile(self, fn: Callable[..., Any], check: Callable[..., Any] | None) -> _Step:
         """Returns the `_Step` of replica function `fn` (`check`: an adapter's)."""
         body = Body(fn, repr(self), check, self._per_replica, self._warnings.mirrored_state)
         donate = (1,)

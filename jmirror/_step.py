@@ -31,7 +31,7 @@ from jmirror import _adapter, _mirrored_state
 from jmirror._arguments import Plan, is_array, is_traced, leaf_policies
 from jmirror._backends import Output, executable
 from jmirror._call_warnings import argument_path
-from jmirror._mirrored_state import Traced
+from jmirror._mirrored_state import Diverged, Traced
 from jmirror._placement import split_error
 from jmirror._topology import Declared, declared_leaves
 from jmirror._tracing import (
@@ -63,7 +63,7 @@ class Body:
 
     fn: Callable[..., Any]
     name: str
-    check: Callable[[Traced], None] | None
+    check: Callable[[Traced], list[Diverged]] | None
     per_replica: Any
     warn: Callable[[str], None]
 
@@ -137,9 +137,9 @@ class Body:
             axis_name,
         )
         if self.check is not None:
-            self.check(traced)
-            return
-        diverged = _mirrored_state.check_returned(traced)
+            diverged = self.check(traced)
+        else:
+            diverged = _mirrored_state.check_returned(traced)
         if diverged:
             self.warn(_mirrored_state.warning(self.name, diverged))
 

@@ -217,6 +217,23 @@ def test_state_in_a_carry_is_refused_at_any_depth(strategy, carry):
     assert not isinstance(state.params["Dense_0"]["kernel"], jm.PerReplica)
 
 
+def test_nnx_objects_among_the_arguments_leave_the_check_of_the_rest_on(strategy):
+    from flax import nnx
+
+    n = strategy.num_replicas
+    state = _plain_state(strategy)
+    x = jm.PerReplica(_global_batch(n).reshape(n, -1, 5))
+    counter = nnx.Variable(jnp.zeros(()))  # taken by the NNX adapter, written back
+
+    def step(state, x, counter):
+        counter[...] += 1.0
+        return _unreduced(state, x)
+
+    with pytest.raises(jm.MirroredStateError, match=r"result\.params\['Dense_0'\]"):
+        jm.replicate(step, strategy=strategy)(state, x, counter)
+    assert float(strategy.read(counter[...])) == 0.0  # refused before anything ran
+
+
 @struct.dataclass
 class _WithEma:
     state: _State
