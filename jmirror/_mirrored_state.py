@@ -177,6 +177,8 @@ class Traced:
         (declared per replica: never a divergence).
       per_replica: the `per_replica=` argument (None when not given).
       argument_path: names a path into `inputs` (`args[0].w`, `kwargs['state']`).
+      computed_from: whether a result leaf is computed from an input leaf (by the traced
+        program's data flow; None when not known).
     """
 
     name: str
@@ -186,6 +188,7 @@ class Traced:
     per_replica: PyTree
     argument_path: Callable[[tuple], str]
     axis_name: str | None = None
+    computed_from: Callable[[Any, Any], bool] | None = None
 
     def diverged(self, x: object) -> bool:
         """Returns whether result node `x` is per replica by the proof (not declared so)."""
@@ -279,7 +282,7 @@ def _check_dataclasses(
             if candidates is None:  # not state that was passed: look inside it
                 pending.append((where, out, False))
                 continue
-            _, arg = max(candidates, key=lambda c: _common_suffix(c[0][1:], where))
+            arg = _source(traced, out, where, candidates)
             entered = _entered(arg)
             kind = type(out).__name__
             state_kind = _state_kind(out)
@@ -370,6 +373,32 @@ def _entered(state: PyTree) -> dict[tuple, Any]:
     that entered distributed."""
     flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_distributed)[0]
     return {p: _NOT_MIRRORED if is_distributed(x) else x for p, x in flat}
+
+
+def _source(traced: Traced, out: Any, where: tuple, candidates: list[tuple[tuple, Any]]) -> Any:
+    """Returns the argument dataclass that the returned one at `where` stands for: of several
+    of its type, the one whose fields the returned fields are computed from (by the traced
+    data flow: `state.apply_gradients(...)` is computed from `state`, whatever order the
+    arguments and results come in); else the one whose path ends most like `where`'s."""
+    if len(candidates) > 1 and traced.computed_from is not None:
+        found = dict(jax.tree_util.tree_flatten_with_path(out, is_leaf=is_distributed)[0])
+        scores = []
+        for _, arg in candidates:
+            score = 0
+            for p, before in jax.tree_util.tree_flatten_with_path(arg, is_leaf=is_distributed)[0]:
+                after = found.get(p)
+                if after is not None and traced.computed_from(_held(after), _held(before)):
+                    score += 1
+            scores.append(score)
+        best = max(scores)
+        if best and scores.count(best) == 1:
+            return candidates[scores.index(best)][1]
+    return max(candidates, key=lambda c: _common_suffix(c[0][1:], where))[1]
+
+
+def _held(x: Any) -> Any:
+    """Returns the array a result or argument node holds (a `PerReplica`'s stacked values)."""
+    return x._values if type(x) is PerReplica else x
 
 
 def _common_suffix(a: tuple, b: tuple) -> int:

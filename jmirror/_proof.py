@@ -383,6 +383,37 @@ def _arity(jaxpr: Any) -> tuple[int, int]:
     return len(inner.invars), len(inner.outvars)
 
 
+def dependencies(closed: Any) -> list[int]:
+    """Returns, for each output of a (closed) jaxpr, the inputs it is computed from, as a bit
+    mask over the inputs' positions. Calls (`jit`, `remat`, custom derivatives, `shard_map`)
+    are followed inside; any other equation's outputs come from all of its operands."""
+    jaxpr = closed.jaxpr if hasattr(closed, "jaxpr") else closed
+    return _dependencies(jaxpr, [1 << i for i in range(len(jaxpr.invars))])
+
+
+def _dependencies(jaxpr: Any, ins: list[int]) -> list[int]:
+    env: dict[Any, int] = dict(zip(jaxpr.invars, ins))
+
+    def read(atom: Any) -> int:
+        return env.get(atom, 0) if isinstance(atom, jex.Var) else 0  # literals: nothing
+
+    for eqn in jaxpr.eqns:
+        operands = [read(a) for a in eqn.invars]
+        subs = list(jex.jaxprs_in_params(eqn.params))
+        name = eqn.primitive.name
+        if (name in _CALLS or name == "shard_map") and len(subs) == 1:
+            inner: Any = subs[0]
+            inner = inner.jaxpr if hasattr(inner, "jaxpr") else inner
+            if _arity(inner) == (len(eqn.invars), len(eqn.outvars)):
+                env.update(zip(eqn.outvars, _dependencies(inner, operands)))
+                continue
+        every = 0
+        for mask in operands:
+            every |= mask
+        env.update((v, every) for v in eqn.outvars)
+    return [read(v) for v in jaxpr.outvars]
+
+
 def prove(closed: Any, in_varying: Sequence[bool], axis_name: str) -> tuple[list[bool], Proof]:
     """Analyses a replica jaxpr; returns each output's "may vary" flag and the proof."""
     proof = Proof(axis_name)

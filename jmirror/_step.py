@@ -21,13 +21,13 @@ alive).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.core
 
-from jmirror import _adapter, _mirrored_state
+from jmirror import _adapter, _mirrored_state, _proof
 from jmirror._arguments import Plan, is_array, is_traced, leaf_policies
 from jmirror._backends import Output, executable
 from jmirror._call_warnings import argument_path
@@ -120,11 +120,20 @@ class Body:
         # The check sees the result as the function returned it: static values as they are.
         seen = [b.value if isinstance(b, StaticOut) else b for b in built]
         returned = step.out_treedef.unflatten(seen)
-        self._check_state((dynamic, kwargs), returned, forced, static_argnums, strategy.axis_name)
+        computed_from = _data_flow(step, flat, outs)
+        self._check_state(
+            (dynamic, kwargs), returned, forced, static_argnums, strategy.axis_name, computed_from
+        )
         return result, (outs[-1] if needs_token else None)
 
     def _check_state(
-        self, inputs: tuple, result: Any, forced: Any, static: tuple, axis_name: str
+        self,
+        inputs: tuple,
+        result: Any,
+        forced: Any,
+        static: tuple,
+        axis_name: str,
+        computed_from: Callable[[Any, Any], bool] | None = None,
     ) -> None:
         """Refuses (or warns of) mirrored state that would lose its mirroring."""
         traced = Traced(
@@ -135,6 +144,7 @@ class Body:
             self.per_replica,
             lambda path: argument_path(path, static),
             axis_name,
+            computed_from,
         )
         if self.check is not None:
             diverged = self.check(traced)
@@ -142,6 +152,25 @@ class Body:
             diverged = _mirrored_state.check_returned(traced)
         if diverged:
             self.warn(_mirrored_state.warning(self.name, diverged))
+
+
+def _data_flow(step: Any, flat: Sequence[Any], outs: Sequence[Any]) -> Callable[[Any, Any], bool]:
+    """Returns whether an output leaf of the traced step is computed from an input leaf (the
+    leaves as the trace holds them), by the replica jaxpr's data flow, worked out on the first
+    question only."""
+    inputs = {id(x): i for i, x in enumerate(flat)}
+    outputs = {id(x): j for j, x in enumerate(outs)}
+    masks: list[int] = []
+
+    def computed_from(out: Any, leaf: Any) -> bool:
+        i, j = inputs.get(id(leaf)), outputs.get(id(out))
+        if i is None or j is None:
+            return False
+        if not masks:
+            masks.extend(_proof.dependencies(step.closed))
+        return j < len(masks) and bool(masks[j] >> i & 1)
+
+    return computed_from
 
 
 def _out_static(treedef: Any, top: list[Any]) -> list[bool]:

@@ -234,6 +234,31 @@ def test_nnx_objects_among_the_arguments_leave_the_check_of_the_rest_on(strategy
     assert float(strategy.read(counter[...])) == 0.0  # refused before anything ran
 
 
+def test_of_two_states_of_one_type_each_result_is_checked_against_its_own_source(strategy):
+    n = strategy.num_replicas
+    state = _plain_state(strategy)
+    # An ensemble of the same type, per replica on purpose.
+    ensemble = jax.tree.map(lambda a: jm.PerReplica(jnp.stack([a] * n)), strategy.read(state))
+    x = jm.PerReplica(_global_batch(n).reshape(n, -1, 5))
+
+    def reduced(state, x):
+        (_, stats), grads = jax.value_and_grad(_loss, has_aux=True)(
+            state.params, state.batch_stats, x, strategy.axis_name
+        )
+        return state.apply_gradients(grads=jm.all_reduce("mean", grads), batch_stats=stats)
+
+    # The mirrored state updated from unreduced gradients, returned alone: refused.
+    with pytest.raises(jm.MirroredStateError, match=r"result\.params"):
+        jm.replicate(lambda ens, s, x: _unreduced(s, x), strategy=strategy)(ensemble, state, x)
+    # Both updated correctly, returned in the other order than they came: runs.
+    swapped = jm.replicate(lambda ens, s, x: (reduced(s, x), _unreduced(ens, x)), strategy=strategy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        new, new_ensemble = swapped(ensemble, state, x)
+    assert not isinstance(new.params["Dense_0"]["kernel"], jm.PerReplica)
+    assert isinstance(new_ensemble.params["Dense_0"]["kernel"], jm.PerReplica)
+
+
 @struct.dataclass
 class _WithEma:
     state: _State
