@@ -130,7 +130,7 @@ def _shape(x: PyTree) -> tuple | str:
     return () if isinstance(x, (int, float, complex)) else "static"
 
 
-def _value(x: Any) -> str:
+def _value(x: object) -> str:
     """Returns how the retracing warning shows a static value: its repr and type."""
     return f"{repr(x)[:40]} ({type(x).__name__})"
 

@@ -396,7 +396,7 @@ def _source(traced: Traced, out: Any, where: tuple, candidates: list[tuple[tuple
     return max(candidates, key=lambda c: _common_suffix(c[0][1:], where))[1]
 
 
-def _held(x: Any) -> Any:
+def _held(x: object) -> object:
     """Returns the array a result or argument node holds (a `PerReplica`'s stacked values)."""
     return x._values if type(x) is PerReplica else x
 

@@ -467,7 +467,7 @@ def _child_getter(node: PyTree, key: Any) -> Callable[[Any], Any] | None:
     return None  # a flat index or a label: nothing known names the child
 
 
-def _field_names(node: Any) -> tuple[str, ...]:
+def _field_names(node: object) -> tuple[str, ...]:
     """Returns the fields of a NamedTuple or dataclass (optax's states, flax structs), whose
     keys are their attribute names; none for other nodes."""
     if isinstance(node, tuple):

@@ -394,7 +394,7 @@ def dependencies(closed: Any) -> list[int]:
 def _dependencies(jaxpr: Any, ins: list[int]) -> list[int]:
     env: dict[Any, int] = dict(zip(jaxpr.invars, ins))
 
-    def read(atom: Any) -> int:
+    def read(atom: object) -> int:
         return env.get(atom, 0) if isinstance(atom, jex.Var) else 0  # literals: nothing
 
     for eqn in jaxpr.eqns:

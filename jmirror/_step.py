@@ -162,7 +162,7 @@ def _data_flow(step: Any, flat: Sequence[Any], outs: Sequence[Any]) -> Callable[
     outputs = {id(x): j for j, x in enumerate(outs)}
     masks: list[int] = []
 
-    def computed_from(out: Any, leaf: Any) -> bool:
+    def computed_from(out: object, leaf: object) -> bool:
         i, j = inputs.get(id(leaf)), outputs.get(id(out))
         if i is None or j is None:
             return False
@@ -229,7 +229,7 @@ def _open_static_holders(tree: PyTree) -> PyTree:
     functions and flags, which are no replica's slice) opened into its own structure: a
     `PerReplica` per traced leaf, the static leaves as they are. Each replica sees the same."""
 
-    def open_one(x: Any) -> Any:
+    def open_one(x: object) -> object:
         if not isinstance(x, PerReplica):
             return x
         values = held_values(x)
