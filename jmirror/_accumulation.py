@@ -10,6 +10,7 @@ metrics) is threaded from one micro-batch to the next, as k sequential passes le
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -101,7 +102,7 @@ def accumulate_gradients(
         >>> bool(jnp.allclose(strategy.read(grads), jax.grad(loss_fn)(jnp.ones(()), x)))
         True
     """
-    _check(batch, num_micro_batches)
+    num_micro_batches = _check(batch, num_micro_batches)
     args = tuple(args)
     if _nnx_recipes.is_model(params):
         diff, carry, loss, finish = _nnx_recipes.micro_loss(loss_fn, params, args)
@@ -123,16 +124,20 @@ def accumulate_gradients(
     return loss, _own_dtypes(grads, diff)
 
 
-def _check(batch: PyTree, num_micro_batches: int) -> None:
-    if (
-        isinstance(num_micro_batches, bool)
-        or not isinstance(num_micro_batches, int)
-        or (num_micro_batches < 1)
-    ):
+def _check(batch: PyTree, num_micro_batches: int) -> int:
+    """Returns `num_micro_batches` as an int (numpy integers too), checked against `batch`."""
+    count = None
+    if not isinstance(num_micro_batches, bool):
+        try:
+            count = operator.index(num_micro_batches)
+        except TypeError:
+            pass
+    if count is None or count < 1:
         raise ValueError(
             f"recipes.accumulate_gradients(num_micro_batches={num_micro_batches!r}) expects a "
             "positive int."
         )
+    num_micro_batches = count
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
         size = jnp.shape(leaf)[0] if jnp.ndim(leaf) else None
         if size is None or size % num_micro_batches:
@@ -142,6 +147,7 @@ def _check(batch: PyTree, num_micro_batches: int) -> None:
                 f"num_micro_batches={num_micro_batches}. Use a per-replica batch size that is "
                 "a multiple of num_micro_batches."
             )
+    return count
 
 
 def _sum_over_micro_batches(

@@ -180,6 +180,30 @@ def test_local_gradients_when_not_reduced(strategy, n):
     assert float(strategy.read(loss)) == pytest.approx(float(loss_fn(params, x)), rel=1e-5)
 
 
+@pytest.mark.parametrize("k", [np.int64(2), np.int32(2)])
+def test_a_numpy_integer_count_of_micro_batches_is_taken_as_an_int(strategy, n, k):
+    params = {"w": jnp.ones(()) * 0.5}
+    loss_fn = lambda p, x: jnp.mean((x * p["w"] - 1.0) ** 2)  # noqa: E731
+    x = np.linspace(0.0, 1.0, 4 * n, dtype=np.float32).reshape(n, 4)
+    step = jm.replicate(
+        lambda p, x: recipes.accumulate_gradients(loss_fn, p, x, k), strategy=strategy
+    )
+    _, grads = step(strategy.mirror(params), jm.PerReplica(x))
+    want = jax.grad(loss_fn)(params, x.reshape(-1))["w"]
+    assert float(strategy.read(grads)["w"]) == pytest.approx(float(want), rel=1e-5)
+
+
+@pytest.mark.parametrize("k", [0, -1, True, 2.0, "2"])
+def test_a_count_of_micro_batches_that_is_no_positive_int_is_a_value_error(strategy, n, k):
+    x = np.ones((n, 4), np.float32)
+    step = jm.replicate(
+        lambda p, x: recipes.accumulate_gradients(lambda p, x: jnp.sum(x * p), p, x, k),
+        strategy=strategy,
+    )
+    with pytest.raises(ValueError, match=r"num_micro_batches=.*positive int"):
+        step(strategy.mirror(jnp.ones(())), jm.PerReplica(x))
+
+
 # --- NNX: batch statistics and metrics as k sequential micro-batch passes ------------------------
 
 
