@@ -191,9 +191,9 @@ class ReplicaContext:
             leaves are reduced as they are. `None` reduces every leaf in its own dtype.
 
         Returns:
-          The reduced tree, identical on every replica, each leaf in its own dtype.
-          Differentiable: the gradient of `all_reduce(SUM, x) * c` with respect to `x` is the
-          all-reduce of `c`.
+          The reduced tree, identical on every replica, each leaf in its own dtype (the
+          `MEAN` of an integer leaf as `jnp.mean` gives it: floating). Differentiable: the
+          gradient of `all_reduce(SUM, x) * c` with respect to `x` is the all-reduce of `c`.
 
         Raises:
           TypeError: `dtype` is not a floating dtype.
