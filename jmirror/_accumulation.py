@@ -124,8 +124,9 @@ def accumulate_gradients(
     return loss, _own_dtypes(grads, diff)
 
 
-def _check(batch: PyTree, num_micro_batches: int) -> int:
-    """Returns `num_micro_batches` as an int (numpy integers too), checked against `batch`."""
+def _count(num_micro_batches: int, call: str = "recipes.accumulate_gradients") -> int:
+    """Returns `num_micro_batches` as an int (numpy integers too); refuses anything else than
+    a positive one."""
     count = None
     if not isinstance(num_micro_batches, bool):
         try:
@@ -133,18 +134,20 @@ def _check(batch: PyTree, num_micro_batches: int) -> int:
         except TypeError:
             pass
     if count is None or count < 1:
-        raise ValueError(
-            f"recipes.accumulate_gradients(num_micro_batches={num_micro_batches!r}) expects a "
-            "positive int."
-        )
-    num_micro_batches = count
+        raise ValueError(f"{call}(num_micro_batches={num_micro_batches!r}) expects a positive int.")
+    return count
+
+
+def _check(batch: PyTree, num_micro_batches: int) -> int:
+    """Returns `num_micro_batches` as an int (`_count`), checked against `batch`."""
+    count = _count(num_micro_batches)
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
         size = jnp.shape(leaf)[0] if jnp.ndim(leaf) else None
-        if size is None or size % num_micro_batches:
+        if size is None or size % count:
             raise ValueError(
                 f"recipes.accumulate_gradients: the batch leaf at {jax.tree_util.keystr(path)!r} "
                 f"has shape {jnp.shape(leaf)}, whose leading size is not divisible by "
-                f"num_micro_batches={num_micro_batches}. Use a per-replica batch size that is "
+                f"num_micro_batches={count}. Use a per-replica batch size that is "
                 "a multiple of num_micro_batches."
             )
     return count
@@ -255,6 +258,10 @@ def make_accumulating_train_step(
         in (`jm.all_reduce(..., dtype=)`).
       strategy: passed to `jm.replicate`.
 
+    Raises:
+      ValueError: when `num_micro_batches` is not a positive int (the batch's divisibility
+        is checked when the step is traced).
+
     Example:
         >>> import jax.numpy as jnp, numpy as np, optax, jmirror as jm
         >>> from flax.training.train_state import TrainState
@@ -269,6 +276,8 @@ def make_accumulating_train_step(
         >>> float(strategy.read(state.params["w"])), float(strategy.read(loss))
         (1.0, 1.0)
     """
+
+    num_micro_batches = _count(num_micro_batches, "recipes.make_accumulating_train_step")
 
     def accumulate(params: PyTree, batch: PyTree, args: tuple, opt_state: PyTree) -> tuple:
         return accumulate_gradients(

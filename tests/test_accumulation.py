@@ -204,6 +204,12 @@ def test_a_count_of_micro_batches_that_is_no_positive_int_is_a_value_error(strat
         step(strategy.mirror(jnp.ones(())), jm.PerReplica(x))
 
 
+@pytest.mark.parametrize("k", [0, True, 1.5])
+def test_a_step_with_a_bad_count_of_micro_batches_is_refused_when_made(strategy, k):
+    with pytest.raises(ValueError, match=r"make_accumulating_train_step\(num_micro_batches="):
+        recipes.make_accumulating_train_step(lambda p, x: jnp.sum(x), k, strategy=strategy)
+
+
 # --- NNX: batch statistics and metrics as k sequential micro-batch passes ------------------------
 
 
