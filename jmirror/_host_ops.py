@@ -23,6 +23,7 @@ from jmirror import _shard_jaxpr
 from jmirror._adapter import map_traced, static_leaves
 from jmirror._components import replica_component, replica_copy
 from jmirror._cross_replica import REDUCERS, CrossReplica
+from jmirror._placement import split_error
 from jmirror._topology import Topology, declared_leaves
 from jmirror._values import (
     Aggregation,
@@ -291,13 +292,7 @@ class HostOps(CrossReplica):
             if static or shape is None or shape[:1] == (n,):
                 continue
             where = jax.tree_util.keystr(path) or "<root>"
-            raise ValueError(
-                f"strategy.{call} got a per-replica value whose leaf at {where} has shape "
-                f"{tuple(shape)}: {shape[0] if shape else 'no'} component(s) where the "
-                f"strategy has {n} replicas. A PerReplica holds one component per replica "
-                "(leading axis num_replicas); build it for this strategy, or use the strategy "
-                "that made it."
-            )
+            raise split_error(f"strategy.{call}", self.topology, where, leaf)
 
     def gather(self, value: PyTree, axis: int) -> PyTree:
         def one(x: PyTree) -> PyTree:

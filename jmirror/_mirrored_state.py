@@ -30,7 +30,7 @@ from typing import Any, cast
 
 import jax
 
-from jmirror._values import PerReplica, PyTree, is_distributed
+from jmirror._values import PerReplica, PyTree, held_values, is_distributed
 
 # Causes of a divergence that the message has a fix for.
 GRADIENTS = "gradients"  # parameters (or optimizer state) updated from unreduced gradients
@@ -398,7 +398,7 @@ def _source(traced: Traced, out: Any, where: tuple, candidates: list[tuple[tuple
 
 def _held(x: object) -> object:
     """Returns the array a result or argument node holds (a `PerReplica`'s stacked values)."""
-    return x._values if type(x) is PerReplica else x
+    return held_values(x) if type(x) is PerReplica else x
 
 
 def _common_suffix(a: tuple, b: tuple) -> int:

@@ -39,6 +39,7 @@ from jmirror import _context, _mirrored_state, _nnx_metrics, _proof
 from jmirror._adapter import Adapted, OutputLayout
 from jmirror._arguments import flatten
 from jmirror._backends import Output
+from jmirror._call_warnings import argument_path
 from jmirror._flax import BATCH_NORM
 from jmirror._mirrored_state import Diverged, Traced
 from jmirror._nnx_metrics import MetricComponents
@@ -99,21 +100,16 @@ def _is_graph(x: object) -> bool:
 
 
 def _refuse_graph_only(
-    nnx: types.ModuleType, name: str, flat: list[tuple[tuple, Any]], dynamic: list[int]
+    nnx: types.ModuleType, name: str, flat: list[tuple[tuple, Any]], static: tuple
 ) -> None:
     """Raises a `TypeError` at an NNX object that is no JAX pytree (declared with
     `pytree=False`, as `nnx.Object` is): it reaches the trace as one static leaf, so nothing
     in it can be traced or written back. `flat`: the leaves of `([dynamic args], kwargs)`
-    with their paths; `dynamic`: the positions of those arguments."""
+    with their paths; `static`: the static positions."""
     for path, x in flat:
         if isinstance(x, nnx.Pytree) and not isinstance(x, nnx.Variable):
-            keystr = jax.tree_util.keystr
-            if path[0].idx == 0:
-                where = f"args[{dynamic[path[1].idx]}]{keystr(path[2:])}"
-            else:
-                where = f"kwargs{keystr(path[1:])}"
             raise TypeError(
-                f"{name} got {type(x).__name__} at {where}, an "
+                f"{name} got {type(x).__name__} at {argument_path(path, static)}, an "
                 "NNX object that is not a JAX pytree (declared with pytree=False, as "
                 "nnx.Object is): jm.replicate takes NNX objects through their pytree leaves to "
                 "trace them and write their changes back. Declare the class without "
@@ -560,7 +556,7 @@ class _Entry:
         is_variable = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
         flat = jax.tree_util.tree_flatten_with_path(root, is_leaf=is_variable)[0]
         found = [(p, x) for p, x in flat if isinstance(x, nnx.Variable)]
-        _refuse_graph_only(nnx, self.name, flat, dynamic)
+        _refuse_graph_only(nnx, self.name, flat, self.static)
         for path, first in self.shared:
             _set_at(root, path, _get_at(root, first))
         for j, i in self.aliases:
