@@ -3,6 +3,8 @@
 1. `put_rows`: placing row i of a host array on device i in one call.
 2. `distributed_client`: the client of JAX's coordination service (key-value store, barriers);
    `distributed_configuration`: the coordinator, count and index it was started with.
+3. `write_cache_from_every_process`: JAX's persistent compilation cache written by every
+   process of a run on XLA:CPU, not by process 0 alone.
 
 **put_rows.**
 
@@ -28,12 +30,24 @@ uses the public path from then on.
 internal and does not expose it (orbax reads the same internal); `jmirror._deadline` uses it to
 name the processes that did not arrive at a wait. It returns None where the internal is missing
 or the runtime is not started.
+
+**write_cache_from_every_process.** JAX writes its persistent compilation cache from process 0
+only, expecting the other processes to find the same entries; on XLA:CPU each process's keys
+hash its own CPU topology, so no other process ever finds one, and after every restart the
+other processes compile each step again while process 0 waits for them in its first collective.
+JAX has no public setting for it (`jax_share_binary_between_hosts` waits on the same
+per-process key). The function wraps JAX's cache write (`jax._src.compiler._cache_write`) so
+that on XLA:CPU every process writes its own entries, with JAX's own threshold and error
+handling; process 0, other backends (whose processes share keys) and programs with host
+callbacks keep JAX's behaviour. Where the internal is missing or its signature changed, it
+does nothing and returns False: the other processes compile again, as without it.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.metadata
+import inspect
 import warnings
 from typing import Any
 
@@ -137,3 +151,65 @@ def distributed_client() -> Any:
         return None
     state = getattr(distributed, "global_state", None)
     return getattr(state, "client", None)
+
+
+_MIN_COMPILE_TIME = "jax_persistent_cache_min_compile_time_secs"  # JAX's threshold, honoured
+_CACHE_WRITE_PARAMETERS = (
+    "cache_key",
+    "compile_time_secs",
+    "module_name",
+    "backend",
+    "executable",
+    "host_callbacks",
+)
+
+
+def write_cache_from_every_process() -> bool:
+    """Makes every process of a run write JAX's persistent compilation cache on XLA:CPU.
+
+    Installs once per process; later calls do nothing. The cache itself stays JAX's: it writes
+    only where JAX would look for the entry (`jax_compilation_cache_dir` set, the program not
+    below `jax_persistent_cache_min_compile_time_secs`).
+
+    Returns:
+      Whether the write is wrapped: False where JAX's internal is missing or changed.
+    """
+    try:
+        from jax._src import compilation_cache, compiler, distributed  # the internals, here only
+    except ImportError:
+        return False
+    write = getattr(compiler, "_cache_write", None)
+    put = getattr(compilation_cache, "put_executable_and_time", None)
+    if write is None or put is None:
+        return False
+    if getattr(write, "_jmirror_every_process", False):
+        return True
+    if tuple(inspect.signature(write).parameters) != _CACHE_WRITE_PARAMETERS:
+        return False
+
+    @functools.wraps(write)
+    def write_from_every_process(
+        cache_key, compile_time_secs, module_name, backend, executable, host_callbacks
+    ):
+        process = getattr(getattr(distributed, "global_state", None), "process_id", 0)
+        if process == 0 or host_callbacks or getattr(backend, "platform", None) != "cpu":
+            return write(
+                cache_key, compile_time_secs, module_name, backend, executable, host_callbacks
+            )
+        if compile_time_secs < getattr(jax.config, _MIN_COMPILE_TIME):
+            return None
+        try:
+            put(cache_key, module_name, executable, backend, int(compile_time_secs))
+        except Exception as e:  # JAX warns and goes on too: the step is compiled either way
+            warnings.warn(
+                f"jmirror: could not write the persistent compilation cache entry for "
+                f"'{module_name}' from process {process}: {type(e).__name__}: {e}. "
+                "This process compiles it again after a restart.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return None
+
+    write_from_every_process._jmirror_every_process = True  # type: ignore[attr-defined]
+    compiler._cache_write = write_from_every_process
+    return True

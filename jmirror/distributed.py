@@ -210,6 +210,8 @@ def initialize(
     _timeout_s = timeout
     if jax.process_count() > 1:
         sys.excepthook = _exit_at_once(sys.excepthook, request.heartbeat_timeout_s + 5)
+        # A restart then finds its compiled steps on every process, not on process 0 alone.
+        _shim.write_cache_from_every_process()
     _initialized = request
 
 

@@ -1,10 +1,10 @@
 """`python -m jmirror.launch --compilation-cache DIR|off`: compiled steps survive a restart.
 
-The environment the launcher gives its processes is checked in both device passes; the test
-that starts processes runs once, in the 8-device pass: a JAX process of 2 host devices times
-the first call of a step that takes long to compile, fails, is restarted by the launcher and
-times it again. (One process: on XLA:CPU, JAX writes the cache from process 0 only and keys
-its entries by each process's own devices, so the others compile again; see the README.)
+The environment the launcher gives its processes is checked in both device passes; the tests
+that start processes run once, in the 8-device pass: each process times the first call of a
+step that takes long to compile, fails, is restarted by the launcher and times it again. With
+several processes on XLA:CPU each process finds its own entries (JAX alone writes only process
+0's, and the others' keys differ).
 """
 
 import os
@@ -60,14 +60,15 @@ def test_a_directory_given_wins_and_off_disables_it(tmp_path):
     assert off["JAX_ENABLE_COMPILATION_CACHE"] == "false"
 
 
-def _first_calls(tmp_path, cache: str) -> dict[str, float]:
-    """The first call's CPU seconds by restart (`"0"`, `"1"`) of a run with `cache`: the
-    process's own work, which other jobs on a loaded machine do not stretch as they stretch
-    wall time (benchmarks/restart_cache_bench.py gives both)."""
+def _first_calls(tmp_path, cache: str, processes: int = 1) -> dict[tuple[str, str], float]:
+    """The first call's CPU seconds by (restart, process) (`("0", "1")`: the cold start's
+    process 1) of a run with `cache`: the process's own work, which other jobs on a loaded
+    machine do not stretch as they stretch wall time (benchmarks/restart_cache_bench.py gives
+    both)."""
     run = harness.launch(
         [
-            *("--processes", "1", "--devices-per-process", "2", "--max-restarts", "1"),
-            *("--compilation-cache", cache, str(WORKER)),
+            *("--processes", str(processes), "--devices-per-process", str(2 // processes)),
+            *("--max-restarts", "1", "--compilation-cache", cache, str(WORKER)),
         ],
         tmp_path,
         f"cache-{os.path.basename(cache)}",
@@ -75,20 +76,28 @@ def _first_calls(tmp_path, cache: str) -> dict[str, float]:
     )
     code, _ = run.wait(RUN_S)
     assert code == 0, run.output()
-    pattern = r"first call restart (\d) process 0 [\d.]+ cpu ([\d.]+)"
-    found = dict(re.findall(pattern, run.output()))
-    assert sorted(found) == ["0", "1"], run.output()
-    return {restart: float(seconds) for restart, seconds in found.items()}
+    pattern = r"first call restart (\d) process (\d) [\d.]+ cpu ([\d.]+)"
+    found = {(restart, i): float(s) for restart, i, s in re.findall(pattern, run.output())}
+    expected = [(r, str(i)) for r in "01" for i in range(processes)]
+    assert sorted(found) == expected, run.output()
+    return found
 
 
 @starts_processes
 def test_a_restart_finds_its_steps_compiled(tmp_path):
     first = _first_calls(tmp_path, str(tmp_path / "cache"))
     assert any((tmp_path / "cache").iterdir())  # the steps, written by the cold start
-    assert first["1"] <= 0.3 * first["0"], first
+    assert first["1", "0"] <= 0.3 * first["0", "0"], first
+
+
+@starts_processes
+def test_every_process_of_a_restart_finds_its_steps_compiled(tmp_path):
+    first = _first_calls(tmp_path, str(tmp_path / "cache"), processes=2)
+    for process in "01":
+        assert first["1", process] <= 0.3 * first["0", process], (process, first)
 
 
 @starts_processes
 def test_with_the_cache_off_a_restart_compiles_again(tmp_path):
     first = _first_calls(tmp_path, "off")
-    assert first["1"] > 0.5 * first["0"], first
+    assert first["1", "0"] > 0.5 * first["0", "0"], first

@@ -129,3 +129,73 @@ def test_an_internal_that_rejects_the_call_warns_once_then_uses_the_public_path(
         warnings.simplefilter("error")
         _assert_same_array(_shim.put_rows(x, sharding), want)
     assert len(calls) == 1
+
+
+class _Backend:
+    def __init__(self, platform: str):
+        self.platform = platform
+
+
+def _fake_cache_internals(monkeypatch):
+    """JAX's cache write and put replaced by recorders; returns (writes, puts)."""
+    from jax._src import compilation_cache, compiler
+
+    writes, puts = [], []
+
+    def _cache_write(
+        cache_key, compile_time_secs, module_name, backend, executable, host_callbacks
+    ):
+        writes.append(cache_key)
+
+    def put_executable_and_time(cache_key, module_name, executable, backend, compile_time):
+        puts.append(cache_key)
+
+    monkeypatch.setattr(compiler, "_cache_write", _cache_write)
+    monkeypatch.setattr(compilation_cache, "put_executable_and_time", put_executable_and_time)
+    return writes, puts
+
+
+def test_every_process_writes_its_own_cache_entries_on_cpu(monkeypatch):
+    writes, puts = _fake_cache_internals(monkeypatch)
+    threshold = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    try:
+        _every_process_writes(writes, puts, monkeypatch)
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
+
+
+def _every_process_writes(writes, puts, monkeypatch):
+    from jax._src import compiler, distributed
+
+    assert _shim.write_cache_from_every_process()
+    write = compiler._cache_write
+    assert _shim.write_cache_from_every_process() and compiler._cache_write is write  # once
+
+    def compiled(key, backend="cpu", seconds=2.0, callbacks=()):
+        write(key, seconds, "step", _Backend(backend), object(), callbacks)
+
+    monkeypatch.setattr(distributed.global_state, "process_id", 0)
+    compiled("process 0: JAX's own write")
+    monkeypatch.setattr(distributed.global_state, "process_id", 1)
+    compiled("process 1, cpu")
+    compiled("process 1, gpu", backend="gpu")
+    compiled("process 1, host callbacks", callbacks=(print,))
+    compiled("process 1, quick", seconds=0.5)
+    assert writes == [
+        "process 0: JAX's own write",
+        "process 1, gpu",
+        "process 1, host callbacks",
+    ]
+    assert puts == ["process 1, cpu"]
+
+
+def test_a_changed_cache_write_is_left_alone(monkeypatch):
+    from jax._src import compiler
+
+    def _cache_write(cache_key, executable):  # another JAX's signature
+        pass
+
+    monkeypatch.setattr(compiler, "_cache_write", _cache_write)
+    assert not _shim.write_cache_from_every_process()
+    assert compiler._cache_write is _cache_write
