@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmirror._cluster_config import process_counts
-from jmirror._prefetch import Control, Position, _Positioned, _Warning
+from jmirror._prefetch import Control, Layout, Position, _Positioned, _Warning
 from jmirror._shim import put_rows
 from jmirror._source import Resume, Source
 from jmirror._source_state import SourceState
@@ -409,7 +409,10 @@ def _split_batches(
             value = PerReplica(treedef.unflatten(placed))
         else:
             value = PaddedBatch(PerReplica(treedef.unflatten(placed[:-1])), PerReplica(placed[-1]))
-        yield _Positioned(value, position, incomplete and drop_everywhere, rows if local else None)
+        # Several processes compare their batches' layouts before each step is used.
+        layout = Layout.of(treedef, leaves, "batch", rows=True) if processes > 1 else None
+        share = rows if local else None
+        yield _Positioned(value, position, incomplete and drop_everywhere, share, layout)
 
 
 def _incomplete(call: str, index: int, size: int, rows: int, g: int, n: int, shares: Shares) -> str:
@@ -503,7 +506,12 @@ def dealt_batches(
                 stacked = _stack_group(topology, group, step)
                 step += 1
                 position = dataclasses.replace(position, batches=step, state=state)
-                yield _Positioned(stacked, position)
+                layout = None
+                if processes > 1:  # compared with the other processes' before the step is used
+                    flat, treedef = _flatten(group[0])
+                    leaves = [np.asarray(x) for x in flat]
+                    layout = Layout.of(treedef, leaves, "element", rows=False)
+                yield _Positioned(stacked, position, layout=layout)
                 group = []
     finally:
         pulled.close()

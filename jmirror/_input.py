@@ -287,9 +287,10 @@ class _Counted(DistributedIterator):
 
 
 def _agreement(topology: Topology) -> Agree | None:
-    """With several processes, `agree(state)`: every process's state for the next step.
+    """With several processes, `agree(values)`: every process's values for the next step
+    (`jmirror._prefetch.Agree`).
 
-    Each process puts its state on its first device as its row of a `(P,)` array over one
+    Each process puts its values on its first device as its row of a `(P, 3)` array over one
     device per process; one compiled all-gather (gloo on CPU) gives every process every row.
     One device per process, not all N: on 2 processes x 4 host devices an all-gather over all
     8 took about 5.5 ms, over 2 about 0.5 ms (benchmarks/RESULTS.md). None for one process.
@@ -304,8 +305,9 @@ def _agreement(topology: Topology) -> Agree | None:
     rows, gather = NamedSharding(mesh, P("process")), _all_gather(NamedSharding(mesh, P()))
     shape = (len(order),)
 
-    def agree(state: int) -> list[int]:
-        mine = jax.make_array_from_process_local_data(rows, np.array([state], np.int32), shape)
+    def agree(values: tuple[int, int, int]) -> list[list[int]]:
+        local = np.array([values], np.int32)
+        mine = jax.make_array_from_process_local_data(rows, local, shape + local.shape[1:])
         # Bounded from the dispatch (this small program runs inline on XLA:CPU, waiting for
         # the others there); the first call's compilation is not counted.
         with _deadline.bounded(_AGREEMENT, topology.timeout_s):

@@ -37,7 +37,11 @@ issued from two threads at once may pair differently on each process. One proces
 `agree` and asks nothing. With process-local shares (see `jmirror._input`) a process may
 answer `SHORT` (a batch whose share is incomplete under `remainder="drop"`): when every
 process has a batch and any is `SHORT`, every process drops that step; on a pass's first
-step the processes also agree on their shares' size.
+step the processes also agree on their shares' size. With each answer goes the signature of
+the batch's `Layout` (structure, dtypes, shapes beyond the rows): batches that differ between
+processes would make each process a different global array (XLA then aborts, or reads one
+dtype's bytes as another's), so a difference ends the pass on every process with a
+`ValueError` naming this process's layout.
 
 Positions: each batch travels with the `Position` the consumer stands at once it has
 received it, the source's own state included (taken in the thread that pulled the batch),
@@ -54,6 +58,7 @@ import threading
 import time
 import warnings
 import weakref
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -103,19 +108,57 @@ class Position:
 
 
 @dataclasses.dataclass(frozen=True)
+class Layout:
+    """What one step's batch must share with every other process's: its pytree structure and
+    each leaf's dtype and shape (beyond the rows, for a batch or share).
+
+    `leaves` describes each leaf as `dtype[shape]`; `what` names the batch ("share", "batch",
+    "element"); `signature` is a 32-bit hash of the structure and leaves, what the processes
+    compare at each step.
+    """
+
+    treedef: Any
+    leaves: tuple[str, ...]
+    what: str
+    signature: int
+
+    @classmethod
+    def of(cls, treedef: Any, leaves: Sequence[Any], what: str, rows: bool) -> Layout:
+        """Returns the layout of flat `leaves` of structure `treedef` (`rows`: the first axis is
+        the batch's rows, which may differ between processes, and is shown as `rows`)."""
+        described = tuple(
+            f"{x.dtype}[{', '.join(['rows'] * rows + [str(d) for d in x.shape[rows:]])}]"
+            for x in leaves
+        )
+        signature = zlib.crc32(f"{treedef}|{described}".encode()) - (1 << 31)  # an int32
+        return cls(treedef, described, what, signature)
+
+    def describe(self) -> str:
+        """Returns each leaf's path, dtype and shape, as `batch['x']: float32[rows, 3]`."""
+        numbered = self.treedef.unflatten(range(len(self.leaves)))
+        paths = jax.tree_util.tree_flatten_with_path(numbered)[0]
+        return ", ".join(
+            f"{self.what}{jax.tree_util.keystr(path)}: {leaf}"
+            for (path, _), leaf in zip(paths, self.leaves, strict=True)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class _Positioned:
     """A batch and the input position the consumer stands at once it has received it.
 
     Across processes: `incomplete` marks a process-local share that `remainder="drop"` drops
     on every process if any process's is incomplete; `share` is the rows of this process's
     share of G (process-local input only), which the processes compare on the first step
-    they use.
+    they use; `layout`, with several processes, what every process's batch of the step must
+    share.
     """
 
     value: PyTree
     position: Position
     incomplete: bool = False
     share: int | None = None
+    layout: Layout | None = None
 
 
 class Control:
@@ -269,8 +312,9 @@ class _Prefetcher:
 # What a process has for the next step of a pass over several processes (see `agree`):
 # SHORT is a batch whose process-local share is incomplete, dropped everywhere under "drop".
 ENDED, HAS_BATCH, FAILED, SHORT = 0, 1, 2, 3
-# `agree(state)`: this process's state in, every process's state out (index = process).
-Agree = Callable[[int], Sequence[int]]
+# `agree(values)`: this process's values in, every process's out (index = process), each
+# `(state, layout signature, share rows)`.
+Agree = Callable[[tuple[int, int, int]], Sequence[Sequence[int]]]
 
 
 POSITION_FORMAT = "jmirror.input"
@@ -422,14 +466,21 @@ class DistributedIterator:
         process's share is incomplete under `remainder="drop"` (every process drops it)."""
         assert self._agree is not None
         mine = HAS_BATCH if kind == "item" else FAILED if kind == "error" else ENDED
-        if mine == HAS_BATCH and isinstance(value, _Positioned) and value.incomplete:
+        positioned = value if isinstance(value, _Positioned) else None
+        layout = positioned.layout if positioned is not None else None
+        share = positioned.share if positioned is not None else None
+        if mine == HAS_BATCH and positioned is not None and positioned.incomplete:
             mine = SHORT
-        states = list(self._agree(mine))
+        signature = layout.signature if layout is not None else 0
+        agreed = [tuple(v) for v in self._agree((mine, signature, share or 0))]
+        states = [v[0] for v in agreed]
         if all(state in (HAS_BATCH, SHORT) for state in states):
+            if layout is not None:
+                self._check_layouts(layout, [v[1] for v in agreed])
             if SHORT in states:
                 return False
-            if isinstance(value, _Positioned) and value.share is not None and not self._agreed:
-                self._check_shares(value.share)  # once, on the first step used
+            if share is not None and not self._agreed:
+                self._check_shares([v[2] for v in agreed])  # once, on the first step used
                 self._agreed = True
             return True
         self.close()
@@ -457,10 +508,28 @@ class DistributedIterator:
             )
         raise StopIteration
 
-    def _check_shares(self, share: int) -> None:
+    def _check_layouts(self, layout: Layout, signatures: list[int]) -> None:
+        """Checks that every process's batch of this step has this process's `layout`."""
+        if all(signature == layout.signature for signature in signatures):
+            return
+        self.close()
+        same = [i for i, signature in enumerate(signatures) if signature == layout.signature]
+        other = [i for i, signature in enumerate(signatures) if signature != layout.signature]
+        what = layout.what
+        whats = "batches" if what == "batch" else f"{what}s"
+        beyond = "" if what == "element" else " beyond their rows"
+        raise ValueError(
+            f"{self._call}: at step {self._steps} the processes' {whats} differ in structure, "
+            f"dtype or shape{beyond}, over {self._source}: process {_names(same)}'s "
+            f"{'is' if len(same) == 1 else 'are'} {layout.describe()}; process "
+            f"{_names(other)}'s differ{'s' if len(other) == 1 else ''} (its own error names "
+            f"it). One global batch is made of every process's {what}: each process's source "
+            f"must yield {whats} of the same pytree structure, with the same dtypes and the "
+            f"same shapes{'' if what == 'element' else ' but for the number of rows'}."
+        )
+
+    def _check_shares(self, shares: list[int]) -> None:
         """Checks, for process-local input, that every process's share of G holds the same rows."""
-        assert self._agree is not None
-        shares = list(self._agree(share))
         if len(set(shares)) == 1:
             return
         self.close()

@@ -93,5 +93,32 @@ def test_positions_resume_per_process(seen, prefetch):
         assert SHORT.format(2) in got["warnings"][0]
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize(
+    "kind, step, mine",
+    [
+        ("trailing", 1, ["batch['x']: float32[rows, 3]", "batch['x']: float32[rows, 4]"]),
+        ("dtype", 0, ["batch['x']: float32[rows, 3]", "batch['x']: int32[rows, 3]"]),
+        ("structure", 2, ["batch['y']: int32[rows]", "batch['x']: float32[rows, 3]; "]),
+    ],
+)
+def test_batches_that_differ_between_processes_stop_every_process(seen, kind, step, mine, prefetch):
+    for index, process in enumerate(seen):
+        got = process[f"layout/{kind}/prefetch{prefetch}"]
+        assert got["steps"] == step  # the steps before it ran, on every process
+        assert got["error"].startswith("ValueError: strategy.distribute_dataset: at step")
+        assert f"at step {step} the processes' batches differ" in got["error"]
+        assert f"process {index}'s is " in got["error"] and mine[index] in got["error"]
+        assert f"process {1 - index}'s differs" in got["error"]
+
+
+def test_elements_that_differ_between_pipelines_stop_every_process(seen):
+    for index, process in enumerate(seen):
+        got = process["layout/function"]
+        assert got["steps"] == 0
+        assert "at step 0 the processes' elements differ" in got["error"]
+        assert f"element: float32[2, {3 if index == 0 else 5}]" in got["error"]
+
+
 def test_the_run_is_short(seen):
     assert seen[0]["seconds"] < 60, seen[0]["seconds"]

@@ -92,6 +92,43 @@ for prefetch in (0, 2):
     data = strategy.distribute_dataset(failing, remainder="drop", prefetch=prefetch)
     results[f"error/prefetch{prefetch}"] = run_pass(data)
 
+
+# Batches that differ between the processes beyond their rows, from the step named: every
+# process stops there with a ValueError naming its own layout (never XLA's abort, or one
+# dtype's bytes read as another's).
+def shares(step_differs: int, kind: str) -> list[dict[str, np.ndarray]]:
+    out = []
+    for b in range(4):
+        x = np.full((n, 3), b, np.float32)
+        if me == 1 and b >= step_differs:
+            if kind == "trailing":
+                x = np.full((n, 4), b, np.float32)
+            elif kind == "dtype":
+                x = x.astype(np.int32)
+        batch = {"x": x, "y": np.full((n,), b, np.int32)}
+        if me == 1 and b >= step_differs and kind == "structure":
+            del batch["y"]
+        out.append(batch)
+    return out
+
+
+LAYOUTS = (("trailing", 1, True), ("dtype", 0, False), ("structure", 2, True))
+for kind, step_differs, local in LAYOUTS:
+    for prefetch in (0, 2):
+        data = strategy.distribute_dataset(
+            shares(step_differs, kind), remainder="drop", prefetch=prefetch, process_local=local
+        )
+        results[f"layout/{kind}/prefetch{prefetch}"] = run_pass(batch["x"] for batch in data)
+
+
+def elements(ctx: jm.InputContext) -> list[np.ndarray]:
+    width = 3 if ctx.input_pipeline_id == 0 else 5
+    return [np.full((2, width), i, np.float32) for i in range(8)]
+
+
+data = strategy.distribute_datasets_from_function(elements, prefetch=2)
+results["layout/function"] = run_pass(data)
+
 # Positions, per process: two batches, then resume from the position on a new dataset.
 for prefetch in (0, 2):
     batches = global_batches(5 if me == 0 else 4)
