@@ -368,6 +368,10 @@ def _split_batches(
     skip = resume.skip if resume is not None else 0
     drop_everywhere = local and remainder == "drop"
     what = "share" if local else "batch"
+    # Resumed on another process count from process-local shares: a first batch of the saved
+    # run's G/P rows (not this run's) is a source still batched for the saved count.
+    saved = resume.saved if resume is not None and g else shares.processes
+    compare = saved != shares.processes
     for index, batch, state in pulled:
         if index < skip:  # received before: looked at only to learn G
             flat, _ = _flatten(batch)
@@ -386,6 +390,10 @@ def _split_batches(
             if warning is not None:
                 yield warning
         rows = g // shares.processes
+        if compare:
+            compare = False
+            if size < rows and size == g // saved and remainder != "error":
+                yield _Warning(_resumed_short(call, what, size, rows, g, saved, remainder, shares))
         position = dataclasses.replace(
             position, batches=index + 1, global_batch_size=g, state=state
         )
@@ -413,6 +421,25 @@ def _split_batches(
         layout = Layout.of(treedef, leaves, "batch", rows=True) if processes > 1 else None
         share = rows if local else None
         yield _Positioned(value, position, incomplete and drop_everywhere, share, layout)
+
+
+def _resumed_short(
+    call: str, what: str, size: int, rows: int, g: int, saved: int, remainder: str, shares: Shares
+) -> str:
+    """Returns the warning of a pass resumed on another process count from process-local
+    shares whose first batch has the saved run's G/P rows: every one would be padded or
+    dropped."""
+    fate = "padded to that size (with a mask)" if remainder == "pad" else "dropped"
+    now = f"{shares.processes} processes" if shares.is_local else "1 process"
+    return (
+        f"{call}: the position given as start= was taken by {saved} processes, each reading "
+        f"its share of the global batch size G={g} ({size} rows), and this run has {now}, so "
+        f"each {what} holds G/{shares.processes} = {rows} rows; the first {what} read has "
+        f"{size}, the saved run's share: if every {what} is that size, each is incomplete and "
+        f"will be {fate}. A run continued on another process count keeps G: make each "
+        f"process's source yield {rows} rows (G / the process count), or pass start=None to "
+        f"start a new pass with G from the first {what}."
+    )
 
 
 def _incomplete(call: str, index: int, size: int, rows: int, g: int, n: int, shares: Shares) -> str:
@@ -496,7 +523,7 @@ def dealt_batches(
             unit="steps",
         )
     step = start.batches if start is not None else 0
-    position = Position(step, None, processes, processes > 1)
+    position = Position(step, None, processes, processes > 1, steps=True)
     group: list[Any] = []
     pulled = source.pull(control, resume)
     try:

@@ -56,7 +56,14 @@ Choices the spec leaves open:
   end of that process's block); under "drop" it is placed like the others and marked, and
   the processes' agreement drops that step on every process alike (it still counts in the
   position). On the first step the processes also agree on their shares' size: different
-  sizes would make different global batches, a `ValueError` naming each process's.
+  sizes would make different global batches, a `ValueError` naming each process's. At every
+  step they compare their batches' layouts (structure, dtypes, shapes beyond the rows; a
+  function's elements whole): a difference is a `ValueError` on every process at that step.
+- A position counts global batches (`distribute_dataset`) or steps of per-replica elements
+  (`distribute_datasets_from_function`, marked `"counts": "steps"`); each entry point refuses
+  the other's. A process-local position resumed on another process count whose source still
+  yields the saved run's shares gets a `UserWarning`: the position's G is kept, so each such
+  batch would be padded or dropped.
 """
 
 from __future__ import annotations
@@ -202,6 +209,7 @@ class DistributedDataset:
         *,
         start: Position | None = None,
         process_local: bool = False,
+        steps: bool = False,
         source: str = "the source",
         agree: Agree | None = None,
         stats: _step_stats.Recorder | None = None,
@@ -213,7 +221,7 @@ class DistributedDataset:
         self._prefetch = prefetch
         self._call = call
         self._start = start
-        self._fresh = Position(0, None, topology.process_count, process_local)
+        self._fresh = Position(0, None, topology.process_count, process_local, steps=steps)
         self._source = source
         # On host devices the step's compute shares the cores: see jmirror._prefetch.
         self._low_priority = topology.devices[0].platform == "cpu"
@@ -486,6 +494,7 @@ def _check_start(call: str, start: object) -> Position | None:
             f"{call}(start=...): the position's 'process_local' must be a bool, got "
             f"{process_local!r}. Pass `.position` unchanged."
         )
+    steps = _check_counts(call, start, g)
     state = start.get("source_state")
     return Position(
         batches,
@@ -493,7 +502,36 @@ def _check_start(call: str, start: object) -> Position | None:
         processes,
         process_local,
         None if state is None else read_public(call, state),
+        steps,
     )
+
+
+def _check_counts(call: str, start: Mapping[str, Any], g: int | None) -> bool:
+    """Returns whether a position for `call` counts steps (`distribute_datasets_from_function`),
+    refusing a position of the other kind: one counts global batches of G, the other steps of
+    per-replica elements, and each would skip the wrong number."""
+    counts = start.get("counts", "batches")
+    if counts not in ("batches", "steps"):
+        raise ValueError(
+            f"{call}(start=...): the position's 'counts' must be 'steps' or absent, got "
+            f"{counts!r}. Pass `.position` unchanged."
+        )
+    steps = call == _FUNCTION_CALL
+    if steps and g is not None:
+        raise ValueError(
+            f"{call}(start=...): this position was taken from a strategy.distribute_dataset "
+            f"iterator (it counts global batches of G={g}); a dataset function's pipelines "
+            "count steps of per-replica elements. Resume this pipeline from the position of "
+            "its own iterator (distribute_datasets_from_function's `.position`)."
+        )
+    if not steps and counts == "steps":
+        raise ValueError(
+            f"{call}(start=...): this position was taken from a "
+            "strategy.distribute_datasets_from_function iterator (it counts steps of "
+            "per-replica elements); a global source counts its global batches. Resume this "
+            "source from the position of its own iterator (distribute_dataset's `.position`)."
+        )
+    return steps
 
 
 def _count(call: str, start: Mapping[str, Any], key: str, meaning: str, least: int = 0) -> int:
@@ -583,6 +621,7 @@ def distribute_datasets_from_function(
         topology,
         start=position,
         process_local=topology.process_count > 1,
+        steps=True,
         source=source.describe(),
         agree=_agreement(topology),
         stats=stats,

@@ -80,10 +80,10 @@ class Position:
     """Where a pass stands: what `.position` gives, and what `start=` resumes from.
 
     `batches` counts the source's batches up to the last one received (for a pass of
-    `distribute_datasets_from_function`, its steps); `global_batch_size` is G, None until
-    known; `processes` and `process_local` say how the source's data was split (each of the
-    `processes` reading its own share, or every one the global batches); `state` is the source
-    iterator's own state after that batch, when it has one.
+    `distribute_datasets_from_function`, its steps: `steps` is then True); `global_batch_size`
+    is G, None until known; `processes` and `process_local` say how the source's data was
+    split (each of the `processes` reading its own share, or every one the global batches);
+    `state` is the source iterator's own state after that batch, when it has one.
     """
 
     batches: int
@@ -91,6 +91,7 @@ class Position:
     processes: int = 1
     process_local: bool = False
     state: SourceState | None = None
+    steps: bool = False
 
     def public(self, call: str) -> dict[str, Any]:
         """Returns the JSON-able dict a user saves; `TypeError` for a state that cannot be saved."""
@@ -102,6 +103,8 @@ class Position:
             "processes": self.processes,
             "process_local": self.process_local,
         }
+        if self.steps:  # a function's pipelines: what `start=` of `distribute_dataset` refuses
+            out["counts"] = "steps"
         if self.state is not None:
             out["source_state"] = self.state.public(call)
         return out

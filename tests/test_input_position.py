@@ -3,6 +3,7 @@
 import json
 import threading
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -249,3 +250,45 @@ def test_position_reads_are_safe_from_another_thread(s, n):
         pass
     reader.join()
     assert all(json.loads(json.dumps(p)) == p for p in seen)
+
+
+@pytest.mark.parametrize("remainder", ["pad", "drop"])
+def test_a_source_still_batched_for_the_saved_process_count_is_named(s, n, remainder):
+    # What two processes' iterators give after 3 steps of process-local shares of 2N rows.
+    position = {
+        "format": "jmirror.input",
+        "version": 2,
+        "batches": 3,
+        "global_batch_size": 4 * n,
+        "processes": 2,
+        "process_local": True,
+    }
+    shares = _batches([2 * n] * 6)  # this one process's source: still G/2 rows per batch
+    named = rf"taken by 2 processes.*G={4 * n} \({2 * n} rows\).*yield {4 * n} rows"
+    with pytest.warns(UserWarning, match=named):
+        got = list(s.distribute_dataset(shares, remainder=remainder, start=position))
+    assert len(got) == (3 if remainder == "pad" else 0)  # as the position's G makes them
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # batches of G rows resume without a word
+        whole = _batches([4 * n] * 6)
+        assert len(list(s.distribute_dataset(whole, remainder=remainder, start=position))) == 3
+
+
+def test_a_position_resumes_only_its_own_kind_of_input(s, n):
+    it = iter(s.distribute_dataset(_batches([4 * n] * 3), remainder="drop"))
+    next(it)
+    batches = it.position
+    it.close()
+    fn = s.distribute_datasets_from_function(lambda ctx: [np.zeros(2)] * (3 * s.num_replicas))
+    steps = iter(fn)
+    next(steps)
+    counted = steps.position
+    steps.close()
+    with pytest.raises(ValueError, match="taken from a strategy.distribute_dataset iterator"):
+        s.distribute_datasets_from_function(lambda ctx: [], start=batches)
+    with pytest.raises(ValueError, match="taken from a strategy.distribute_datasets_from_f"):
+        s.distribute_dataset([], start=counted)
+    resumed = s.distribute_datasets_from_function(
+        lambda ctx: [np.zeros(2)] * (3 * s.num_replicas), start=json.loads(json.dumps(counted))
+    )
+    assert len(list(resumed)) == 2
