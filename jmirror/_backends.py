@@ -149,17 +149,18 @@ def _out_layouts(
 
 def _with_replica_ids(closed: Any, topology: Topology) -> Callable[..., list[Any]]:
     """`closed` as a function of its inputs and, last, this replica's id, which stands for
-    `axis_index(axis)`.
+        `axis_index(axis)`.
 
-    Inside a shard_map manual over the replica axis only (replicas spanning several
-    devices), JAX lowers `axis_index` through a nested shard_map that needs a mesh in
-    context when the step is lowered; the replica id is an input instead (an iota split
-    over the replicas), so the step lowers wherever it is lowered. Calls of `jax.jit` inside
-    the replica function are evaluated inline; the bodies of `scan`, `cond` and `while` are
-    not entered, and `jm.replicate` lowers its steps with the mesh in context for them
-    (`Topology.mesh_scope`). A `with_sharding_constraint` to a bare
-    `PartitionSpec` (resolved against the mesh in context, `strategy.scope()`) is laid out
-    over the strategy's mesh.
+        Inside a shard_map manual over the replica axis only (replicas spanning several
+        devices), JAX lowers `axis_index` through a nested shard_map that needs a mesh in
+        context when the step is lowered; the replica id is an input instead (an iota split
+        over the replicas), so the step lowers wherever it is lowered. Calls of `jax.jit` inside
+        the replica function, and the primal bodies of `jax.custom_jvp` and `jax.custom_vjp`
+    functions, are evaluated inline; the bodies of `scan`, `cond` and `while` are
+        not entered, and `jm.replicate` lowers its steps with the mesh in context for them
+        (`Topology.mesh_scope`). A `with_sharding_constraint` to a bare
+        `PartitionSpec` (resolved against the mesh in context, `strategy.scope()`) is laid out
+        over the strategy's mesh.
     """
 
     def run(*flat: Any) -> list[Any]:
@@ -178,6 +179,10 @@ def _on_mesh(value: Any, here: AbstractMesh) -> Any:
     ):
         return NamedSharding(here, value.spec)
     return value
+
+
+# `jax.custom_jvp` / `jax.custom_vjp` functions (softplus, logaddexp, optax's sigmoid losses).
+_CUSTOM_CALLS = ("custom_jvp_call", "custom_vjp_call")
 
 
 def _evaluate(
@@ -202,6 +207,11 @@ def _evaluate(
             outs = [rid]
         elif name in ("pjit", "jit", "closed_call") and "jaxpr" in eqn.params:
             inner = eqn.params.get("jaxpr") or eqn.params["call_jaxpr"]
+            outs = _evaluate(inner.jaxpr, inner.consts, invals, rid, topology)
+        elif name in _CUSTOM_CALLS and isinstance(eqn.params.get("call_jaxpr"), jex.ClosedJaxpr):
+            # Differentiation is done: only the primal body runs. Bound whole, its body's
+            # equations would run with the mesh recorded when they were traced.
+            inner = eqn.params["call_jaxpr"]
             outs = _evaluate(inner.jaxpr, inner.consts, invals, rid, topology)
         elif name == "sharding_constraint" and isinstance(
             getattr(eqn.params["sharding"], "mesh", None), AbstractMesh

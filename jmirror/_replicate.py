@@ -222,7 +222,7 @@ class Replicated:
             # The common call: no deadline across processes, no mesh to set.
             result, token = self._dispatch(strategy, jitted, prepared)
         else:
-            with dispatch.bounded(self), strategy.topology.mesh_scope():
+            with dispatch.bounded(self), strategy.topology.mesh_scope(traced):
                 # With replicas spanning devices the mesh is in context while the step is
                 # traced and lowered: `axis_index` inside a scan, cond or while body lowers
                 # through it.

@@ -383,11 +383,17 @@ class Topology:
         """Returns whether `x` lives on exactly this topology's devices."""
         return x.sharding.device_set == self.device_set
 
-    def mesh_scope(self) -> contextlib.AbstractContextManager[Any]:
+    def mesh_scope(self, traced: bool = False) -> contextlib.AbstractContextManager[Any]:
         """Returns the context of a strategy's `scope`: with k > 1 `mesh` is the current mesh there
-        (`jax.set_mesh`), so that modules with partitioning metadata can be built inside."""
+        (`jax.set_mesh`), so that modules with partitioning metadata can be built inside.
+
+        `traced`: inside the caller's own `jax.jit`, where `jax.set_mesh` is refused, the mesh's
+        abstract form is current instead (`jax.sharding.use_abstract_mesh`).
+        """
         if self.devices_per_replica == 1:
             return _NO_MESH
+        if traced:
+            return jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh)
         return jax.set_mesh(self.mesh)
 
     def describe_spanning(self) -> str:

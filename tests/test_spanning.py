@@ -174,6 +174,65 @@ def test_replica_id_inside_scan_cond_and_loops(k):
     jm.replicate(_loops_of_replica_ids, strategy=strategy).lower(2.0).compile()
 
 
+@jax.custom_vjp
+def _doubled(v):
+    return v * 2.0
+
+
+_doubled.defvjp(lambda v: (_doubled(v), None), lambda _, g: (g * 2.0,))
+
+
+def _custom_rules(w, x):
+    """Functions with their own derivative rules: softplus, logaddexp (custom_jvp), optax's
+    sigmoid cross-entropy, and a custom_vjp; forward and under `jax.grad`."""
+    import optax
+
+    def loss(w):
+        z = x * w
+        labels = (x > 0).astype(x.dtype)
+        bce = optax.sigmoid_binary_cross_entropy(z, labels).mean()
+        return bce + jnp.mean(jax.nn.softplus(z) + jnp.logaddexp(z, 1.0) + _doubled(z))
+
+    value, grad = jax.value_and_grad(loss)(w)
+    return jm.all_reduce("mean", value), jm.all_reduce("mean", grad)
+
+
+@pytest.mark.parametrize("k", SPANS)
+def test_custom_derivative_rules_inside_replicas_spanning_devices(k):
+    n = 8 // k
+    x = np.random.default_rng(0).normal(size=(n, 4, 3)).astype(np.float32)
+    w = np.float32(0.7)
+    one = jm.MirroredStrategy(devices=jax.devices()[:n])
+    expected = one.run(_custom_rules, args=(w, jm.PerReplica(x)))
+    strategy = _spanning(k)
+    got = strategy.run(_custom_rules, args=(w, jm.PerReplica(x)))
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(np.asarray(strategy.read(g)), np.asarray(one.read(e)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("outer", ["jax.jit", "eqx.filter_jit"])
+def test_a_step_of_replicas_spanning_devices_inside_an_outer_jit(outer):
+    strategy = _spanning(2)
+    n = strategy.num_replicas
+    step = jm.replicate(
+        lambda w, x: jm.all_reduce("sum", jnp.sum(x * w) + jm.replica_id()), strategy=strategy
+    )
+    x = jm.PerReplica(np.arange(n * 3, dtype=np.float32).reshape(n, 3))
+    w = strategy.mirror(jnp.float32(2.0))
+    if outer == "jax.jit":
+        wrapped = jax.jit(step)
+    else:
+        eqx = pytest.importorskip("equinox")
+        wrapped = eqx.filter_jit(step)
+    expected = 2.0 * np.arange(n * 3).sum() + sum(range(n))
+    np.testing.assert_allclose(np.asarray(strategy.read(wrapped(w, x))), expected)
+    np.testing.assert_allclose(np.asarray(strategy.read(step(w, x))), expected)
+    # Replica ids inside scan, cond and loop bodies, lowered within the outer jit.
+    loops = jm.replicate(_loops_of_replica_ids, strategy=strategy)
+    for got, want in zip(jax.jit(loops)(2.0), loops(2.0)):
+        assert strategy.gather(got).tolist() == strategy.gather(want).tolist()
+
+
 @pytest.mark.parametrize("k", SPANS)
 def test_metrics_nnx_metrics_and_assertions_span_devices(k, tmp_path):
     """jm.metrics, nnx.metrics (Welford included, and their checkpoint and resume) and
