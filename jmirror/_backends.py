@@ -277,6 +277,23 @@ def choose(backend: str | None, topology: Topology, call: str = "MirroredStrateg
     return backend
 
 
+def compiler_options(topology: Topology) -> tuple[tuple[str, str], ...]:
+    """Returns the XLA compiler options of a step on `topology` (`()`: XLA's defaults).
+
+    On XLA:CPU with replicas spanning devices, JAX lowers a collective of the replica axis
+    with a sharding constraint inside its reduction (the other mesh axis is automatic), and
+    XLA's pass that promotes bfloat16 and float16 all-reduces to float32 aborts the process on
+    it ("Invalid binary instruction opcode copy"); XLA:CPU's collectives reduce those dtypes
+    without it.
+    """
+    if topology.devices_per_replica > 1 and topology.devices[0].platform == "cpu":
+        return _SPANNING_CPU
+    return ()
+
+
+_SPANNING_CPU = (("xla_disable_hlo_passes", "all-reduce-promotion"),)
+
+
 def executable(backend: str, topology: Topology) -> Callable[..., Executable]:
     """The backend that runs replica jaxprs for `backend` on `topology`.
 

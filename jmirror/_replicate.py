@@ -31,6 +31,7 @@ import jax.core
 
 from jmirror import (  # noqa: F401 (_flax registers what it knows)
     _adapter,
+    _backends,
     _compilations,
     _context,
     _dispatch,
@@ -61,11 +62,25 @@ class _Step:
     `jax.jit`s of each (with the requested donation, and without it where the donation
     policy skips it): `jitted` returns the result and an in-flight token, `lowerable` (for
     `.lower()`) the result only. `settled`: a call of it ran without compiling (an adapter's
-    fresh state needs no settling any more)."""
+    fresh state needs no settling any more). `make(with_token, options)` makes the `jax.jit`s
+    again with XLA compiler options, which `with_options` gives and keeps.
+    """
 
     jitted: dict[bool, Any]
     lowerable: dict[bool, Any]
+    make: Callable[[bool, tuple], dict[bool, Any]]
     settled: bool = False
+    _with: dict[tuple, tuple[dict[bool, Any], dict[bool, Any]]] = dataclasses.field(
+        default_factory=dict
+    )
+
+    def with_options(self, options: tuple) -> tuple[dict[bool, Any], dict[bool, Any]]:
+        """Returns `(jitted, lowerable)` compiled with `options` (`()`: XLA's defaults)."""
+        if not options:
+            return self.jitted, self.lowerable
+        if options not in self._with:
+            self._with[options] = (self.make(True, options), self.make(False, options))
+        return self._with[options]
 
 
 class Replicated:
@@ -111,16 +126,19 @@ class Replicated:
         body = Body(fn, repr(self), check, self._per_replica, self._warnings.mirrored_state)
         donate = (1,)
 
-        def jitted(with_token: bool) -> dict[bool, Any]:
+        def jitted(with_token: bool, options: tuple = ()) -> dict[bool, Any]:
             entry = functools.partial(body, with_token)
             if not with_token:
                 entry = _result_only(entry)
+            xla = dict(options) if options else None
             return {
-                True: jax.jit(entry, static_argnums=(0,), donate_argnums=donate),
-                False: jax.jit(entry, static_argnums=(0,)),
+                True: jax.jit(
+                    entry, static_argnums=(0,), donate_argnums=donate, compiler_options=xla
+                ),
+                False: jax.jit(entry, static_argnums=(0,), compiler_options=xla),
             }
 
-        return _Step(jitted(True), jitted(False))
+        return _Step(jitted(True), jitted(False), jitted)
 
     def __repr__(self) -> str:
         name = getattr(self._fn, "__qualname__", repr(self._fn))
@@ -216,12 +234,15 @@ class Replicated:
         """Runs the step within the bound on steps in flight; warns after it compiled."""
         dispatch = strategy.dispatch
         dispatch.wait_for_room()
-        jitted = step.jitted[donate]
         before = _compilations.on_this_thread()
         if dispatch.timeout_s is None and strategy.topology.devices_per_replica == 1:
             # The common call: no deadline across processes, no mesh to set.
-            result, token = self._dispatch(strategy, jitted, prepared)
+            result, token = self._dispatch(strategy, step.jitted[donate], prepared)
         else:
+            # Inside the caller's own jit, the options are its to give (JAX takes them only
+            # at the top level).
+            options = () if traced else _backends.compiler_options(strategy.topology)
+            jitted = step.with_options(options)[0][donate]
             with dispatch.bounded(self), strategy.topology.mesh_scope(traced):
                 # With replicas spanning devices the mesh is in context while the step is
                 # traced and lowered: `axis_index` inside a scan, cond or while body lowers
@@ -288,10 +309,9 @@ class Replicated:
         step, _ = self._adapt(args, kwargs)
         prepared = self._prepare(strategy, args, kwargs)[0]
         donates = self._donation_on(strategy).donates(args)
+        lowerable = step.with_options(_backends.compiler_options(strategy.topology))[1]
         with strategy.topology.mesh_scope():
-            lowered = step.lowerable[donates].lower(
-                prepared.plan, prepared.donated, prepared.others
-            )
+            lowered = lowerable[donates].lower(prepared.plan, prepared.donated, prepared.others)
 
         def prepare(args: tuple, kwargs: dict) -> Prepared:
             return self._prepare(strategy, args, kwargs)[0]

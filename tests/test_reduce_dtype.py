@@ -166,3 +166,31 @@ def test_shard_update_in_float32_equals_a_hand_cast(strategy, n):
         np.testing.assert_allclose(
             np.asarray(got, np.float32), np.asarray(want[0], np.float32), rtol=1e-2, atol=1e-2
         )
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="replicas spanning 2 devices need 8 devices")
+def test_reductions_in_a_dtype_across_replicas_spanning_devices():
+    # XLA:CPU's promotion of bfloat16 all-reduces aborted the process on the collectives of
+    # replicas spanning devices.
+    strategy = jm.MirroredStrategy(devices_per_replica=2)
+    n = strategy.num_replicas
+    test_all_reduce_in_bfloat16_narrows_float32_leaves(strategy, n)
+    test_shard_update_in_float32_equals_a_hand_cast(strategy, n)
+    tx = jm.shard_update(optax.sgd(0.5), reduce_dtype=jnp.bfloat16)
+    params = {k: v.astype(np.float32) for k, v in bf16_params().items()}
+    x = np.random.default_rng(3).standard_normal((n, 4, 7)).astype(np.float32)
+    placed = strategy.mirror(params)
+    step = sharded_step(strategy, tx)
+    lowered = step.lower(placed, tx.init(placed), jm.PerReplica(x))
+    assert lowered_operand_dtypes(lowered, "reduce_scatter") == ["bf16"]
+    new, _ = step(placed, tx.init(placed), jm.PerReplica(x))
+
+    def oracle(params, x):
+        grads = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"]) ** 2))(params)
+        narrow = lambda g: g.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+        grads = jax.tree.map(lambda g: narrow(lax.pmean(narrow(g), "i")), grads)
+        return jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
+
+    expected = jax.vmap(oracle, in_axes=(None, 0), axis_name="i")(params, x)
+    for got, want in zip(jax.tree.leaves(strategy.read(new)), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want[0]), rtol=1e-2, atol=1e-2)
