@@ -10,7 +10,9 @@ shards. Every process runs the same program and calls the same methods in the sa
   the global arrays (so every process gets the same value) and return this process's copy,
   on its first local device;
 - `local_results`, `distribute_values_from_function` and a `PerReplica` built by the user are
-  about this process's replicas (leading axis `num_local_replicas`).
+  about this process's replicas (leading axis `num_local_replicas`); a user's `PerReplica` or
+  `SyncOnRead` given to `reduce`, `gather` or `read` is made global first, as a replicated
+  call makes it, so that those compute over every replica on every process.
 
 With `timeout_s` (the topology's), each of these cross-process calls is bounded by
 `jmirror._deadline`: `mirror`'s broadcast and a read's dispatch are waited for here (a cheap
@@ -116,6 +118,10 @@ class ProcessHostOps(HostOps):
         dozen independent ones, or the two of one `metric.compute(strategy)`) can leave gloo's
         collectives of 2 x 4 processes waiting on each other for ever.
         """
+        if not (isinstance(x, jax.Array) and self.topology.is_placed(x)):
+            # Built by the user: this process's components, made one global value first (as a
+            # replicated call takes them), so every process computes over every replica.
+            x = globalize(self.topology, PerReplica(x)).values
         timeout = self.topology.timeout_s
         with _deadline.bounded(call, timeout):  # a cheap program may run (and wait) inline
             out = _jit_mirrored(fn, self.topology.mirrored)(x)

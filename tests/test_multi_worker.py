@@ -68,6 +68,22 @@ def test_local_results_and_user_per_replica_are_this_process(two_processes, back
         np.testing.assert_array_equal(seen[f"{backend}/user_per_replica_sum"], [4.0, 4.0])
 
 
+@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
+def test_reads_of_user_built_values_cover_every_process(two_processes, backend):
+    # Each process built its replicas' components (their global replica ids, 0-3 and 4-7).
+    expected = {
+        "reduce_sum": 28.0,
+        "reduce_max": 7.0,
+        "gather": np.arange(8),
+        "read_sum": 28.0,
+        "read_mean": 3.5,
+        "read_only_first_replica": 0.0,
+    }
+    for seen in two_processes:
+        for key, want in expected.items():
+            np.testing.assert_array_equal(seen[f"{backend}/user/{key}"], want, err_msg=key)
+
+
 def test_a_per_replica_of_all_replicas_built_on_one_process_is_refused(two_processes):
     for seen in two_processes:
         message = str(seen["wrong_size_error"])

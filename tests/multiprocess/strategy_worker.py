@@ -56,6 +56,15 @@ for backend in ("pmap", "shard_map"):
     )
     total = jm.replicate(lambda v: jm.all_reduce("sum", v), strategy=strategy)(mine)
     results[f"{backend}/user_per_replica_sum"] = np.asarray(strategy.read(total))
+    # Host reads of values the user built from this process's components: over every replica.
+    ranks = np.arange(4, dtype=np.float32) + 4 * strategy.process_index  # global replica ids
+    user = jm.PerReplica(ranks)
+    results[f"{backend}/user/reduce_sum"] = np.asarray(strategy.reduce("sum", user))
+    results[f"{backend}/user/reduce_max"] = np.asarray(strategy.reduce("max", user))
+    results[f"{backend}/user/gather"] = np.asarray(strategy.gather(user))
+    for aggregation in ("sum", "mean", "only_first_replica"):
+        value = jm.SyncOnRead(ranks, aggregation)
+        results[f"{backend}/user/read_{aggregation}"] = np.asarray(strategy.read(value))
     # NNX metrics (sync-on-read): each process passes its own replicas' rows of the values.
     metrics = nnx.MultiMetric(loss=nnx.metrics.Average(), stats=nnx.metrics.Welford())
     update = jm.replicate(lambda m, v: m.update(values=v), strategy=strategy)
