@@ -44,6 +44,23 @@ def test_state_of_a_strategy_with_another_devices_per_replica(n, old, new):
     assert step.num_compilations == 1  # its own outputs are in place
 
 
+@pytest.mark.parametrize("old, new", [(2, 1), (4, 2), (1, 2)])
+def test_a_checkpoint_saves_state_of_another_devices_per_replica(n, old, new, tmp_path):
+    if n < 4:
+        pytest.skip("needs 4 devices or more")
+    params = _strategy(old).mirror({"w": jnp.asarray(W), "b": jnp.ones(8)})
+    after = _strategy(new)
+    jm.checkpoint.save(tmp_path / "c", params, strategy=after)
+    restored = jm.checkpoint.restore(tmp_path / "c", strategy=after)
+    np.testing.assert_array_equal(np.asarray(after.read(restored["w"])), W)
+    np.testing.assert_array_equal(np.asarray(after.read(restored["b"])), np.ones(8))
+    # Its own stacked per-replica layout left unwrapped is still refused.
+    stacked = jm.PerReplica(np.zeros((after.num_replicas, 3), np.float32))
+    placed = after.run(lambda x: x, args=(stacked,))
+    with pytest.raises(TypeError, match="is not mirrored"):
+        jm.checkpoint.save(tmp_path / "d", {"x": placed.values}, strategy=after)
+
+
 def test_arrays_on_a_users_mesh_one_device_and_another_order(strategy, n):
     devices = jax.devices()
     mesh = Mesh(np.array(devices[::-1]), ("data",))

@@ -47,9 +47,21 @@ _NOT_MIRRORED = (
     "jm.checkpoint.save: the array at path {where!r} is not mirrored (its sharding is "
     "{sharding}); a state holds mirrored arrays, SyncOnRead and PerReplica nodes. Wrap "
     "per-replica values in jm.PerReplica, or mirror the array with strategy.mirror; an array "
-    "laid out inside the replicas (devices_per_replica > 1) is saved with strategy= the "
-    "strategy that laid it out."
+    "laid out inside the replicas (devices_per_replica > 1) over several processes is saved "
+    "with strategy= the strategy that laid it out."
 )
+
+
+def _laid_out_elsewhere(topology: Any, x: jax.Array) -> bool:
+    """Returns whether `x` is laid out by another strategy or mesh (a notebook re-run that
+    changed `devices_per_replica`) and wholly in this process: saved as its whole value, as a
+    replicated call would place it. An array on this strategy's own mesh that is not mirrored
+    (its stacked per-replica layout) stays an error: it is a `PerReplica` left unwrapped."""
+    sharding = x.sharding
+    on_this_mesh = isinstance(sharding, jax.sharding.NamedSharding) and (
+        sharding.mesh == topology.mesh
+    )
+    return x.is_fully_addressable and not on_this_mesh
 
 
 @dataclasses.dataclass
@@ -160,9 +172,12 @@ class _Encoder:
         if isinstance(x, jax.Array):
             # Mirrored: replicated everywhere, or laid out inside the replicas (k > 1) and
             # replicated over them; one replica's copy is the whole value, written once.
-            if not (x.is_fully_replicated or self.topology.is_mirrored(x)):
+            if x.is_fully_replicated or self.topology.is_mirrored(x):
+                self.fetch.append((name, local_copy(self.topology, x)))
+            elif _laid_out_elsewhere(self.topology, x):
+                self.fetch.append((name, x))  # the whole value: every shard is this process's
+            else:
                 raise TypeError(_NOT_MIRRORED.format(where=where, sharding=x.sharding))
-            self.fetch.append((name, local_copy(self.topology, x)))
             return _leaf("mirrored", name, x.shape, x)
         if isinstance(x, (np.ndarray, np.generic)):
             self.fetch.append((name, np.array(x, copy=True)))
