@@ -234,13 +234,18 @@ class Group:
     def _not_arrived(self, client: Any, keys: Keys, call: str, bound: float) -> None:
         """Ends the process (or raises, without a bound) naming the processes whose data has
         not come."""
-        here = {key.rpartition("/")[2] for key, _ in client.key_value_dir_get(keys.data)}
-        absent = tuple(p for p in self.processes if p != self.me and str(p) not in here)
+        try:
+            here = {key.rpartition("/")[2] for key, _ in client.key_value_dir_get(keys.data)}
+        except Exception:  # noqa: BLE001 - then the processes' published progress names them
+            absent = None
+        else:
+            absent = tuple(p for p in self.processes if p != self.me and str(p) not in here)
         if self.timeout_s is not None:
             _deadline.expire(call, self.timeout_s, setting=_SETTING, absent=absent or None)
         raise TimeoutError(
-            f"{call} has not completed in {bound} s: processes {list(absent)} did not make "
-            "this save. Every process must make the same saves in the same order."
+            f"{call} has not completed in {bound:g} s: processes {list(absent or ())} have "
+            "not arrived at this save. Find why: every process must make the same saves in "
+            "the same order."
         )
 
     def not_written(self, call: str, path: Path) -> RuntimeError:
