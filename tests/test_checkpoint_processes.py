@@ -403,6 +403,7 @@ def test_a_manager_save_skipped_while_iterating_input_ends_the_run_naming_the_sa
     for wrong in ("EnforceNotMet", "doesn't match", "still had more", "finished its input"):
         assert wrong not in out, out
     assert "process 0 saved step 2" in out and "process 0 saved step 4" not in out, out
+    assert "[0] process 0 keys left after step 2: []" in out, out
 
 
 # --- a pending async save at exit, on every process ---------------------------------------------

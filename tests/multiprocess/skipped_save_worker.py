@@ -5,7 +5,8 @@
 Trains over `strategy.distribute_dataset` with `timeout_s=TIMEOUT`, the state only mirrored
 parameters and optimizer state (no per-replica leaf), and saves it with a
 `CheckpointManager(DIR)` and the input position as `data` at steps 2 and 4; process 1 skips
-the save of step 4 and goes on to its next batch. Each process prints what it does.
+the save of step 4 and goes on to its next batch. Each process prints what it does, and the
+keys of the checkpoint saves left in the coordination service's store after step 2.
 """
 
 import sys
@@ -16,6 +17,7 @@ import optax
 from preamble import join
 
 import jmirror as jm
+from jmirror import _shim
 
 timeout, directory = float(sys.argv[1]), sys.argv[2]
 join(timeout_s=timeout, watchdog_s=timeout + 120)
@@ -53,5 +55,9 @@ for k, batch in enumerate(batches, 1):
         print(f"process {me} saves step {k}", flush=True)
         manager.save(k, {"w": w, "opt_state": opt_state}, data=batches.position)
         print(f"process {me} saved step {k}", flush=True)
+        if k == 2:  # both processes are past the save: no key of it is left in the store
+            manager.wait_until_finished()
+            left = _shim.distributed_client().key_value_dir_get("jmirror/checkpoint")
+            print(f"process {me} keys left after step {k}: {left}", flush=True)
 print(f"process {me} finished its input", flush=True)
 manager.close()
