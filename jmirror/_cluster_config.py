@@ -58,6 +58,9 @@ class Request:
     local_device_ids: tuple[int, ...] | None = None
     jax_detects: bool = True  # JAX's own detection fills what is None (and the GPUs)
     origin: str | None = None  # for a detected cluster: the variables the values came from
+    # The variable that chose the coordinator's port over the cluster's own (JAX's
+    # JAX_COORDINATOR_PORT or JAX_COORDINATOR_ADDRESS), which a busy port's fix names.
+    port_variable: str | None = None
 
 
 def resolve(
@@ -91,22 +94,25 @@ def resolve(
     complete = None not in resolved
     source = "arguments" if None not in given else "launcher" if launcher else "cluster"
     cluster = None if complete else detect_cluster()
-    local_device_ids, jax_detects, origin = None, True, None
+    local_device_ids, jax_detects, origin, port_variable = None, True, None, None
     if cluster is not None:
         # What JAX would fill in, filled in now: the argument given, else JAX's own variable,
         # else the cluster's value.
+        origin = f"{cluster.name}: {cluster.origin}"
         if coordinator_address is None and os.environ.get(ADDRESS_VARIABLE):
             coordinator_address = os.environ[ADDRESS_VARIABLE]
             _check_address(coordinator_address, ADDRESS_VARIABLE)
+            port_variable = ADDRESS_VARIABLE
+            origin = f"{ADDRESS_VARIABLE}={coordinator_address!r}, and {origin}"
         if coordinator_address is None:
             coordinator_address = cluster.coordinator_address
+            port_variable = cluster.port_variable
         if num_processes is None:
             num_processes = cluster.num_processes
         if process_id is None:
             process_id = cluster.process_id
         resolved = (coordinator_address, num_processes, process_id)
         complete = None not in resolved
-        origin = f"{cluster.name}: {cluster.origin}"
         if complete:
             local_device_ids, jax_detects = cluster.local_device_ids(), False
     where = f"from {origin}" if origin else f"from the {source}"
@@ -134,6 +140,7 @@ def resolve(
         local_device_ids,
         jax_detects,
         origin,
+        port_variable,
     )
 
 
@@ -344,6 +351,18 @@ def _origin(request: Request) -> str:
 
 
 def _port_fix(request: Request) -> str:
+    if request.port_variable == PORT_VARIABLE:
+        return (
+            f"The port is the one {PORT_VARIABLE} sets; set it to a free port (the same on "
+            "every process), or stop the program that holds it (e.g. an earlier run still "
+            "alive)."
+        )
+    if request.port_variable == ADDRESS_VARIABLE:
+        return (
+            f"The port is the one {ADDRESS_VARIABLE} names; give it a free port (the same on "
+            "every process), or stop the program that holds it (e.g. an earlier run still "
+            "alive)."
+        )
     if request.source == "cluster":
         return (
             f"JAX derives the port from the job id; choose a free one for every process with "
@@ -421,6 +440,7 @@ class Cluster:
     local_id: int | None  # this process's index among those on its host (JAX's choice of GPU)
     tasks_on_host: int | None  # how many of the run's processes share this host; None: unknown
     origin: str  # where the values come from, in words, for errors
+    port_variable: str | None = None  # JAX_COORDINATOR_PORT when it set the port
 
     def local_device_ids(self) -> tuple[int, ...] | None:
         """The GPUs this process should see: None for every GPU of its host.
@@ -483,7 +503,11 @@ def _open_mpi() -> Cluster | None:
         )
     host = next(group for group in found.groups() if group is not None)
     # JAX's port: the job id (a multiple of 2**12) over 2**12, in 61440-65535.
-    port = _override_port() or int(job) // 2**12 % 2**12 + 65536 - 2**12
+    override = _override_port()
+    port = override or int(job) // 2**12 % 2**12 + 65536 - 2**12
+    where = f"mpirun's address in {_OMPI_URI}"
+    if override:
+        where = f"the host of {where}, the port of {PORT_VARIABLE}={override}"
     return Cluster(
         "Open MPI",
         _address(host, port),
@@ -491,7 +515,8 @@ def _open_mpi() -> Cluster | None:
         _env_int("OMPI_COMM_WORLD_RANK", "Open MPI"),
         _env_int("OMPI_COMM_WORLD_LOCAL_RANK", "Open MPI"),
         _env_int("OMPI_COMM_WORLD_LOCAL_SIZE", "Open MPI", required=False),
-        f"mpirun's address in {_OMPI_URI}, OMPI_COMM_WORLD_SIZE and OMPI_COMM_WORLD_RANK",
+        f"{where}, OMPI_COMM_WORLD_SIZE and OMPI_COMM_WORLD_RANK",
+        PORT_VARIABLE if override else None,
     )
 
 
@@ -504,7 +529,11 @@ def _slurm() -> Cluster | None:
     nodes = os.environ["SLURM_STEP_NODELIST"]
     first = re.match(r"([^,\[]*)(?:\[([^,\-\]]*))?", nodes)
     host = "".join(part or "" for part in first.groups()) if first else nodes
-    port = _override_port() or int(_env_int("SLURM_JOB_ID", "SLURM")) % 2**12 + 65536 - 2**12
+    override = _override_port()
+    port = override or int(_env_int("SLURM_JOB_ID", "SLURM")) % 2**12 + 65536 - 2**12
+    where = "the step's first node in SLURM_STEP_NODELIST, SLURM_JOB_ID"
+    if override:
+        where = f"the step's first node in SLURM_STEP_NODELIST, {PORT_VARIABLE}={override}"
     return Cluster(
         "SLURM",
         _address(host, port),
@@ -512,7 +541,8 @@ def _slurm() -> Cluster | None:
         _env_int("SLURM_PROCID", "SLURM"),
         _env_int("SLURM_LOCALID", "SLURM"),
         _slurm_tasks_on_this_node(),
-        "the step's first node in SLURM_STEP_NODELIST, SLURM_JOB_ID, SLURM_NTASKS and SLURM_PROCID",
+        f"{where}, SLURM_NTASKS and SLURM_PROCID",
+        PORT_VARIABLE if override else None,
     )
 
 

@@ -314,8 +314,9 @@ def test_a_save_that_the_other_process_skips_to_exit_ends_the_run_naming_the_sav
     out = run.output()
     assert code != 0 and "process 0 saved alone" not in out, out
     assert elapsed < SKIP_TIMEOUT_S + 40, (elapsed, out)
+    # The save meets the other process before its first collective (reading the state).
     call = (
-        r"jm\.checkpoint\.save's gathering of the per-replica components"
+        rf"jm\.checkpoint\.save's barrier before writing {re.escape(str(tmp_path))}/alone"
         if mode == "save"
         else r"CheckpointManager\.save's gathering of every process's data"
     )
@@ -375,6 +376,34 @@ def test_a_skipped_save_of_mirrored_state_without_strategy_ends_the_run_naming_i
     ), out
     assert re.search(rf"\[0\] jmirror: processes that did not arrive at {call}: 1\.", out), out
     assert "jmirror.launch: process 0 exited with code 1" in out
+
+
+def test_a_manager_save_skipped_while_iterating_input_ends_the_run_naming_the_save(tmp_path):
+    # Process 1 skips the save of step 4 (mirrored state, the input position as data) and goes
+    # on to its input's next batch. The saver's gathering of the data used to be a device
+    # collective, which gloo paired with the skipper's input agreement: process 0 aborted
+    # ("Received data size doesn't match"), nothing named the save, and process 1 ended its
+    # pass early with a warning about uneven input.
+    command = ["--processes", "2", "--devices-per-process", "2"]
+    command += [str(HERE / "skipped_save_worker.py"), str(SKIP_TIMEOUT_S), str(tmp_path / "ck")]
+    run = harness.launch(command, tmp_path, "skipped-manager-save-input")
+    run.wait_for(r"process 1 skips the save of step 4", 120)
+    start = time.monotonic()
+    code, _ = run.wait(SKIP_TIMEOUT_S + 60)
+    elapsed = time.monotonic() - start
+    out = run.output()
+    assert code == 1 and "jmirror.launch: process 0 exited with code 1" in out, out
+    assert elapsed < SKIP_TIMEOUT_S + 25, (elapsed, out)
+    call = r"CheckpointManager\.save's gathering of every process's data"
+    assert re.search(
+        rf"\[0\] jmirror: timed out: {call} has not completed {SKIP_TIMEOUT_S} s", out
+    ), out
+    assert re.search(rf"\[0\] jmirror: processes that did not arrive at {call}: 1\.", out), out
+    assert "[0] jmirror:   process 1: waiting in the input agreement" in out, out
+    for wrong in ("EnforceNotMet", "doesn't match", "still had more", "finished its input"):
+        assert wrong not in out, out
+    assert "process 0 saved step 2" in out and "process 0 saved step 4" not in out, out
+    assert "[0] process 0 keys left after step 2: []" in out, out
 
 
 # --- a pending async save at exit, on every process ---------------------------------------------

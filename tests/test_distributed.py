@@ -501,6 +501,41 @@ def test_a_coordinator_port_in_use_is_an_os_error_naming_it(fresh, port_in_use, 
         jm.distributed.initialize()
 
 
+@pytest.mark.parametrize(
+    "cluster, variable",
+    [
+        ("open-mpi", "JAX_COORDINATOR_PORT"),
+        ("slurm", "JAX_COORDINATOR_PORT"),
+        ("open-mpi", "JAX_COORDINATOR_ADDRESS"),
+    ],
+)
+def test_a_busy_port_set_by_jaxs_variable_is_said_to_come_from_it(
+    fresh, port_in_use, cluster, variable
+):
+    # Process 0 of Open MPI binds the port itself; process 2 of SLURM finds it held.
+    if cluster == "open-mpi":
+        env = {**OPEN_MPI, "OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://127.0.0.1:34911"}
+        env["OMPI_COMM_WORLD_RANK"] = env["OMPI_COMM_WORLD_LOCAL_RANK"] = "0"
+    else:
+        env = {**SLURM_STEP, "SLURM_STEP_NODELIST": "127.0.0.1"}
+    value = str(port_in_use) if variable == "JAX_COORDINATOR_PORT" else f"127.0.0.1:{port_in_use}"
+    for name, text in {**env, variable: value}.items():
+        fresh.setenv(name, text)
+    request = _cluster_config.resolve(None, None, None, 10)
+    assert request.coordinator_address == f"127.0.0.1:{port_in_use}"
+    with pytest.raises(OSError, match=rf"coordinator port {port_in_use} ") as error:
+        _cluster_config.check_port_free(request)
+        _cluster_config.check_coordinator_port(request, answer_s=1)
+    message = str(error.value)
+    assert error.value.errno == errno.EADDRINUSE
+    assert f"{variable}={value!r}" in message or f"{variable}={value}" in message, message
+    # Neither mpirun's address nor the job id chose the port, and the variable the user
+    # already set is not offered as the fix.
+    assert "from Open MPI: mpirun's address" not in message, message
+    assert "SLURM_JOB_ID" not in message and f"with {variable}=<port>" not in message, message
+    assert f"The port is the one {variable} " in message, message
+
+
 def test_a_port_in_use_concerns_process_0_only(fresh, port_in_use):
     # Process 1 connects to the port (it is process 0's): only the "too late" error is left.
     with pytest.raises(RuntimeError, match="must run before anything touches a device"):

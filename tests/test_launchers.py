@@ -278,7 +278,9 @@ def test_a_busy_coordinator_port_is_named_within_seconds(request, tmp_path, held
     in_use = rf"OSError: \[Errno 98\] .*coordinator port {held_port} .*already in use"
     assert re.search(in_use, output), output
     assert "Failed to start RPC server" not in output and "Segmentation" not in output
-    assert "JAX_COORDINATOR_PORT=<port>" in output  # the fix
+    # Named as where the port came from, with the fix of that variable.
+    assert f"JAX_COORDINATOR_PORT={held_port}" in output, output
+    assert "The port is the one JAX_COORDINATOR_PORT sets" in output, output
     assert took < 60, f"{took:.0f} s: {output}"  # the other process did not wait minutes
     print(f"{launcher}: ended {took:.1f} s after it started")
 

@@ -68,10 +68,18 @@ def save(
         )
     strategy = strategy or get_strategy()
     group = _processes.Group.of(strategy, "jm.checkpoint.save")
+    keys = group.keys(str(path))
+    # Every process arrives before the save's first collective (reading the state), so that
+    # one that skips this save never has a collective of its own paired with one of it.
+    group.arrive(keys)
     doc, arrays = encode(state, strategy, group, [None])
     if group.size == 1:  # with several processes the writer reports it after the barrier
         _integrity.check_writable(path.parent, "jm.checkpoint.save")
-    group.write(group.keys(str(path)), lambda: _storage.write(path, arrays, doc, force=force))
+
+    def work() -> None:
+        _storage.write(path, arrays, doc, force=force)
+
+    group.write(keys, work, arrived=True)
     if not group.is_writer and not path.is_dir():
         raise group.not_written("jm.checkpoint.save", path)
 

@@ -165,7 +165,7 @@ class CheckpointManager(PreemptionMixin):
         arrays: dict,
         force: bool,
         group: _processes.Group,
-        keys: tuple[str, str],
+        keys: _processes.Keys,
     ) -> None:
         path = self._root / str(step)
 
@@ -280,11 +280,14 @@ class CheckpointManager(PreemptionMixin):
             )
         strategy = self._current_strategy()
         group = _processes.Group.of(strategy, "CheckpointManager.save")
-        # The collectives of a save, in this thread: the data, the reads and gathers.
-        doc, arrays = _checkpoint.encode(state, strategy, group, group.gather_json(data))
+        keys = group.keys(f"{self._root}/{step}")
+        # Every process's data first, through the coordination service: no process issues a
+        # collective of this save before every process has arrived at it. Then the save's
+        # collectives, in this thread: the reads and gathers.
+        process_data = group.gather_json(data, keys)
+        doc, arrays = _checkpoint.encode(state, strategy, group, process_data)
         if group.size == 1:  # an async save's OSError too comes from this call, if it can
             _integrity.check_writable(self._root, "CheckpointManager.save")
-        keys = group.keys(f"{self._root}/{step}")
         if not self._async:
             self._write(step, doc, arrays, force, group, keys)
             return True
