@@ -538,6 +538,7 @@ def test_a_busy_port_set_by_jaxs_variable_is_said_to_come_from_it(
 
 def test_a_port_in_use_concerns_process_0_only(fresh, port_in_use):
     # Process 1 connects to the port (it is process 0's): only the "too late" error is left.
+    jax.devices()  # this test process's devices are in use (also when this test runs alone)
     with pytest.raises(RuntimeError, match="must run before anything touches a device"):
         jm.distributed.initialize(f"127.0.0.1:{port_in_use}", 2, 1)
 
