@@ -5,7 +5,8 @@ batch into k consecutive micro-batches and a `lax.scan` runs them one after anot
 the gradients locally; the step then reduces them once, so the compiled step holds one
 gradient all-reduce whatever k is (with `jm.shard_update`, its one reduce-scatter and
 all-gather per bucket). Other state the loss changes (NNX batch statistics, rng counts,
-metrics) is threaded from one micro-batch to the next, as k sequential passes leave it.
+metrics; functional state passed as `state=`: an `eqx.nn.State`, a linen `batch_stats`
+collection) is threaded from one micro-batch to the next, as k sequential passes leave it.
 """
 
 from __future__ import annotations

@@ -394,12 +394,17 @@ def test_nnx_metrics_held_in_the_state_after_the_pair_count_every_micro_batch(st
 # --- functional state: an equinox eqx.nn.State, a linen batch_stats collection -------------------
 
 
+# Rows per replica where a BatchNorm normalizes: micro-batches of 4 rows or more keep its
+# statistics well conditioned on one device too (k = 4).
+ROWS = 16
+
+
 def batch_norm_bytes(strategy, loss_fn, params, state, k):
-    """The bytes one micro-batch's own collectives move (of a replica batch of 8 cut in k):
+    """The bytes one micro-batch's own collectives move (of a replica batch of ROWS cut in k):
     those of its loss and gradients, not reduced, in a step of their own (the BatchNorm's
     statistics and their gradients)."""
     n = strategy.num_replicas
-    batch = split(n, batch_of(8 // k * n))
+    batch = split(n, batch_of(ROWS // k * n))
     one_pass = jm.replicate(
         lambda p, s, b: jax.value_and_grad(loss_fn, has_aux=True)(p, b, s),
         per_replica=lambda path, leaf: True,
@@ -478,7 +483,7 @@ def test_equinox_batch_norm_state_as_k_sequential_micro_batch_passes(strategy, n
         placed = strategy.mirror((model, tx.init(arrays(model)), state))
         ref = (ref_model, tx.init(arrays(ref_model)), ref_state)
         for seed in range(2):  # the second step starts from the state the first left
-            batch = batch_of(8 * n, seed=seed)
+            batch = batch_of(ROWS * n, seed=seed)
             if seed == 0:
                 lowered = step.lower(placed, split(n, batch))
                 assert_gradients_reduced_once(lowered, k, param_bytes(diff), norm_bytes(k), n)
@@ -499,7 +504,7 @@ def test_equinox_gradients_and_state_inside_a_replica_function(strategy, n, mode
     _, ref_model, ref_state, ref_loss_fn = eqx_batch_norm_setup(mode, "batch")
     arrays, static = eqx.partition(model, eqx.is_array)
     tx = optax.sgd(0.1)
-    batch = batch_of(8 * n, seed=7)
+    batch = batch_of(ROWS * n, seed=7)
     diff, rest = eqx.partition(model, eqx.is_inexact_array)
     norm_bytes = functools.partial(
         batch_norm_bytes, strategy, lambda d, b, s: loss_fn(eqx.combine(d, rest), b, s), diff, state
@@ -573,7 +578,7 @@ def test_linen_batch_stats_as_k_sequential_micro_batch_passes(strategy, n):
         step = recipes.make_accumulating_train_step(loss_fn, k, strategy=strategy)
         placed, ref = strategy.mirror(state), state
         for seed in range(2):  # the second step starts from the statistics the first left
-            batch = batch_of(8 * n, seed=seed)
+            batch = batch_of(ROWS * n, seed=seed)
             if seed == 0:
                 lowered = step.lower(placed, split(n, batch))
                 assert_gradients_reduced_once(lowered, k, param_bytes(params), norm_bytes(k), n)
@@ -592,7 +597,7 @@ def test_linen_batch_stats_as_k_sequential_micro_batch_passes(strategy, n):
 def test_linen_gradients_and_batch_stats_inside_a_replica_function(strategy, n):
     params, stats, _ = linen_batch_norm_setup(optax.sgd(0.1))
     loss_fn = linen_batch_norm_loss(BatchNormMLP(axis_name=strategy.axis_name))
-    batch = batch_of(8 * n, seed=8)
+    batch = batch_of(ROWS * n, seed=8)
     for k in KS:
         grads_step = jm.replicate(
             lambda p, s, b, k=k: recipes.accumulate_gradients(loss_fn, p, b, k, state=s),
@@ -616,7 +621,7 @@ def test_linen_per_replica_batch_stats_are_carried_on_each_replica(strategy, n):
     loss_fn = linen_batch_norm_loss(BatchNormMLP())  # each replica's own statistics
     state = recipes.distribute_batch_norm_state(strategy, state, per_replica_stats=True)
     step = recipes.make_accumulating_train_step(loss_fn, 2, strategy=strategy)
-    batch = batch_of(8 * n, seed=9)
+    batch = batch_of(ROWS * n, seed=9)
     new, _ = step(state, split(n, batch))
 
     # Oracle: every replica's two micro-batches in turn (vmap over the replicas).
