@@ -291,7 +291,8 @@ _NOT_A_PAIR = (
 
 
 def _describe(value: Any) -> str:
-    """Returns what a loss returned, in words: an array's shape and dtype, a tuple's items."""
+    """Returns what a loss or a step got, in words: an array's dtype and shape, a tuple's
+    items."""
     if isinstance(value, (tuple, list)):
         items = ", ".join(_name(x) for x in value)
         return f"a {type(value).__name__} of {len(value)} ({items})"
@@ -489,7 +490,7 @@ def make_accumulating_train_step(
             return _nnx_recipes.apply(state, pair, grads), loss
         if _is_train_state(state):
             return _train_state_step(state, accumulate, batch, args)
-        raise TypeError(_NO_KIND.format(found=_kind_of(state)))
+        raise TypeError(_NO_KIND.format(found=_describe(state)))
 
     return replicate(train_step, strategy=strategy)
 
@@ -501,14 +502,6 @@ _NO_KIND = (
     "(model, opt_state) pair or an equinox (model, opt_state, state) triple with "
     "tx=optimizer given. Pass one of these as the step's first argument."
 )
-
-
-def _kind_of(state: PyTree) -> str:
-    """Returns what a state is, in words: its type, with the types of a tuple's items."""
-    if isinstance(state, (tuple, list)):
-        items = ", ".join(type(x).__name__ for x in state)
-        return f"a {type(state).__name__} of {len(state)} ({items})"
-    return f"a {type(state).__name__}"
 
 
 def _is_sharded(opt_state: PyTree) -> bool:
