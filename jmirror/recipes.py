@@ -16,8 +16,9 @@ the global batch.
 - `accumulate_gradients`, `make_accumulating_train_step`: gradient accumulation over
   micro-batches in a `lax.scan`, reduced once per step (one gradient all-reduce, or
   `jm.shard_update`'s reduce-scatter and all-gather, whatever the number of micro-batches),
-  for a linen `TrainState`, an NNX `(model, optimizer)` pair and an equinox
-  `(model, opt_state)` pair.
+  for a linen `TrainState` (its `batch_stats` carried from one micro-batch to the next), an
+  NNX `(model, optimizer)` pair, an equinox `(model, opt_state)` pair and an equinox
+  `(model, opt_state, state)` triple (its `eqx.nn.State` carried likewise).
 - `DynamicLossScale`, `make_loss_scaled_train_step`: float16 loss scaling whose
   finite-gradients verdict is agreed by every replica.
 

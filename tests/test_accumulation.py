@@ -6,6 +6,7 @@ one device for what the loss changes in other state, and the collectives of the 
 step (`jmirror.testing.collectives`, which counts a collective in a loop once per iteration).
 """
 
+import functools
 import re
 
 import flax.linen as nn
@@ -388,3 +389,312 @@ def test_nnx_metrics_held_in_the_state_after_the_pair_count_every_micro_batch(st
     read = strategy.read(losses)
     assert int(read.count[...]) == 8 * n
     np.testing.assert_allclose(read.compute(), ref_losses.compute(), rtol=1e-5)
+
+
+# --- functional state: an equinox eqx.nn.State, a linen batch_stats collection -------------------
+
+
+# Rows per replica where a BatchNorm normalizes: micro-batches of 4 rows or more keep its
+# statistics well conditioned on one device too (k = 4).
+ROWS = 16
+
+
+def batch_norm_bytes(strategy, loss_fn, params, state, k):
+    """The bytes one micro-batch's own collectives move (of a replica batch of ROWS cut in k):
+    those of its loss and gradients, not reduced, in a step of their own (the BatchNorm's
+    statistics and their gradients)."""
+    n = strategy.num_replicas
+    batch = split(n, batch_of(ROWS // k * n))
+    one_pass = jm.replicate(
+        lambda p, s, b: jax.value_and_grad(loss_fn, has_aux=True)(p, b, s),
+        per_replica=lambda path, leaf: True,
+        strategy=strategy,
+    )
+    lowered = one_pass.lower(strategy.mirror(params), strategy.mirror(state), batch)
+    return sum(c.bytes for c in jmt.collectives(lowered))
+
+
+def assert_gradients_reduced_once(lowered, k, grad_bytes, norm_bytes, n):
+    """The step's collectives move the gradients and the loss once, and the BatchNorm's own
+    statistics once per micro-batch (counted once per loop iteration): nothing else."""
+    if n == 1:
+        return
+    ops = jmt.collectives(lowered)
+    assert all(c.op == "all-reduce" for c in ops), ops
+    assert norm_bytes > 0 and sum(c.bytes for c in ops) == grad_bytes + 4 + k * norm_bytes, ops
+
+
+def eqx_batch_norm_setup(mode, axis_name):
+    eqx = pytest.importorskip("equinox")
+
+    class Net(eqx.Module):
+        hidden: eqx.nn.Linear
+        norm: eqx.nn.BatchNorm
+        out: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.hidden = eqx.nn.Linear(FEATURES, 16, key=k1)
+            self.norm = eqx.nn.BatchNorm(16, axis_name=axis_name, momentum=0.5, mode=mode)
+            self.out = eqx.nn.Linear(16, CLASSES, key=k2)
+
+        def __call__(self, x, state):
+            h, state = self.norm(jax.nn.relu(self.hidden(x)), state)
+            return self.out(h), state
+
+    def loss_fn(model, batch, state):  # as eqx.filter_value_and_grad(has_aux=True) takes it
+        batched = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+        logits, state = batched(batch["x"], state)
+        return xent(logits, batch["y"]), state
+
+    model, state = eqx.nn.make_with_state(Net)(jax.random.key(0))
+    return eqx, model, state, loss_fn
+
+
+def eqx_sequential_step(eqx, model, opt_state, state, loss_fn, tx, micro_batches):
+    """One device: k passes one after another, the state carried, the gradients averaged."""
+    total, losses = None, []
+    for micro_batch in micro_batches:
+        grad_fn = eqx.filter_value_and_grad(loss_fn, has_aux=True)
+        (loss, state), grads = grad_fn(model, micro_batch, state)
+        losses.append(loss)
+        total = grads if total is None else jax.tree.map(jnp.add, total, grads)
+    grads = jax.tree.map(lambda g: g / len(micro_batches), total)
+    updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return eqx.apply_updates(model, updates), opt_state, state, grads, jnp.mean(jnp.stack(losses))
+
+
+@pytest.mark.parametrize("mode", ["ema", "batch"])
+def test_equinox_batch_norm_state_as_k_sequential_micro_batch_passes(strategy, n, mode):
+    eqx, model, state, loss_fn = eqx_batch_norm_setup(mode, ("batch", strategy.axis_name))
+    _, ref_model, ref_state, ref_loss_fn = eqx_batch_norm_setup(mode, "batch")
+    arrays = lambda m: eqx.filter(m, eqx.is_array)  # noqa: E731
+    tx = optax.sgd(0.1, momentum=0.9)
+    diff, static = eqx.partition(model, eqx.is_inexact_array)
+    norm_bytes = functools.partial(
+        batch_norm_bytes,
+        strategy,
+        lambda d, b, s: loss_fn(eqx.combine(d, static), b, s),
+        diff,
+        state,
+    )
+    for k in KS:
+        step = recipes.make_accumulating_train_step(loss_fn, k, tx=tx, strategy=strategy)
+        placed = strategy.mirror((model, tx.init(arrays(model)), state))
+        ref = (ref_model, tx.init(arrays(ref_model)), ref_state)
+        for seed in range(2):  # the second step starts from the state the first left
+            batch = batch_of(ROWS * n, seed=seed)
+            if seed == 0:
+                lowered = step.lower(placed, split(n, batch))
+                assert_gradients_reduced_once(lowered, k, param_bytes(diff), norm_bytes(k), n)
+            placed, loss = step(placed, split(n, batch))
+            *ref, _, ref_loss = eqx_sequential_step(
+                eqx, *ref, ref_loss_fn, tx, global_micro_batches(n, k, batch)
+            )
+            np.testing.assert_allclose(strategy.read(loss), ref_loss, rtol=1e-5)
+        jmt.assert_mirrored(placed, strategy)
+        new_model, _, new_state = placed
+        assert_close(strategy.read(arrays(new_model)), arrays(ref[0]), rtol=1e-5)
+        assert_close(strategy.read(new_state), ref[2], rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["ema", "batch"])
+def test_equinox_gradients_and_state_inside_a_replica_function(strategy, n, mode):
+    eqx, model, state, loss_fn = eqx_batch_norm_setup(mode, ("batch", strategy.axis_name))
+    _, ref_model, ref_state, ref_loss_fn = eqx_batch_norm_setup(mode, "batch")
+    arrays, static = eqx.partition(model, eqx.is_array)
+    tx = optax.sgd(0.1)
+    batch = batch_of(ROWS * n, seed=7)
+    diff, rest = eqx.partition(model, eqx.is_inexact_array)
+    norm_bytes = functools.partial(
+        batch_norm_bytes, strategy, lambda d, b, s: loss_fn(eqx.combine(d, rest), b, s), diff, state
+    )
+    for k in KS:
+
+        @jm.replicate(strategy=strategy)
+        def grads_step(arrays, state, batch, k=k):
+            model = eqx.combine(arrays, static)
+            loss, grads, state = recipes.accumulate_gradients(loss_fn, model, batch, k, state=state)
+            return loss, eqx.filter(grads, eqx.is_array), state
+
+        placed = (strategy.mirror(arrays), strategy.mirror(state))
+        lowered = grads_step.lower(*placed, split(n, batch))
+        assert_gradients_reduced_once(lowered, k, param_bytes(diff), norm_bytes(k), n)
+        loss, grads, new_state = grads_step(*placed, split(n, batch))
+        ref = (ref_model, tx.init(eqx.filter(ref_model, eqx.is_array)), ref_state)
+        _, _, expected_state, expected, expected_loss = eqx_sequential_step(
+            eqx, *ref, ref_loss_fn, tx, global_micro_batches(n, k, batch)
+        )
+        np.testing.assert_allclose(strategy.read(loss), expected_loss, rtol=1e-5)
+        assert_close(strategy.read(grads), eqx.filter(expected, eqx.is_array), rtol=1e-5)
+        assert_close(strategy.read(new_state), expected_state, rtol=1e-5)
+
+
+class BatchNormMLP(nn.Module):
+    axis_name: str | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(16)(x))
+        h = nn.BatchNorm(use_running_average=False, momentum=0.5, axis_name=self.axis_name)(h)
+        return nn.Dense(CLASSES)(h)
+
+
+def linen_batch_norm_loss(model):
+    def loss_fn(params, batch, batch_stats):  # flax's BatchNorm pattern, one micro-batch
+        logits, updates = model.apply(
+            {"params": params, "batch_stats": batch_stats}, batch["x"], mutable=["batch_stats"]
+        )
+        return xent(logits, batch["y"]), updates["batch_stats"]
+
+    return loss_fn
+
+
+def linen_batch_norm_setup(tx):
+    variables = BatchNormMLP().init(jax.random.key(0), jnp.zeros((2, FEATURES)))
+    params, stats = variables["params"], variables["batch_stats"]
+    state = recipes.BatchNormTrainState.create(
+        apply_fn=None, params=params, tx=tx, batch_stats=stats
+    )
+    return params, stats, state
+
+
+def linen_sequential(loss_fn, params, stats, micro_batches):
+    """One device: k passes one after another, the statistics carried, gradients averaged."""
+    total, losses = None, []
+    for micro_batch in micro_batches:
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, micro_batch, stats)
+        losses.append(loss)
+        total = grads if total is None else jax.tree.map(jnp.add, total, grads)
+    return jax.tree.map(lambda g: g / len(micro_batches), total), stats, jnp.mean(jnp.stack(losses))
+
+
+def test_linen_batch_stats_as_k_sequential_micro_batch_passes(strategy, n):
+    params, stats, state = linen_batch_norm_setup(optax.sgd(0.1, momentum=0.9))
+    loss_fn = linen_batch_norm_loss(BatchNormMLP(axis_name=strategy.axis_name))
+    ref_loss_fn = jax.jit(linen_batch_norm_loss(BatchNormMLP()))
+    norm_bytes = functools.partial(batch_norm_bytes, strategy, loss_fn, params, stats)
+    for k in KS:
+        step = recipes.make_accumulating_train_step(loss_fn, k, strategy=strategy)
+        placed, ref = strategy.mirror(state), state
+        for seed in range(2):  # the second step starts from the statistics the first left
+            batch = batch_of(ROWS * n, seed=seed)
+            if seed == 0:
+                lowered = step.lower(placed, split(n, batch))
+                assert_gradients_reduced_once(lowered, k, param_bytes(params), norm_bytes(k), n)
+            placed, loss = step(placed, split(n, batch))
+            grads, ref_stats, ref_loss = linen_sequential(
+                ref_loss_fn, ref.params, ref.batch_stats, global_micro_batches(n, k, batch)
+            )
+            ref = ref.apply_gradients(grads=grads, batch_stats=ref_stats)
+            np.testing.assert_allclose(strategy.read(loss), ref_loss, rtol=1e-5)
+        jmt.assert_mirrored(placed, strategy)
+        assert isinstance(placed, recipes.BatchNormTrainState)
+        assert_close(strategy.read(placed.params), ref.params, rtol=1e-5)
+        assert_close(strategy.read(placed.batch_stats), ref.batch_stats, rtol=1e-5)
+
+
+def test_linen_gradients_and_batch_stats_inside_a_replica_function(strategy, n):
+    params, stats, _ = linen_batch_norm_setup(optax.sgd(0.1))
+    loss_fn = linen_batch_norm_loss(BatchNormMLP(axis_name=strategy.axis_name))
+    batch = batch_of(ROWS * n, seed=8)
+    for k in KS:
+        grads_step = jm.replicate(
+            lambda p, s, b, k=k: recipes.accumulate_gradients(loss_fn, p, b, k, state=s),
+            strategy=strategy,
+        )
+        placed = (strategy.mirror(params), strategy.mirror(stats))
+        lowered = grads_step.lower(*placed, split(n, batch))
+        norm_bytes = functools.partial(batch_norm_bytes, strategy, loss_fn, params, stats)
+        assert_gradients_reduced_once(lowered, k, param_bytes(params), norm_bytes(k), n)
+        loss, grads, new_stats = grads_step(*placed, split(n, batch))
+        expected, expected_stats, expected_loss = linen_sequential(
+            linen_batch_norm_loss(BatchNormMLP()), params, stats, global_micro_batches(n, k, batch)
+        )
+        np.testing.assert_allclose(strategy.read(loss), expected_loss, rtol=1e-5)
+        assert_close(strategy.read(grads), expected, rtol=1e-5)
+        assert_close(strategy.read(new_stats), expected_stats, rtol=1e-5)
+
+
+def test_linen_per_replica_batch_stats_are_carried_on_each_replica(strategy, n):
+    params, stats, state = linen_batch_norm_setup(optax.sgd(0.1))
+    loss_fn = linen_batch_norm_loss(BatchNormMLP())  # each replica's own statistics
+    state = recipes.distribute_batch_norm_state(strategy, state, per_replica_stats=True)
+    step = recipes.make_accumulating_train_step(loss_fn, 2, strategy=strategy)
+    batch = batch_of(ROWS * n, seed=9)
+    new, _ = step(state, split(n, batch))
+
+    # Oracle: every replica's two micro-batches in turn (vmap over the replicas).
+    def replica(batch):
+        return linen_sequential(loss_fn, params, stats, global_micro_batches(1, 2, batch))[:2]
+
+    grads, own_stats = jax.vmap(replica)(
+        jax.tree.map(lambda a: a.reshape((n, -1) + a.shape[1:]), batch)
+    )
+    expected = jax.tree.map(lambda p, g: p - 0.1 * g.mean(0), params, grads)
+    assert isinstance(new.batch_stats, jm.SyncOnRead)
+    assert_close(strategy.local_results(new.batch_stats.value), own_stats, rtol=1e-5)
+    assert_close(strategy.read(new.params), expected, rtol=1e-5)
+
+
+# --- the loss's form and the state's kind, named before JAX's own errors -------------------------
+
+
+def test_a_loss_returning_state_without_state_given_is_a_type_error_naming_the_fix(strategy, n):
+    params, stats, _ = linen_batch_norm_setup(optax.sgd(0.1))
+    loss_fn = linen_batch_norm_loss(BatchNormMLP(axis_name=strategy.axis_name))
+    step = jm.replicate(
+        lambda p, b: recipes.accumulate_gradients(loss_fn, p, b, 2, args=(stats,)),
+        strategy=strategy,
+    )
+    with pytest.raises(TypeError, match=r"returned a tuple of 2 .*state=state\)"):
+        step(strategy.mirror(params), split(n, batch_of(4 * n)))
+
+
+@pytest.mark.parametrize(
+    "returned, match",
+    [
+        (lambda loss, stats: loss, r"returned a float32\[\] array where \(loss, new_state\)"),
+        (lambda loss, stats: (loss, {"batch_stats": stats}), r"updates\['batch_stats'\]"),
+        (
+            lambda loss, stats: (loss, jax.tree.map(lambda s: s[:2], stats)),
+            r"leaf at .*'mean'.* shape \(16,\).* shape \(2,\)",
+        ),
+    ],
+)
+def test_a_loss_of_the_wrong_form_with_state_is_a_type_error(strategy, n, returned, match):
+    params, stats, _ = linen_batch_norm_setup(optax.sgd(0.1))
+    inner = linen_batch_norm_loss(BatchNormMLP(axis_name=strategy.axis_name))
+
+    def loss_fn(p, b, s):
+        return returned(*inner(p, b, s))
+
+    step = jm.replicate(
+        lambda p, s, b: recipes.accumulate_gradients(loss_fn, p, b, 2, state=s),
+        strategy=strategy,
+    )
+    with pytest.raises(TypeError, match=match):
+        step(strategy.mirror(params), strategy.mirror(stats), split(n, batch_of(4 * n)))
+
+
+@pytest.mark.parametrize(
+    "make_state",
+    [
+        lambda params: {"params": params},
+        lambda params: (params, optax.sgd(0.1).init(params)),
+    ],
+    ids=["dict", "tuple-of-arrays"],
+)
+def test_a_state_of_no_supported_kind_is_a_type_error_naming_the_kinds(strategy, n, make_state):
+    params, loss_fn, _ = linen_setup(optax.sgd(0.1))
+    step = recipes.make_accumulating_train_step(loss_fn, 2, strategy=strategy)
+    with pytest.raises(TypeError, match=r"state that is a (dict|tuple of 2).*flax TrainState"):
+        step(strategy.mirror(make_state(params)), split(n, batch_of(4 * n)))
+
+
+def test_equinox_triple_without_tx_is_a_type_error(strategy, n):
+    eqx, model, state, loss_fn = eqx_batch_norm_setup("batch", ("batch", strategy.axis_name))
+    opt_state = optax.sgd(0.1).init(eqx.filter(model, eqx.is_array))
+    step = recipes.make_accumulating_train_step(loss_fn, 2, strategy=strategy)
+    with pytest.raises(TypeError, match=r"\(model, opt_state, state\) triple.*tx=optimizer"):
+        step(strategy.mirror((model, opt_state, state)), split(n, batch_of(4 * n)))
