@@ -33,6 +33,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jmirror._topology import Topology
 
@@ -149,18 +150,17 @@ def _out_layouts(
 
 def _with_replica_ids(closed: Any, topology: Topology) -> Callable[..., list[Any]]:
     """`closed` as a function of its inputs and, last, this replica's id, which stands for
-        `axis_index(axis)`.
+    `axis_index(axis)`.
 
-        Inside a shard_map manual over the replica axis only (replicas spanning several
-        devices), JAX lowers `axis_index` through a nested shard_map that needs a mesh in
-        context when the step is lowered; the replica id is an input instead (an iota split
-        over the replicas), so the step lowers wherever it is lowered. Calls of `jax.jit` inside
-        the replica function, and the primal bodies of `jax.custom_jvp` and `jax.custom_vjp`
-    functions, are evaluated inline; the bodies of `scan`, `cond` and `while` are
-        not entered, and `jm.replicate` lowers its steps with the mesh in context for them
-        (`Topology.mesh_scope`). A `with_sharding_constraint` to a bare
-        `PartitionSpec` (resolved against the mesh in context, `strategy.scope()`) is laid out
-        over the strategy's mesh.
+    Inside a shard_map manual over the replica axis only (replicas spanning several
+    devices), JAX lowers `axis_index` through a nested shard_map that needs a mesh in
+    context when the step is lowered; the replica id is an input instead (an iota split
+    over the replicas), so the step lowers wherever it is lowered. Calls of `jax.jit` inside
+    the replica function, and the primal bodies of `jax.custom_jvp` and `jax.custom_vjp`
+    functions, are evaluated inline; `scan`, `cond`, `while` and `jax.checkpoint` are traced
+    again with their bodies evaluated the same way. A `with_sharding_constraint` to a bare
+    `PartitionSpec` (resolved against the mesh in context, `strategy.scope()`) is laid out
+    over the strategy's mesh.
     """
 
     def run(*flat: Any) -> list[Any]:
@@ -208,6 +208,10 @@ def _evaluate(
         elif name in ("pjit", "jit", "closed_call") and "jaxpr" in eqn.params:
             inner = eqn.params.get("jaxpr") or eqn.params["call_jaxpr"]
             outs = _evaluate(inner.jaxpr, inner.consts, invals, rid, topology)
+        elif name in _CALLBACKS:
+            outs = _callback(eqn, invals, topology, here)
+        elif name in _CONTROL_FLOW:
+            outs = _CONTROL_FLOW[name](eqn.params, invals, rid, topology)
         elif name in _CUSTOM_CALLS and isinstance(eqn.params.get("call_jaxpr"), jex.ClosedJaxpr):
             # Differentiation is done: only the primal body runs. Bound whole, its body's
             # equations would run with the mesh recorded when they were traced.
@@ -227,6 +231,106 @@ def _evaluate(
             outs = out if eqn.primitive.multiple_results else [out]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
+
+
+# Control flow is traced again through JAX's own functions, its bodies evaluated here: the
+# replica id stands for `axis_index` inside them too (lowered as is, it would open a second
+# shard_map over the replica axis inside the first), and their equations run with this trace's
+# mesh, as an outer `jax.grad` or `jax.vmap` of the step then transforms them.
+
+
+def _cond(params: dict, invals: Sequence[Any], rid: Any, topology: Topology) -> list[Any]:
+    def branch(closed: Any) -> Callable[..., list[Any]]:
+        return lambda *ops: _evaluate(closed.jaxpr, closed.consts, ops, rid, topology)
+
+    return jax.lax.switch(invals[0], [branch(b) for b in params["branches"]], *invals[1:])
+
+
+def _while(params: dict, invals: Sequence[Any], rid: Any, topology: Topology) -> list[Any]:
+    nc, nb = params["cond_nconsts"], params["body_nconsts"]
+    cond_consts, body_consts, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
+    cond_jaxpr, body_jaxpr = params["cond_jaxpr"], params["body_jaxpr"]
+
+    def cond(carry: tuple) -> Any:
+        return _evaluate(
+            cond_jaxpr.jaxpr, cond_jaxpr.consts, [*cond_consts, *carry], rid, topology
+        )[0]
+
+    def body(carry: tuple) -> tuple:
+        ins = [*body_consts, *carry]
+        return tuple(_evaluate(body_jaxpr.jaxpr, body_jaxpr.consts, ins, rid, topology))
+
+    return list(jax.lax.while_loop(cond, body, tuple(init)))
+
+
+def _scan(params: dict, invals: Sequence[Any], rid: Any, topology: Topology) -> list[Any]:
+    nc, nk, closed = params["num_consts"], params["num_carry"], params["jaxpr"]
+    consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
+
+    def body(carry: tuple, x: tuple) -> tuple[tuple, tuple]:
+        outs = _evaluate(closed.jaxpr, closed.consts, [*consts, *carry, *x], rid, topology)
+        return tuple(outs[:nk]), tuple(outs[nk:])
+
+    carry, ys = jax.lax.scan(
+        body,
+        tuple(init),
+        tuple(xs),
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params["unroll"],
+    )
+    return [*carry, *ys]
+
+
+def _remat(params: dict, invals: Sequence[Any], rid: Any, topology: Topology) -> list[Any]:
+    def body(*args: Any) -> list[Any]:
+        return _evaluate(params["jaxpr"], (), args, rid, topology)
+
+    remat = jax.checkpoint(body, prevent_cse=params["prevent_cse"], policy=params["policy"])
+    return list(remat(*invals))
+
+
+# Host callbacks: JAX lowers them only where every mesh axis is manual.
+_CALLBACKS = ("pure_callback", "io_callback")
+
+
+def _callback(eqn: Any, invals: Sequence[Any], topology: Topology, here: AbstractMesh) -> list:
+    """Binds a host callback manual over the model axis too, with whole operands: it runs
+    once per device of the replica, each on the replica's whole values. An ordered
+    `io_callback` is refused: XLA:CPU aborts on its token there."""
+    if eqn.params.get("ordered"):
+        k = topology.devices_per_replica
+        raise NotImplementedError(
+            f"An ordered io_callback (io_callback(..., ordered=True)) inside a replica function "
+            f"is not supported with replicas spanning {k} devices (devices_per_replica={k}): "
+            "XLA cannot order a callback inside a replica laid out over several devices. Pass "
+            "ordered=False (it then runs once on each of the replica's devices), or use "
+            "devices_per_replica=1."
+        )
+    params = {k: _on_mesh(v, here) for k, v in eqn.primitive.get_bind_params(eqn.params).items()}
+
+    def bind(*args: Any) -> list[Any]:
+        out = eqn.primitive.bind(*args, **params)
+        return list(out) if eqn.primitive.multiple_results else [out]
+
+    whole = jax.shard_map(
+        bind,
+        mesh=here,
+        in_specs=tuple(P() for _ in invals),
+        out_specs=[P() for _ in eqn.outvars],
+        axis_names={topology.model_axis_name},
+        check_vma=False,
+    )
+    return whole(*invals)
+
+
+_CONTROL_FLOW: dict[str, Callable[[dict, Sequence[Any], Any, Topology], list[Any]]] = {
+    "cond": _cond,
+    "while": _while,
+    "scan": _scan,
+    "remat2": _remat,
+    "checkpoint": _remat,
+}
 
 
 def _vmap_executable(

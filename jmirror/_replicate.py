@@ -239,11 +239,12 @@ class Replicated:
             # The common call: no deadline across processes, no mesh to set.
             result, token = self._dispatch(strategy, step.jitted[donate], prepared)
         else:
+            scope, inside = strategy.topology.call_scope(traced)
             # Inside the caller's own jit, the options are its to give (JAX takes them only
             # at the top level).
-            options = () if traced else _backends.compiler_options(strategy.topology)
+            options = () if inside else _backends.compiler_options(strategy.topology)
             jitted = step.with_options(options)[0][donate]
-            with dispatch.bounded(self), strategy.topology.mesh_scope(traced):
+            with dispatch.bounded(self), scope:
                 # With replicas spanning devices the mesh is in context while the step is
                 # traced and lowered: `axis_index` inside a scan, cond or while body lowers
                 # through it.

@@ -383,18 +383,27 @@ class Topology:
         """Returns whether `x` lives on exactly this topology's devices."""
         return x.sharding.device_set == self.device_set
 
-    def mesh_scope(self, traced: bool = False) -> contextlib.AbstractContextManager[Any]:
+    def mesh_scope(self) -> contextlib.AbstractContextManager[Any]:
         """Returns the context of a strategy's `scope`: with k > 1 `mesh` is the current mesh there
-        (`jax.set_mesh`), so that modules with partitioning metadata can be built inside.
-
-        `traced`: inside the caller's own `jax.jit`, where `jax.set_mesh` is refused, the mesh's
-        abstract form is current instead (`jax.sharding.use_abstract_mesh`).
-        """
+        (`jax.set_mesh`), so that modules with partitioning metadata can be built inside."""
         if self.devices_per_replica == 1:
             return _NO_MESH
-        if traced:
-            return jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh)
         return jax.set_mesh(self.mesh)
+
+    def call_scope(self, traced: bool) -> tuple[contextlib.AbstractContextManager[Any], bool]:
+        """Returns the mesh context of a replicated call at k > 1, and whether the call is inside
+        a trace of the caller's (`traced`: its arguments are tracers; or a `jax.jit` closing over
+        them), where `jax.set_mesh` is refused and the mesh's abstract form is current instead.
+
+        `jax.set_mesh` sets the mesh when it is made and refuses (`ValueError`) only inside a
+        trace for a strategy's mesh: JAX has no public query of its trace state.
+        """
+        if not traced:
+            try:
+                return jax.set_mesh(self.mesh), False
+            except ValueError:
+                pass
+        return jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh), True
 
     def describe_spanning(self) -> str:
         """Returns the strategy repr's part about replicas spanning devices (empty when k = 1)."""

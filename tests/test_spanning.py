@@ -174,6 +174,101 @@ def test_replica_id_inside_scan_cond_and_loops(k):
     jm.replicate(_loops_of_replica_ids, strategy=strategy).lower(2.0).compile()
 
 
+def _replica_ids_inside_bodies(w, x):
+    """`jm.replica_id()` inside `lax.cond` branches, a `while_loop` of a traced trip count and a
+    `jax.checkpoint` body, forward and under `jax.grad`."""
+    rid = lambda: jm.replica_id().astype(x.dtype)  # noqa: E731
+
+    def loss(w):
+        chosen = jax.lax.cond(x.sum() > 0, lambda v: v * rid(), lambda v: v - rid(), x * w)
+        remat = jax.checkpoint(lambda v: jnp.sin(v * (rid() + 1)))(x * w)
+        return jnp.sum(chosen) + jnp.sum(remat)
+
+    value, grad = jax.value_and_grad(loss)(w)
+    step = lambda c: (c[0] + 1, c[1] + rid())  # noqa: E731
+    looped = jax.lax.while_loop(lambda c: c[0] < x.size, step, (jnp.int32(0), w))[1]
+    return jm.all_reduce("sum", value), jm.all_reduce("sum", grad), value + looped
+
+
+@pytest.mark.parametrize("k", SPANS)
+def test_replica_ids_inside_cond_while_and_checkpoint_bodies(k):
+    n = 8 // k
+    x = jm.PerReplica(np.random.default_rng(4).normal(size=(n, 3)).astype(np.float32))
+    one = jm.MirroredStrategy(devices=jax.devices()[:n])
+    expected = one.run(_replica_ids_inside_bodies, args=(np.float32(0.5), x))
+    strategy = _spanning(k)
+    step = jm.replicate(_replica_ids_inside_bodies, strategy=strategy)
+    got = step(np.float32(0.5), x)
+    for g, e in zip(got[:2], expected[:2]):
+        np.testing.assert_allclose(np.asarray(strategy.read(g)), np.asarray(one.read(e)), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(strategy.gather(got[2])), np.asarray(one.gather(expected[2])), rtol=1e-5
+    )
+    step(np.float32(0.5), x)
+    assert step.num_compilations == 1
+
+
+def _scan_cond_remat(w, x):
+    """A replica function with `lax.scan`, `lax.cond` and `jax.checkpoint`, for outer transforms."""
+    carried, _ = jax.lax.scan(lambda c, xi: (c + jnp.tanh(xi * w), None), 0.0, x)
+    chosen = jax.lax.cond(carried > 0, lambda: carried * w, lambda: carried - w)
+    return jm.all_reduce("mean", jax.checkpoint(lambda v: jnp.sin(v) * w)(chosen))
+
+
+def test_outer_transforms_of_a_step_of_replicas_spanning_devices():
+    strategy = _spanning(2)
+    n = strategy.num_replicas
+    xs = np.random.default_rng(5).normal(size=(n, 3)).astype(np.float32)
+    x = jm.PerReplica(xs)
+    step = jm.replicate(_scan_cond_remat, strategy=strategy)
+    oracle = lambda w: jnp.mean(jax.vmap(lambda xi: _scan_cond_oracle(w, xi))(xs))  # noqa: E731
+    w = np.float32(0.3)
+    read = lambda v: np.asarray(strategy.read(v))  # noqa: E731
+    np.testing.assert_allclose(read(step(w, x)), oracle(w), rtol=1e-5)
+    # jax.jit closing over concrete arguments, and a fori_loop around the step.
+    np.testing.assert_allclose(read(jax.jit(lambda: step(w, x))()), oracle(w), rtol=1e-5)
+    looped = jax.jit(lambda: jax.lax.fori_loop(0, 2, lambda i, a: a + step(w, x), 0.0))()
+    np.testing.assert_allclose(read(looped), 2 * oracle(w), rtol=1e-5)
+    # Outer jax.grad and jax.vmap of the step.
+    np.testing.assert_allclose(read(jax.grad(step)(w, x)), jax.grad(oracle)(w), rtol=1e-5)
+    ws = np.array([0.3, -0.2], np.float32)
+    np.testing.assert_allclose(
+        read(jax.vmap(step, in_axes=(0, None))(ws, x)), jax.vmap(oracle)(ws), rtol=1e-5
+    )
+
+
+def _scan_cond_oracle(w, x):
+    carried = jnp.sum(jnp.tanh(x * w))
+    chosen = jnp.where(carried > 0, carried * w, carried - w)
+    return jnp.sin(chosen) * w
+
+
+@pytest.mark.parametrize("k", SPANS)
+def test_host_callbacks_inside_replicas_spanning_devices(k):
+    from jax.experimental import io_callback
+
+    n = 8 // k
+    xs = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
+    seen = []
+
+    def host(v):
+        seen.append(np.asarray(v).copy())
+        return np.asarray(v) * 2
+
+    def replica(v):
+        shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
+        return jax.pure_callback(host, shape, v) + io_callback(host, shape, v + 1)
+
+    strategy = _spanning(k)
+    out = jm.replicate(replica, strategy=strategy)(jm.PerReplica(xs))
+    np.testing.assert_array_equal(np.asarray(strategy.gather(out)), (4 * xs + 2).reshape(-1))
+    # Each of a replica's k devices calls the host function on the replica's whole values.
+    assert len(seen) == 2 * n * k and all(v.shape == (3,) for v in seen)
+    ordered = lambda v: io_callback(host, jax.ShapeDtypeStruct(v.shape, v.dtype), v, ordered=True)  # noqa: E731
+    with pytest.raises(NotImplementedError, match="ordered=False"):
+        jm.replicate(ordered, strategy=strategy)(jm.PerReplica(xs))
+
+
 @jax.custom_vjp
 def _doubled(v):
     return v * 2.0
