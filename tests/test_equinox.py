@@ -397,6 +397,19 @@ def test_sync_batch_norm_keeps_the_tree_structure(strategy, n):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+def test_sync_batch_norm_of_a_model_and_its_state_says_to_pass_the_model_alone():
+    strategy = jm.MirroredStrategy()
+    model, state = _batch_norm_model("batch")
+    kinds = r"flax NNX object.*or an equinox model \(an eqx\.Module\)"
+    with pytest.raises(TypeError, match=kinds + r", got a tuple holding Net at \[0\]") as info:
+        jm.sync_batch_norm((model, state), strategy)
+    assert "Pass the model alone: model = jm.sync_batch_norm(model, strategy)" in str(info.value)
+    assert "eqx.nn.State" in str(info.value) and "unchanged" in str(info.value)
+    for value in ({"w": np.zeros(3)}, (np.zeros(3), state), None):
+        with pytest.raises(TypeError, match=kinds + f", got {type(value).__name__}\\."):
+            jm.sync_batch_norm(value, strategy)
+
+
 def _one_bn_step(model, state, x):
     def loss(model, state):
         y, state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
