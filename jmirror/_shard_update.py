@@ -271,7 +271,7 @@ def _laid_out(local: jax.Array, pieces: Pieces) -> jax.Array:
     if pieces.k == 1 or local.shape[0] % pieces.k:
         return local
     spec = P(pieces.model_axis_name)
-    return _on_blocks(lambda x: x, pieces, (spec,), spec)(local)
+    return _on_blocks(lambda x: (x,), pieces, (spec,), (spec,))(local)[0]
 
 
 def _update(
