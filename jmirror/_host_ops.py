@@ -376,7 +376,7 @@ def _same(a: object, b: object) -> bool:
         return True
     try:
         return type(a) is type(b) and bool(a == b)
-    except Exception:  # an `==` that is not a truth value: not the same
+    except (TypeError, ValueError):  # an `==` with no truth value (arrays): not the same
         return False
 
 
