@@ -49,7 +49,7 @@ interface: it compiles one step per variant and counts their compilations as its
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -177,9 +177,17 @@ def static_leaves(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None) ->
 def map_traced(fn: Callable[[Any], Any], tree: PyTree) -> PyTree:
     """Returns `tree` with `fn` applied to every leaf that is not static (`static_leaves`):
     an equinox module's functions and flags inside a `PerReplica` stay as they are."""
+    return map_traced_leaves(lambda leaves: [fn(x) for x in leaves], tree)
+
+
+def map_traced_leaves(fn: Callable[[list[Any]], Sequence[Any]], tree: PyTree) -> PyTree:
+    """Returns `tree` with its leaves that are not static (`static_leaves`) replaced by
+    `fn(leaves)`, which takes and returns them all at once (one compiled call for a tree);
+    the static leaves stay as they are."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     static = static_leaves(tree)
-    return treedef.unflatten([x if s else fn(x) for x, s in zip(leaves, static)])
+    done = iter(fn([x for x, s in zip(leaves, static) if not s]))
+    return treedef.unflatten([x if s else next(done) for x, s in zip(leaves, static)])
 
 
 def policed_statics(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> list[bool]:

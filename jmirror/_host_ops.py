@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmirror import _shard_jaxpr
-from jmirror._adapter import map_traced, static_leaves
+from jmirror._adapter import map_traced, map_traced_leaves, static_leaves
 from jmirror._components import replica_component, replica_copy
 from jmirror._cross_replica import REDUCERS, CrossReplica
 from jmirror._placement import split_error
@@ -152,8 +152,9 @@ class HostOps(CrossReplica):
         return SyncOnRead(self._stack_copies(self.mirror(tree)), aggregation)
 
     def _stack_copies(self, mirrored: PyTree) -> PyTree:
-        """Returns N stacked copies of a mirrored tree, slice i on device i (no communication)."""
-        return _stack_fn(self.topology.stacked, self.num_replicas)(mirrored)
+        """Returns N stacked copies of a mirrored tree, slice i on device i (no communication);
+        its static leaves (an equinox module's functions and flags) are kept."""
+        return map_traced_leaves(_stack_fn(self.topology.stacked, self.num_replicas), mirrored)
 
     def sync_on_read_from(self, component: Callable[[jax.Array], PyTree], aggregation):
         stacked = jax.vmap(component)(jnp.arange(self.num_replicas))
@@ -161,27 +162,42 @@ class HostOps(CrossReplica):
 
     def distribute_values_from_function(self, value_fn: Callable[[ValueContext], PyTree]):
         n = self.num_replicas
-        components = [value_fn(ValueContext(replica_id=i, num_replicas=n)) for i in range(n)]
+        ids = self._value_replica_ids()
+        components = [value_fn(ValueContext(replica_id=i, num_replicas=n)) for i in ids]
         treedef = jax.tree.structure(components[0])
-        for i, component in enumerate(components[1:], start=1):
+        for i, component in zip(ids[1:], components[1:]):
             if jax.tree.structure(component) != treedef:
                 raise ValueError(
                     "strategy.distribute_values_from_function: value_fn returned trees of "
-                    f"different structure for replica 0 ({treedef}) and replica {i} "
+                    f"different structure for replica {ids[0]} ({treedef}) and replica {i} "
                     f"({jax.tree.structure(component)}); every replica needs the same structure."
                 )
-        per_leaf = zip(*(jax.tree.leaves(c) for c in components), strict=False)
-        stacked = [self._place_components(list(parts), i) for i, parts in enumerate(per_leaf)]
-        return PerReplica(treedef.unflatten(stacked))
+        flat = jax.tree_util.tree_flatten_with_path(components[0])[0]
+        static = static_leaves(components[0])
+        per_leaf = zip(*(jax.tree.leaves(c) for c in components), strict=True)
+        out = []
+        for (path, _), parts, kept in zip(flat, per_leaf, static, strict=True):
+            where = jax.tree_util.keystr(path) or "<root>"
+            if kept:  # a static leaf (an equinox module's function or flag): one for all
+                _check_same_static(parts, ids, where)
+                out.append(parts[0])
+                continue
+            shapes = [np.shape(p) for p in parts]
+            if len(set(shapes)) != 1:
+                raise ValueError(
+                    f"strategy.distribute_values_from_function: the leaf at {where} has "
+                    f"different shapes across replicas ({shapes}); components of a PerReplica "
+                    "must share one shape."
+                )
+            out.append(self._place_components(list(parts)))
+        return PerReplica(treedef.unflatten(out))
 
-    def _place_components(self, parts: list[Any], leaf_index: int) -> jax.Array:
-        shapes = {np.shape(p) for p in parts}
-        if len(shapes) != 1:
-            raise ValueError(
-                f"strategy.distribute_values_from_function: leaf {leaf_index} has different "
-                f"shapes across replicas ({[np.shape(p) for p in parts]}); components of a "
-                "PerReplica must share one shape."
-            )
+    def _value_replica_ids(self) -> list[int]:
+        """Returns the replicas whose components `distribute_values_from_function` asks for."""
+        return list(range(self.num_replicas))
+
+    def _place_components(self, parts: list[Any]) -> jax.Array:
+        """Returns the stacked components of one leaf, component i on replica i's devices."""
         topology = self.topology
         if topology.is_emulated:
             return jax.device_put(jnp.stack([jnp.asarray(p) for p in parts]), topology.stacked)
@@ -204,19 +220,21 @@ class HostOps(CrossReplica):
         # compiled function, however many sync-on-read leaves the tree holds.
         nodes, treedef = self.check_readable(tree)
         out: list[Any] = []
-        pending: list[tuple[int, Any, int]] = []
+        pending: list[tuple[int, Any, list[Any], list[bool]]] = []
         work: list[tuple[ReduceOp, Any]] = []
         for i, node in enumerate(nodes):
             if isinstance(node, SyncOnRead) and node.aggregation in _REDUCED:
                 leaves, inner = jax.tree_util.tree_flatten(node.value)
-                pending.append((i, inner, len(leaves)))
-                work.extend((_REDUCED[node.aggregation], leaf) for leaf in leaves)
+                static = static_leaves(node.value)  # an equinox module's functions: kept
+                pending.append((i, inner, leaves, static))
+                op = _REDUCED[node.aggregation]
+                work.extend((op, leaf) for leaf, s in zip(leaves, static) if not s)
                 out.append(None)
             elif isinstance(node, Sharded):  # the whole leaf, on devices[0]
                 first = jax.device_put(node.shards, self.topology.devices[0])
                 out.append(unshard(node.shape, pieces_span(self.topology))(first))
             elif isinstance(node, SyncOnRead):  # ONLY_FIRST_REPLICA
-                out.append(jax.tree.map(lambda v: self._component(v, 0), node.value))
+                out.append(map_traced(lambda v: self._component(v, 0), node.value))
             elif isinstance(node, jax.Array) and self.topology.is_mirrored(node):
                 out.append(self._on_first_device(node))
             else:
@@ -225,8 +243,10 @@ class HostOps(CrossReplica):
             leaves = [_copyable(leaf) for _, leaf in work]
             stacked = jax.device_put(leaves, self.topology.devices[0])
             reduced = iter(_reduce_many(tuple(op for op, _ in work))(stacked))
-            for i, inner, size in pending:
-                out[i] = inner.unflatten([next(reduced) for _ in range(size)])
+            for i, inner, leaves, static in pending:
+                out[i] = inner.unflatten(
+                    [x if s else next(reduced) for x, s in zip(leaves, static)]
+                )
         return treedef.unflatten(out)
 
     def _on_first_device(self, x: jax.Array) -> jax.Array:
@@ -335,6 +355,29 @@ class _Updater:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Updater) and other.fn == self.fn
+
+
+def _check_same_static(parts: tuple[Any, ...], ids: list[int], where: str) -> None:
+    """Raises a `ValueError` when the replicas' components differ in a static leaf."""
+    for i, part in zip(ids[1:], parts[1:]):
+        if not _same(part, parts[0]):
+            raise ValueError(
+                f"strategy.distribute_values_from_function: value_fn returned {parts[0]!r} "
+                f"for replica {ids[0]} and {part!r} for replica {i} at {where}, a static leaf "
+                "(inside an eqx.Module every leaf that is not an array is static: it is part "
+                "of the compiled step, one value for every replica). Return the same value "
+                "for every replica, or an array (jnp.asarray(...)) where replicas differ."
+            )
+
+
+def _same(a: object, b: object) -> bool:
+    """Returns whether two static leaves are the same value (`is`, else `==`)."""
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except (TypeError, ValueError):  # an `==` with no truth value (arrays): not the same
+        return False
 
 
 def _shares_memory(source: object, placed: jax.Array) -> bool:

@@ -15,6 +15,7 @@ import jax
 import jax.core
 import jax.numpy as jnp
 
+from jmirror._adapter import map_traced, map_traced_leaves
 from jmirror._context import (
     ReplicaContext,
     all_reduce_leaf,
@@ -86,7 +87,8 @@ class MergeOps(CrossReplica):
             if not isinstance(x, SyncOnRead):
                 return x
             if x.aggregation is Aggregation.ONLY_FIRST_REPLICA:
-                return note_mirrored_in_merge(self.context.sync(x.value, x.aggregation))
+                first = map_traced_leaves(lambda v: self.context.sync(v, x.aggregation), x.value)
+                return note_mirrored_in_merge(first)
             op = ReduceOp.SUM if x.aggregation is Aggregation.SUM else ReduceOp.MEAN
             return self._all_reduce(op, x.value, None)
 
@@ -98,7 +100,7 @@ class MergeOps(CrossReplica):
                 x = REDUCERS[op](jnp.asarray(x), axis=axis)
             return all_reduce_leaf(op, x, self.context.axis_name)
 
-        return note_mirrored_in_merge(jax.tree.map(one, tree))
+        return note_mirrored_in_merge(map_traced(one, tree))
 
     def local_results(self, value: PyTree) -> tuple[PyTree, ...]:
         nodes, treedef = jax.tree_util.tree_flatten(value, is_leaf=is_distributed)

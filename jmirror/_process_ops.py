@@ -31,6 +31,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jmirror import _deadline
+from jmirror._adapter import map_traced, static_leaves
 from jmirror._components import local_copy, replica_component
 from jmirror._host_ops import HostOps, concatenate, pieces_span, reducer, unshard
 from jmirror._topology import Topology
@@ -41,7 +42,6 @@ from jmirror._values import (
     ReduceOp,
     Sharded,
     SyncOnRead,
-    ValueContext,
     is_distributed,
 )
 
@@ -66,16 +66,11 @@ class ProcessHostOps(HostOps):
         stacked = jax.jit(jax.vmap(component), out_shardings=self.topology.stacked)(jnp.arange(n))
         return SyncOnRead(stacked, aggregation)
 
-    def distribute_values_from_function(self, value_fn: Callable[[ValueContext], PyTree]):
-        n = self.num_replicas
-        components = [
-            value_fn(ValueContext(replica_id=i, num_replicas=n))
-            for i in self.topology.local_replica_ids
-        ]
-        treedef = jax.tree.structure(components[0])
-        per_leaf = zip(*(jax.tree.leaves(c) for c in components), strict=False)
-        local = [np.stack([np.asarray(p) for p in parts]) for parts in per_leaf]
-        return PerReplica(treedef.unflatten([self.place_local(x) for x in local]))
+    def _value_replica_ids(self) -> list[int]:
+        return list(self.topology.local_replica_ids)
+
+    def _place_components(self, parts: list[Any]) -> jax.Array:
+        return self.place_local(np.stack([np.asarray(p) for p in parts]))
 
     def place_local(self, local: np.ndarray) -> jax.Array:
         """Returns a global stacked array from this process's components (leading axis: local
@@ -98,10 +93,10 @@ class ProcessHostOps(HostOps):
                 return self._everywhere(unshard(x.shape, k), x.shards, _READ_SHARDED)
             if isinstance(x, SyncOnRead):
                 if x.aggregation is Aggregation.ONLY_FIRST_REPLICA:
-                    return jax.tree.map(lambda v: self._everywhere(_first, v, _READ), x.value)
+                    return map_traced(lambda v: self._everywhere(_first, v, _READ), x.value)
                 op = ReduceOp.SUM if x.aggregation is Aggregation.SUM else ReduceOp.MEAN
                 fn = reducer(op, None)
-                return jax.tree.map(lambda v: self._everywhere(fn, v, _READ), x.value)
+                return map_traced(lambda v: self._everywhere(fn, v, _READ), x.value)
             if isinstance(x, jax.Array) and self.topology.is_mirrored(x):
                 return self._on_first_device(x)
             return x
@@ -141,7 +136,7 @@ class ProcessHostOps(HostOps):
         if isinstance(x, (PerReplica, SyncOnRead)):
             stacked = x.values if isinstance(x, PerReplica) else x.value
             return [
-                jax.tree.map(lambda v, i=i: self._local_component(v, i), stacked)
+                map_traced(lambda v, i=i: self._local_component(v, i), stacked)
                 for i in range(self.topology.num_local_replicas)
             ]
         if isinstance(x, jax.Array) and self.topology.is_mirrored(x):
@@ -163,7 +158,7 @@ class ProcessHostOps(HostOps):
 
     def reduce_per_replica(self, op: ReduceOp, x: PerReplica, axis: int | None) -> PyTree:
         fn = reducer(op, axis)
-        return jax.tree.map(lambda v: self._everywhere(fn, v, "strategy.reduce"), x.values)
+        return map_traced(lambda v: self._everywhere(fn, v, "strategy.reduce"), x.values)
 
     def _gather_stacked(self, stacked: jax.Array, axis: int) -> jax.Array:
         return self._everywhere(concatenate(axis), stacked, "strategy.gather")
@@ -204,7 +199,9 @@ def globalize(topology: Topology, tree: PyTree) -> PyTree:
             shape = (topology.num_replicas,) + tuple(v.shape[1:])
             return _from_local(np.asarray(v), topology.stacked, shape)
 
-        return jax.tree_util.tree_map_with_path(leaf, x)
+        flat, inner = jax.tree_util.tree_flatten_with_path(x)
+        static = static_leaves(x)  # an equinox module's functions: no components
+        return inner.unflatten([v if s else leaf(p, v) for (p, v), s in zip(flat, static)])
 
     return jax.tree_util.tree_map_with_path(node, tree, is_leaf=is_distributed)
 

@@ -252,9 +252,26 @@ def _init_in_replica(inner: optax.GradientTransformation, params: PyTree, pieces
     """Returns the sharded state made inside a replica function: this replica's pieces."""
     shapes = _sharded_shapes(params)
     return jax.tree.map(
-        lambda x: Sharded(pieces.take(x), x.shape) if _is_sharded(x, shapes) else x,
+        lambda x: (
+            Sharded(_laid_out(pieces.take(x), pieces), x.shape) if _is_sharded(x, shapes) else x
+        ),
         inner.init(params),
     )
+
+
+def _laid_out(local: jax.Array, pieces: Pieces) -> jax.Array:
+    """Returns this replica's piece laid out as `Topology.pieces_sharding` lays out the stacked
+    pieces: split over the model axis when k > 1 divides its length.
+
+    The state `init` makes in cross-replica context is placed that way; state made inside a
+    replica function and the state a step returns are given the same layout, so that a step
+    called with either compiles once (XLA's propagation alone leaves a piece whole on every
+    model device when nothing in the step cuts it).
+    """
+    if pieces.k == 1 or local.shape[0] % pieces.k:
+        return local
+    spec = P(pieces.model_axis_name)
+    return _on_blocks(lambda x: (x,), pieces, (spec,), (spec,))(local)[0]
 
 
 def _update(
@@ -517,7 +534,7 @@ def _new_state(
             else:
                 piece = Piece(pieces.take(out, lay), old.shape, lay)
             local = pieces.fill_padding(piece).astype(old.dtype)
-            new[i] = Sharded(local, old.shape)
+            new[i] = Sharded(_laid_out(local, pieces), old.shape)
         elif isinstance(out, Piece):
             to_gather.append(i)
         else:

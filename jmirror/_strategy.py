@@ -256,7 +256,8 @@ class MirroredStrategy:
         """Creates distributed state: mirrored (`AUTO`, `ON_WRITE`) or sync-on-read (`ON_READ`).
 
         Args:
-          tree: the initial value, a pytree of array-likes.
+          tree: the initial value, a pytree of array-likes; an `eqx.Module` in it has its
+            array leaves made distributed and its other leaves (functions, flags) kept.
           synchronization: `AUTO` / `ON_WRITE` mirror the tree; `ON_READ` makes it a
             `SyncOnRead` with `aggregation`.
           aggregation: how a sync-on-read value is read.
@@ -303,6 +304,9 @@ class MirroredStrategy:
     def sync_on_read(self, tree: PyTree, aggregation: Aggregation | str = "sum") -> SyncOnRead:
         """Returns a `SyncOnRead` whose every replica starts with `tree`.
 
+        The array leaves of an `eqx.Module` in `tree` become the components; its other
+        leaves (functions, flags) are kept as they are, and `read` gives a module back.
+
         Example:
             >>> import jmirror as jm
             >>> strategy = jm.MirroredStrategy()
@@ -335,7 +339,13 @@ class MirroredStrategy:
     def distribute_values_from_function(self, value_fn: Callable[[ValueContext], PyTree]):
         """Returns a `PerReplica` whose component i is `value_fn(ValueContext(i, N))`.
 
-        Component i is placed on device i.
+        Component i is placed on device i. Each replica's value has the same structure; for
+        an `eqx.Module` the array leaves are stacked and every other leaf (a function, a
+        flag), static, is the same on every replica and kept as it is.
+
+        Raises:
+          ValueError: for components of different structure or leaf shapes, or static
+            leaves that differ between replicas.
 
         Example:
             >>> import numpy as np, jmirror as jm

@@ -13,7 +13,7 @@ exist before the caller imported flax, so jmirror itself imports without it.
 from __future__ import annotations
 
 import sys
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from jmirror import _equinox
 from jmirror._context import current_strategy
@@ -36,8 +36,17 @@ _LINEN = (
 )
 _NOT_NNX = (
     "jm.sync_batch_norm expects a flax NNX object (an nnx.Module, or an NNX object holding "
-    "modules such as nnx.List), got {type}. Pass the model whose nnx.BatchNorm layers "
-    "should normalize over the replicas: jm.sync_batch_norm(model)."
+    "modules such as nnx.List) or an equinox model (an eqx.Module), got {type}. Pass the "
+    "model whose BatchNorm layers should normalize over the replicas: "
+    "model = jm.sync_batch_norm(model, strategy)."
+)
+_HOLDS_MODEL = (
+    "jm.sync_batch_norm expects a flax NNX object (an nnx.Module, or an NNX object holding "
+    "modules such as nnx.List) or an equinox model (an eqx.Module), got a {type} holding "
+    "{model} at [{index}]. Pass the model alone: model = jm.sync_batch_norm(model, strategy). "
+    "The conversion changes only each BatchNorm's axis_name, so what is passed beside the "
+    "model (an eqx.nn.State from eqx.nn.make_with_state, an optimizer) is unchanged: keep "
+    "using it as it is with the converted model."
 )
 _OTHER_AXIS = (
     "jm.sync_batch_norm: the nnx.BatchNorm at {path} already has axis_name={found!r}, which is "
@@ -61,7 +70,7 @@ def sync_batch_norm(module: Module, strategy: HasAxisName | None = None) -> Modu
 
     Args:
       module: a flax NNX object: an `nnx.Module`, or an NNX object holding modules (an
-        `nnx.List`, `nnx.Dict`).
+        `nnx.List`, `nnx.Dict`); or an equinox model (an `eqx.Module`), without its state.
       strategy: the `MirroredStrategy` whose `axis_name` to use; `None`: the current
         strategy (`jm.get_strategy()`).
 
@@ -74,7 +83,8 @@ def sync_batch_norm(module: Module, strategy: HasAxisName | None = None) -> Modu
 
     Raises:
       TypeError: for a flax linen module (linen takes `axis_name` in its definition:
-        `nn.BatchNorm(axis_name=...)`), or anything else that is not an NNX object.
+        `nn.BatchNorm(axis_name=...)`), or anything else that is neither an NNX object nor an
+        equinox model (a `(model, state)` tuple included: pass the model alone).
       ValueError: for a BatchNorm that already has another `axis_name`.
 
     Example:
@@ -96,7 +106,7 @@ def sync_batch_norm(module: Module, strategy: HasAxisName | None = None) -> Modu
         if linen is not None and isinstance(module, linen.Module):
             axis_name = (current_strategy() if strategy is None else strategy).axis_name
             raise TypeError(_LINEN.format(type=type(module).__name__, axis_name=axis_name))
-        raise TypeError(_NOT_NNX.format(type=type(module).__name__))
+        raise _not_a_model(module, nnx)
     axis_name = (current_strategy() if strategy is None else strategy).axis_name
     layers = [(p, x) for p, x in nnx.iter_graph(module) if isinstance(x, nnx.BatchNorm)]
     for path, layer in layers:
@@ -110,3 +120,16 @@ def sync_batch_norm(module: Module, strategy: HasAxisName | None = None) -> Modu
     for _, layer in layers:
         layer.axis_name = axis_name
     return module
+
+
+def _not_a_model(value: object, nnx: Any) -> TypeError:
+    """Returns the error of a value that is no model; a tuple or list holding one (`(model,
+    state)` from `eqx.nn.make_with_state`) is told to pass the model alone."""
+    if isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            if _equinox.is_module(item) or (nnx is not None and nnx.graph.is_graph_node(item)):
+                model = type(item).__name__
+                return TypeError(
+                    _HOLDS_MODEL.format(type=type(value).__name__, model=model, index=i)
+                )
+    return TypeError(_NOT_NNX.format(type=type(value).__name__))

@@ -12,8 +12,9 @@ answers at all (every marked value then varies, which is always safe). The resul
 
 Arguments and results cross the trace as flat leaves, grouped in *slots*: one slot per
 top-level leaf of the argument (or result) tree, where a `PerReplica` or `SyncOnRead` node is
-one slot holding its own leaves, and a static leaf (a function, a string, an equinox module's
-flag) a slot holding its value and no leaf. `build_result` puts a step's flat outputs back
+one slot holding its own leaves (its static leaves, an equinox module's functions and flags,
+kept in the slot), and a static leaf (a function, a string, an equinox module's flag) a slot
+holding its value and no leaf. `build_result` puts a step's flat outputs back
 into the result's structure; a static output comes back as the same Python object, carried
 out of `jax.jit` in the output structure itself (`StaticOut`, inside a `WithStatics` that
 `restore_statics` opens after the call).
@@ -28,10 +29,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import jax.extend.core as jex
 import jax.numpy as jnp
 
 from jmirror import _context, _deadline
+from jmirror._adapter import static_leaves
 from jmirror._context import Runner
 from jmirror._proof import prove
 from jmirror._values import PerReplica, Sharded, SyncOnRead, held_values, is_distributed
@@ -69,6 +72,8 @@ class Slot:
       shape: for `Sharded` nodes, the whole leaf's shape.
       value: for static slots, the value.
       size: the number of flat leaves.
+      statics: for distributed nodes, their static leaves (an equinox module's functions
+        and flags), as `(position among the node's leaves, value)`: no flat leaf.
     """
 
     kind: SlotKind
@@ -77,6 +82,15 @@ class Slot:
     shape: tuple[int, ...] = ()
     value: Any = None
     size: int = 1
+    statics: tuple[tuple[int, Any], ...] = ()
+
+    def unflatten(self, leaves: Sequence[Any], static: Callable[[Any], Any] = lambda v: v) -> Any:
+        """Returns a distributed node's contents from its flat leaves, its static leaves put
+        back (each as `static(value)`)."""
+        leaves = list(leaves)
+        for position, value in self.statics:
+            leaves.insert(position, static(value))
+        return self.treedef.unflatten(leaves)
 
 
 class StaticOut:
@@ -162,17 +176,31 @@ def flatten_slots(
             flat.append(node.shards)
             continue
         if isinstance(node, SyncOnRead):
-            leaves, inner = jax.tree_util.tree_flatten(node.value)
+            leaves, inner, kept = _node_leaves(node.value, inputs)
             kind = SPLIT if inputs else STORAGE
-            slots.append(Slot(kind, inner, node.aggregation, size=len(leaves)))
+            slots.append(Slot(kind, inner, node.aggregation, size=len(leaves), statics=kept))
         elif isinstance(node, PerReplica):
-            leaves, inner = jax.tree_util.tree_flatten(held_values(node))
-            slots.append(Slot(SPLIT if inputs else FORCED, inner, size=len(leaves)))
+            leaves, inner, kept = _node_leaves(held_values(node), inputs)
+            kind = SPLIT if inputs else FORCED
+            slots.append(Slot(kind, inner, size=len(leaves), statics=kept))
         else:
             leaves = [node]
             slots.append(Slot(BROADCAST if inputs else AUTO))
         flat.extend(leaves)
     return flat, slots
+
+
+def _node_leaves(value: Any, inputs: bool) -> tuple[list[Any], Any, tuple[tuple[int, Any], ...]]:
+    """Returns the traced leaves of a distributed node's contents, their structure and its
+    static leaves by position: an input's are those that are no tracer (the plan kept them
+    static), a result's those `static_leaves` names (an equinox module's functions)."""
+    leaves, inner = jax.tree_util.tree_flatten(value)
+    if inputs:
+        static = [not isinstance(x, jax.core.Tracer) for x in leaves]
+    else:
+        static = static_leaves(value)
+    kept = tuple((i, x) for i, (x, s) in enumerate(zip(leaves, static)) if s)
+    return [x for x, s in zip(leaves, static) if not s], inner, kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,9 +331,9 @@ def _run_replica(call: ReplicaCall, round_: _Round, *flat: Any) -> list[jax.Arra
         elif slot.kind == SHARDED:
             top.append(Sharded(leaves[0], slot.shape))
         elif slot.kind == SPLIT and slot.aggregation is not None:
-            top.append(SyncOnRead(slot.treedef.unflatten(leaves), slot.aggregation))
+            top.append(SyncOnRead(slot.unflatten(leaves), slot.aggregation))
         elif slot.kind == SPLIT:
-            top.append(slot.treedef.unflatten(leaves))
+            top.append(slot.unflatten(leaves))
         else:
             top.append(leaves[0])
     dynamic, kwargs = jax.tree_util.tree_unflatten(call.in_treedef, top)
@@ -338,9 +366,11 @@ def build_result(step: ProvenStep, outs: Sequence[Any]) -> Any:
             statics = True
             built.append(StaticOut(slot.value))
         elif slot.kind == STORAGE:
-            built.append(SyncOnRead(slot.treedef.unflatten(leaves), slot.aggregation))
+            statics = statics or bool(slot.statics)
+            built.append(SyncOnRead(slot.unflatten(leaves, StaticOut), slot.aggregation))
         elif slot.kind == FORCED:
-            built.append(PerReplica(slot.treedef.unflatten(leaves)))
+            statics = statics or bool(slot.statics)
+            built.append(PerReplica(slot.unflatten(leaves, StaticOut)))
         elif slot.kind == SHARDED:
             built.append(Sharded(leaves[0], slot.shape))
         else:

@@ -228,6 +228,98 @@ def test_sum_of_a_module_returned_per_replica_keeps_its_functions(strategy, n):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b) * n * (n + 1) / 2, rtol=1e-5)
 
 
+def _assert_arrays(got, want, err_msg=""):
+    for a, b in zip(_arrays(got), want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6, err_msg=err_msg)
+
+
+def test_distribute_values_from_function_of_modules_is_a_per_replica_module(strategy, n):
+    by_hand, models = _stacked_modules(n)
+    per_replica = strategy.distribute_values_from_function(lambda ctx: models[ctx.replica_id])
+    assert isinstance(per_replica, jm.PerReplica)
+    assert isinstance(per_replica.values, eqx.nn.MLP)
+    assert per_replica.values.activation is models[0].activation
+    _assert_arrays(per_replica.values, [np.asarray(a) for a in _arrays(by_hand.values)])
+    stacks = [np.stack([np.asarray(a) for a in leaves]) for leaves in zip(*map(_arrays, models))]
+    x = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
+    out = jm.replicate(lambda m, x: jax.vmap(m)(x), strategy=strategy)(per_replica, x)
+    for r, (got, part, model) in enumerate(
+        zip(strategy.local_results(out), strategy.local_results(per_replica), models)
+    ):
+        np.testing.assert_allclose(got, jax.vmap(model)(x), rtol=1e-5, err_msg=f"replica {r}")
+        assert part.activation is model.activation
+        _assert_arrays(part, [np.asarray(a) for a in _arrays(model)], f"replica {r}")
+    mean = strategy.reduce("mean", per_replica)
+    assert mean.activation is models[0].activation
+    _assert_arrays(mean, [s.mean(axis=0) for s in stacks])
+    gathered = strategy.gather(per_replica)
+    assert gathered.activation is models[0].activation
+    _assert_arrays(gathered, [np.concatenate(list(s)) for s in stacks])
+    # Returned as a PerReplica from a replica function: the same module, its functions kept.
+    back = jm.replicate(lambda m: jm.PerReplica(m), strategy=strategy)(per_replica)
+    assert isinstance(back, jm.PerReplica) and back.values.activation is models[0].activation
+    _assert_arrays(back.values, stacks)
+
+
+def test_distribute_values_from_function_refuses_static_leaves_that_differ(strategy, n):
+    if n == 1:
+        pytest.skip("one replica: nothing differs")
+
+    def value_fn(ctx):
+        activation = jax.nn.tanh if ctx.replica_id == 0 else jax.nn.relu
+        return eqx.nn.MLP(4, 2, 16, 2, activation=activation, key=jax.random.key(0))
+
+    with pytest.raises(ValueError, match=r"replica 0 .* replica 1 at \.activation.*static"):
+        strategy.distribute_values_from_function(value_fn)
+
+
+@pytest.mark.parametrize("aggregation", ["sum", "mean", "only_first_replica"])
+@pytest.mark.parametrize("made_by", ["sync_on_read", "create_state"])
+def test_sync_on_read_module_reads_back_a_module(strategy, n, aggregation, made_by):
+    model = _mlp()
+    if made_by == "sync_on_read":
+        state = strategy.sync_on_read(model, aggregation)
+    else:
+        state = strategy.create_state(model, synchronization="on_read", aggregation=aggregation)
+    assert isinstance(state, jm.SyncOnRead) and state.value.activation is model.activation
+    weights = [np.asarray(a) for a in _arrays(model)]
+    start = strategy.read(state)
+    assert isinstance(start, eqx.nn.MLP) and start.activation is model.activation
+    scale = {"sum": n, "mean": 1, "only_first_replica": 1}[aggregation]
+    _assert_arrays(start, [w * scale for w in weights])
+
+    @jm.replicate(strategy=strategy)
+    def count(state):  # each replica adds its own id + 1 to its component
+        arrays, rest = eqx.partition(state.value, eqx.is_array)
+        more = jax.tree.map(lambda a: a + jm.replica_id() + 1.0, arrays)
+        return state.replace(eqx.combine(more, rest))
+
+    for _ in range(2):
+        state = count(state)
+    assert count.num_compilations == 1
+    assert isinstance(state, jm.SyncOnRead) and state.value.activation is model.activation
+    own = [2.0 * (r + 1) for r in range(n)]  # replica r's total after two calls
+    for r, part in zip(_local_ids(strategy), strategy.local_results(state)):
+        assert part.activation is model.activation
+        _assert_arrays(part, [w + own[r] for w in weights], f"replica {r}")
+    read = strategy.read(state)
+    assert isinstance(read, eqx.nn.MLP) and read.activation is model.activation
+    combined = {
+        "sum": [n * w + sum(own) for w in weights],
+        "mean": [w + np.mean(own) for w in weights],
+        "only_first_replica": [w + own[0] for w in weights],
+    }[aggregation]
+    _assert_arrays(read, combined)
+    # Read inside merge_fn too: the same module, mirrored.
+    merged = jm.replicate(
+        lambda state: jm.merge_call(lambda strategy, s: strategy.read(s), args=(state,)),
+        strategy=strategy,
+    )(state)
+    assert isinstance(merged, eqx.nn.MLP) and merged.activation is model.activation
+    jmt.assert_mirrored(merged, strategy)
+    _assert_arrays(strategy.read(merged), combined)
+
+
 def test_mirror_read_and_per_replica_of_a_module(strategy, n):
     model = _mlp()
     mirrored = strategy.mirror(model)
@@ -395,6 +487,19 @@ def test_sync_batch_norm_keeps_the_tree_structure(strategy, n):
     np.testing.assert_allclose(strategy.read(got[3]), want[3], rtol=1e-5)
     for a, b in zip(_arrays(strategy.read(got[0])), _arrays(want[0])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_sync_batch_norm_of_a_model_and_its_state_says_to_pass_the_model_alone():
+    strategy = jm.MirroredStrategy()
+    model, state = _batch_norm_model("batch")
+    kinds = r"flax NNX object.*or an equinox model \(an eqx\.Module\)"
+    with pytest.raises(TypeError, match=kinds + r", got a tuple holding Net at \[0\]") as info:
+        jm.sync_batch_norm((model, state), strategy)
+    assert "Pass the model alone: model = jm.sync_batch_norm(model, strategy)" in str(info.value)
+    assert "eqx.nn.State" in str(info.value) and "unchanged" in str(info.value)
+    for value in ({"w": np.zeros(3)}, (np.zeros(3), state), None):
+        with pytest.raises(TypeError, match=kinds + f", got {type(value).__name__}\\."):
+            jm.sync_batch_norm(value, strategy)
 
 
 def _one_bn_step(model, state, x):

@@ -84,6 +84,31 @@ def test_reads_of_user_built_values_cover_every_process(two_processes, backend):
             np.testing.assert_array_equal(seen[f"{backend}/user/{key}"], want, err_msg=key)
 
 
+@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
+def test_per_replica_and_sync_on_read_modules_across_processes(two_processes, backend):
+    # Component i of the module is the model shifted by i (NumPy's oracle by hand): each
+    # process sees its own replicas' components, and the reads agree everywhere.
+    import equinox as eqx
+
+    model = eqx.nn.MLP(3, 2, 4, 1, activation=jax.nn.tanh, key=jax.random.key(0))
+    w = np.asarray(model.layers[0].weight)
+
+    def shifted(i):
+        return jax.tree.map(lambda a: a + i if eqx.is_array(a) else a, model)
+
+    x = np.ones((2, 3), np.float32)
+    for p, seen in enumerate(two_processes):
+        key = f"{backend}/module/"
+        assert str(seen[key + "error"]) == "", str(seen[key + "error"])
+        assert bool(seen[key + "kept"])
+        ids = range(4 * p, 4 * p + 4)
+        np.testing.assert_allclose(seen[key + "local"], [w + i for i in ids], rtol=1e-6)
+        np.testing.assert_allclose(seen[key + "mean"], w + 3.5, rtol=1e-6)
+        np.testing.assert_allclose(seen[key + "reads"], [8 * w, w, w], rtol=1e-6)
+        want = [jax.vmap(shifted(i))(x) for i in ids]
+        np.testing.assert_allclose(seen[key + "outputs"], want, rtol=1e-5, atol=1e-6)
+
+
 def test_a_per_replica_of_all_replicas_built_on_one_process_is_refused(two_processes):
     for seen in two_processes:
         message = str(seen["wrong_size_error"])

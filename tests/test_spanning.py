@@ -904,6 +904,34 @@ def test_shard_update_init_inside_a_replica_cuts_the_same_blocks(k):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("k", SPANS)
+def test_shard_update_state_made_either_way_has_the_layout_the_step_returns(k):
+    """The state of `tx.init` in cross-replica context and of `strategy.run(tx.init, ...)`
+    is laid out as the step gives it back (leaves cut in blocks, row-major ones whose pieces
+    k divides, ones it does not), so one compiled step takes both, from the first call on."""
+    import optax
+
+    strategy = _padded_strategy(k)
+    tx = jm.shard_update(_clipped_adamw())
+    params = _padded_params(strategy)
+
+    @jm.replicate(strategy=strategy)
+    def step(params, state, x):
+        updates, state = tx.update(jax.grad(_padded_loss)(params, x), state, params)
+        return optax.apply_updates(params, updates), state
+
+    x = jm.PerReplica(np.ones((strategy.num_replicas, 2, 12), np.float32))
+    made = {"outside": tx.init(params), "run": strategy.run(tx.init, args=(params,))}
+    for how, state in made.items():
+        stepped = state
+        for _ in range(2):
+            _, stepped = step(params, stepped, x)
+        flat = jax.tree_util.tree_flatten_with_path(state)[0]
+        for (path, a), b in zip(flat, jax.tree.leaves(stepped), strict=True):
+            assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (how, path)
+    assert step.num_compilations == 1
+
+
 # --- whole values wherever jmirror takes a replica's component ---------------------------------
 
 AGGREGATIONS = ("sum", "mean", "only_first_replica")

@@ -26,6 +26,39 @@ from training import (
 
 jm = join()
 
+
+def module_values(strategy, backend: str) -> dict[str, np.ndarray]:
+    """What a PerReplica and a SyncOnRead of an equinox module give on this process: its
+    replicas' components, a reduce, a replicated call's outputs and the reads, with the
+    module's function kept in each (or the error, so that only its test fails)."""
+    import equinox as eqx
+
+    model = eqx.nn.MLP(3, 2, 4, 1, activation=jax.nn.tanh, key=jax.random.key(0))
+
+    def shifted(ctx):
+        return jax.tree.map(lambda a: a + ctx.replica_id if eqx.is_array(a) else a, model)
+
+    seen: dict[str, object] = {}
+    try:
+        values = strategy.distribute_values_from_function(shifted)
+        parts = strategy.local_results(values)
+        mean = strategy.reduce("mean", values)
+        call = jm.replicate(lambda m, x: jax.vmap(m)(x), strategy=strategy)
+        outputs = strategy.local_results(call(values, np.ones((2, 3), np.float32)))
+        aggregations = ("sum", "mean", "only_first_replica")
+        reads = [strategy.read(strategy.sync_on_read(model, a)) for a in aggregations]
+        modules = [*parts, mean, *reads]
+        seen["kept"] = all(m.activation is model.activation for m in modules)
+        seen["local"] = np.stack([np.asarray(p.layers[0].weight) for p in parts])
+        seen["mean"] = np.asarray(mean.layers[0].weight)
+        seen["reads"] = np.stack([np.asarray(r.layers[0].weight) for r in reads])
+        seen["outputs"] = np.stack([np.asarray(o) for o in outputs])
+        seen["error"] = ""
+    except Exception as error:  # recorded: the test names it
+        seen["error"] = f"{type(error).__name__}: {error}"
+    return {f"{backend}/module/{key}": np.asarray(value) for key, value in seen.items()}
+
+
 out_dir = sys.argv[1]
 results: dict[str, np.ndarray] = {}
 for backend in ("pmap", "shard_map"):
@@ -65,6 +98,7 @@ for backend in ("pmap", "shard_map"):
     for aggregation in ("sum", "mean", "only_first_replica"):
         value = jm.SyncOnRead(ranks, aggregation)
         results[f"{backend}/user/read_{aggregation}"] = np.asarray(strategy.read(value))
+    results.update(module_values(strategy, backend))
     # NNX metrics (sync-on-read): each process passes its own replicas' rows of the values.
     metrics = nnx.MultiMetric(loss=nnx.metrics.Average(), stats=nnx.metrics.Welford())
     update = jm.replicate(lambda m, v: m.update(values=v), strategy=strategy)
