@@ -170,7 +170,11 @@ class CrossReplica(abc.ABC):
             )
         n = self.num_replicas
         is_sum = sync_on_read.aggregation is Aggregation.SUM
-        dtypes = jax.tree.map(jnp.result_type, sync_on_read.value)
+        # A module's functions and flags (static leaves) are kept as `value` has them.
+        held, treedef = jax.tree.flatten(sync_on_read.value)
+        static = static_leaves(sync_on_read.value)
+        dtypes = {i: jnp.result_type(x) for i, (x, st) in enumerate(zip(held, static)) if not st}
+        news = treedef.flatten_up_to(value)
 
         def spread(
             dtype: jax.typing.DTypeLike,
@@ -187,10 +191,16 @@ class CrossReplica(abc.ABC):
                 return jnp.floor_divide(new, n) + extra
             return (new / n if is_sum else new).astype(dtype)
 
-        if not any(spread(d) for d in jax.tree.leaves(dtypes)):
-            same = jax.tree.map(lambda d, new: component(d, new, 0), dtypes, value)
-            return self.sync_on_read(same, sync_on_read.aggregation)
-        return self.sync_on_read_from(
-            lambda r: jax.tree.map(lambda d, new: component(d, new, r), dtypes, value),
-            sync_on_read.aggregation,
+        aggregation = sync_on_read.aggregation
+        traced = list(dtypes)
+
+        def with_leaves(leaves: dict[int, Any]) -> PyTree:
+            return treedef.unflatten([leaves.get(i, new) for i, new in enumerate(news)])
+
+        if not any(spread(dtypes[i]) for i in traced):
+            same = {i: component(dtypes[i], news[i], 0) for i in traced}
+            return self.sync_on_read(with_leaves(same), aggregation)
+        parts = self.sync_on_read_from(
+            lambda r: [component(dtypes[i], news[i], r) for i in traced], aggregation
         )
+        return SyncOnRead(with_leaves(dict(zip(traced, parts.value))), aggregation)

@@ -320,6 +320,22 @@ def test_sync_on_read_module_reads_back_a_module(strategy, n, aggregation, made_
     _assert_arrays(strategy.read(merged), combined)
 
 
+@pytest.mark.parametrize("aggregation", ["sum", "mean"])
+def test_assign_and_checkpoint_of_a_sync_on_read_module(strategy, n, aggregation, tmp_path):
+    model = _mlp()
+    state = strategy.sync_on_read(_mlp(seed=1), aggregation)
+    weights = [np.asarray(a) for a in _arrays(model)]
+    assigned = strategy.assign(state, model)
+    assert isinstance(assigned, jm.SyncOnRead) and assigned.value.activation is model.activation
+    _assert_arrays(strategy.read(assigned), weights)  # reading gives the value assigned
+    jm.checkpoint.save(tmp_path / "c", {"m": assigned}, strategy=strategy)
+    restored = jm.checkpoint.restore(tmp_path / "c", strategy=strategy, target={"m": state})
+    assert isinstance(restored["m"], jm.SyncOnRead)
+    read = strategy.read(restored["m"])
+    assert isinstance(read, eqx.nn.MLP) and read.activation is model.activation
+    _assert_arrays(read, weights)
+
+
 def test_mirror_read_and_per_replica_of_a_module(strategy, n):
     model = _mlp()
     mirrored = strategy.mirror(model)

@@ -10,7 +10,7 @@ import jax
 
 from jmirror._adapter import policed_statics
 from jmirror._strategy import MirroredStrategy, get_strategy
-from jmirror._values import PyTree, is_distributed
+from jmirror._values import PyTree
 from jmirror.checkpoint import _decode, _encode, _format, _integrity, _processes, _storage
 
 
@@ -201,8 +201,9 @@ def without_statics(tree: PyTree) -> PyTree:
     """Returns `tree` with the static leaves of its modules (`jmirror._adapter.policed_statics`:
     an equinox module's functions and flags) as None, or `tree` itself when it has none.
     Leaves that cannot be saved elsewhere stay, for the encoder's error."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_distributed)
-    static = policed_statics(tree, is_leaf=is_distributed)
+    # Through `PerReplica` / `SyncOnRead` nodes too: a module inside one keeps its statics.
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    static = policed_statics(tree)
     if not any(static):
         return tree
     return treedef.unflatten([None if s else x for x, s in zip(leaves, static)])
@@ -210,14 +211,14 @@ def without_statics(tree: PyTree) -> PyTree:
 
 def with_statics(restored: PyTree, target: PyTree) -> PyTree:
     """Returns `restored` (restored into `without_statics(target)`) with `target`'s statics."""
-    leaves, treedef = jax.tree_util.tree_flatten(target, is_leaf=_none_or_distributed)
-    static = policed_statics(target, is_leaf=_none_or_distributed)
-    got = jax.tree_util.tree_leaves(restored, is_leaf=_none_or_distributed)
+    leaves, treedef = jax.tree_util.tree_flatten(target, is_leaf=_is_none)
+    static = policed_statics(target, is_leaf=_is_none)
+    got = jax.tree_util.tree_leaves(restored, is_leaf=_is_none)
     return treedef.unflatten([t if s else r for t, r, s in zip(leaves, got, static)])
 
 
-def _none_or_distributed(x: object) -> bool:
-    return x is None or is_distributed(x)
+def _is_none(x: object) -> bool:
+    return x is None
 
 
 def with_fix(error: _format.CorruptCheckpointError, path: pathlib.Path, call: str) -> Exception:
