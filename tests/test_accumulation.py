@@ -464,6 +464,12 @@ def eqx_sequential_step(eqx, model, opt_state, state, loss_fn, tx, micro_batches
     return eqx.apply_updates(model, updates), opt_state, state, grads, jnp.mean(jnp.stack(losses))
 
 
+# The carry of state through the micro-batches does not depend on the backend (the tests
+# above run on both): these run on one, to keep the suite's time.
+ONE_BACKEND = pytest.mark.parametrize("backend", ["pmap"])
+
+
+@ONE_BACKEND
 @pytest.mark.parametrize("mode", ["ema", "batch"])
 def test_equinox_batch_norm_state_as_k_sequential_micro_batch_passes(strategy, n, mode):
     eqx, model, state, loss_fn = eqx_batch_norm_setup(mode, ("batch", strategy.axis_name))
@@ -498,6 +504,7 @@ def test_equinox_batch_norm_state_as_k_sequential_micro_batch_passes(strategy, n
         assert_close(strategy.read(new_state), ref[2], rtol=1e-5)
 
 
+@ONE_BACKEND
 @pytest.mark.parametrize("mode", ["ema", "batch"])
 def test_equinox_gradients_and_state_inside_a_replica_function(strategy, n, mode):
     eqx, model, state, loss_fn = eqx_batch_norm_setup(mode, ("batch", strategy.axis_name))
@@ -569,6 +576,7 @@ def linen_sequential(loss_fn, params, stats, micro_batches):
     return jax.tree.map(lambda g: g / len(micro_batches), total), stats, jnp.mean(jnp.stack(losses))
 
 
+@ONE_BACKEND
 def test_linen_batch_stats_as_k_sequential_micro_batch_passes(strategy, n):
     params, stats, state = linen_batch_norm_setup(optax.sgd(0.1, momentum=0.9))
     loss_fn = linen_batch_norm_loss(BatchNormMLP(axis_name=strategy.axis_name))
@@ -594,6 +602,7 @@ def test_linen_batch_stats_as_k_sequential_micro_batch_passes(strategy, n):
         assert_close(strategy.read(placed.batch_stats), ref.batch_stats, rtol=1e-5)
 
 
+@ONE_BACKEND
 def test_linen_gradients_and_batch_stats_inside_a_replica_function(strategy, n):
     params, stats, _ = linen_batch_norm_setup(optax.sgd(0.1))
     loss_fn = linen_batch_norm_loss(BatchNormMLP(axis_name=strategy.axis_name))
@@ -616,6 +625,7 @@ def test_linen_gradients_and_batch_stats_inside_a_replica_function(strategy, n):
         assert_close(strategy.read(new_stats), expected_stats, rtol=1e-5)
 
 
+@ONE_BACKEND
 def test_linen_per_replica_batch_stats_are_carried_on_each_replica(strategy, n):
     params, stats, state = linen_batch_norm_setup(optax.sgd(0.1))
     loss_fn = linen_batch_norm_loss(BatchNormMLP())  # each replica's own statistics
