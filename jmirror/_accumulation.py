@@ -242,7 +242,7 @@ def _sum_over_micro_batches(
 def _with_state(loss_fn: LossFn) -> LossFn:
     """Returns `loss_fn` taking `(micro_batch, state)` where it takes the micro-batch."""
 
-    def call(params: PyTree, micro_batch_and_state: tuple, *args: Any) -> Any:
+    def call(params: PyTree, micro_batch_and_state: tuple, *args: PyTree) -> PyTree:
         micro_batch, state = micro_batch_and_state
         return loss_fn(params, micro_batch, state, *args)
 
@@ -290,7 +290,7 @@ _NOT_A_PAIR = (
 )
 
 
-def _describe(value: Any) -> str:
+def _describe(value: object) -> str:
     """Returns what a loss or a step got, in words: an array's dtype and shape, a tuple's
     items."""
     if isinstance(value, (tuple, list)):
@@ -299,11 +299,11 @@ def _describe(value: Any) -> str:
     return _name(value)
 
 
-def _name(value: Any) -> str:
+def _name(value: object) -> str:
     """Returns an array as `a float32[] array`, anything else by its type."""
-    if hasattr(value, "shape") and hasattr(value, "dtype"):
-        dims = ",".join(str(d) for d in value.shape)
-        return f"a {value.dtype}[{dims}] array"
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"a {dtype}[{','.join(str(d) for d in shape)}] array"
     return f"a {type(value).__name__}"
 
 
@@ -517,8 +517,8 @@ def _is_train_state(state: PyTree) -> bool:
 
 
 def _train_state_step(
-    state: Any, accumulate: Callable[..., tuple], batch: PyTree, args: tuple
-) -> tuple[Any, jax.Array]:
+    state: PyTree, accumulate: Callable[..., tuple], batch: PyTree, args: tuple
+) -> tuple[PyTree, jax.Array]:
     """Takes one step of a flax `TrainState`, carrying its `batch_stats` when it has them."""
     stats = getattr(state, "batch_stats", None)
     if stats is None:

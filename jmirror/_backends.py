@@ -239,19 +239,19 @@ def _evaluate(
 # mesh, as an outer `jax.grad` or `jax.vmap` of the step then transforms them.
 
 
-def _cond(params: dict, invals: Sequence[Any], rid: Any, topology: Topology) -> list[Any]:
-    def branch(closed: Any) -> Callable[..., list[Any]]:
+def _cond(params: dict, invals: Sequence[Any], rid: jax.Array, topology: Topology) -> list[Any]:
+    def branch(closed: jex.ClosedJaxpr) -> Callable[..., list[Any]]:
         return lambda *ops: _evaluate(closed.jaxpr, closed.consts, ops, rid, topology)
 
     return jax.lax.switch(invals[0], [branch(b) for b in params["branches"]], *invals[1:])
 
 
-def _while(params: dict, invals: Sequence[Any], rid: Any, topology: Topology) -> list[Any]:
+def _while(params: dict, invals: Sequence[Any], rid: jax.Array, topology: Topology) -> list[Any]:
     nc, nb = params["cond_nconsts"], params["body_nconsts"]
     cond_consts, body_consts, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
     cond_jaxpr, body_jaxpr = params["cond_jaxpr"], params["body_jaxpr"]
 
-    def cond(carry: tuple) -> Any:
+    def cond(carry: tuple) -> jax.Array:
         return _evaluate(
             cond_jaxpr.jaxpr, cond_jaxpr.consts, [*cond_consts, *carry], rid, topology
         )[0]
@@ -263,7 +263,7 @@ def _while(params: dict, invals: Sequence[Any], rid: Any, topology: Topology) ->
     return list(jax.lax.while_loop(cond, body, tuple(init)))
 
 
-def _scan(params: dict, invals: Sequence[Any], rid: Any, topology: Topology) -> list[Any]:
+def _scan(params: dict, invals: Sequence[Any], rid: jax.Array, topology: Topology) -> list[Any]:
     nc, nk, closed = params["num_consts"], params["num_carry"], params["jaxpr"]
     consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
 
@@ -282,8 +282,8 @@ def _scan(params: dict, invals: Sequence[Any], rid: Any, topology: Topology) -> 
     return [*carry, *ys]
 
 
-def _remat(params: dict, invals: Sequence[Any], rid: Any, topology: Topology) -> list[Any]:
-    def body(*args: Any) -> list[Any]:
+def _remat(params: dict, invals: Sequence[Any], rid: jax.Array, topology: Topology) -> list[Any]:
+    def body(*args: jax.Array) -> list[Any]:
         return _evaluate(params["jaxpr"], (), args, rid, topology)
 
     remat = jax.checkpoint(body, prevent_cse=params["prevent_cse"], policy=params["policy"])
@@ -294,7 +294,9 @@ def _remat(params: dict, invals: Sequence[Any], rid: Any, topology: Topology) ->
 _CALLBACKS = ("pure_callback", "io_callback")
 
 
-def _callback(eqn: Any, invals: Sequence[Any], topology: Topology, here: AbstractMesh) -> list:
+def _callback(
+    eqn: jex.JaxprEqn, invals: Sequence[Any], topology: Topology, here: AbstractMesh
+) -> list:
     """Binds a host callback manual over the model axis too, with whole operands: it runs
     once per device of the replica, each on the replica's whole values. An ordered
     `io_callback` is refused: XLA:CPU aborts on its token there."""
@@ -309,7 +311,7 @@ def _callback(eqn: Any, invals: Sequence[Any], topology: Topology, here: Abstrac
         )
     params = {k: _on_mesh(v, here) for k, v in eqn.primitive.get_bind_params(eqn.params).items()}
 
-    def bind(*args: Any) -> list[Any]:
+    def bind(*args: jax.Array) -> list[Any]:
         out = eqn.primitive.bind(*args, **params)
         return list(out) if eqn.primitive.multiple_results else [out]
 

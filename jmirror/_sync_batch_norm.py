@@ -13,7 +13,8 @@ exist before the caller imported flax, so jmirror itself imports without it.
 from __future__ import annotations
 
 import sys
-from typing import Any, Protocol, TypeVar
+import types
+from typing import Protocol, TypeVar
 
 from jmirror import _equinox
 from jmirror._context import current_strategy
@@ -122,7 +123,7 @@ def sync_batch_norm(module: Module, strategy: HasAxisName | None = None) -> Modu
     return module
 
 
-def _not_a_model(value: object, nnx: Any) -> TypeError:
+def _not_a_model(value: object, nnx: types.ModuleType | None) -> TypeError:
     """Returns the error of a value that is no model; a tuple or list holding one (`(model,
     state)` from `eqx.nn.make_with_state`) is told to pass the model alone."""
     if isinstance(value, (tuple, list)):

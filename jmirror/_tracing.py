@@ -37,7 +37,7 @@ from jmirror import _context, _deadline
 from jmirror._adapter import static_leaves
 from jmirror._context import Runner
 from jmirror._proof import prove
-from jmirror._values import PerReplica, Sharded, SyncOnRead, held_values, is_distributed
+from jmirror._values import PerReplica, PyTree, Sharded, SyncOnRead, held_values, is_distributed
 
 MAX_ROUNDS = 4
 _UNBOUND_AXIS = re.compile(r"unbound axis name: (\S+?)\.?(\s|$)")
@@ -84,7 +84,9 @@ class Slot:
     size: int = 1
     statics: tuple[tuple[int, Any], ...] = ()
 
-    def unflatten(self, leaves: Sequence[Any], static: Callable[[Any], Any] = lambda v: v) -> Any:
+    def unflatten(
+        self, leaves: Sequence[Any], static: Callable[[Any], Any] = lambda v: v
+    ) -> PyTree:
         """Returns a distributed node's contents from its flat leaves, its static leaves put
         back (each as `static(value)`)."""
         leaves = list(leaves)
@@ -190,7 +192,7 @@ def flatten_slots(
     return flat, slots
 
 
-def _node_leaves(value: Any, inputs: bool) -> tuple[list[Any], Any, tuple[tuple[int, Any], ...]]:
+def _node_leaves(value: PyTree, inputs: bool) -> tuple[list[Any], Any, tuple[tuple[int, Any], ...]]:
     """Returns the traced leaves of a distributed node's contents, their structure and its
     static leaves by position: an input's are those that are no tracer (the plan kept them
     static), a result's those `static_leaves` names (an equinox module's functions)."""

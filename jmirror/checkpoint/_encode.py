@@ -37,6 +37,7 @@ from jmirror.checkpoint import _format, _sharded
 
 if TYPE_CHECKING:
     from jmirror._strategy import MirroredStrategy
+    from jmirror._topology import Topology
 
 _PYTHON_SCALARS = (bool, int, float, complex)
 # The bounded wait of a save that gathers per-replica components (named if it times out,
@@ -52,7 +53,7 @@ _NOT_MIRRORED = (
 )
 
 
-def _laid_out_elsewhere(topology: Any, x: jax.Array) -> bool:
+def _laid_out_elsewhere(topology: Topology, x: jax.Array) -> bool:
     """Returns whether `x` is laid out by another strategy or mesh (a notebook re-run that
     changed `devices_per_replica`) and wholly in this process: saved as its whole value, as a
     replicated call would place it. An array on this strategy's own mesh that is not mirrored
