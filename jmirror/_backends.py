@@ -223,14 +223,19 @@ def _evaluate(
             layout = NamedSharding(topology.mesh, eqn.params["sharding"].spec)
             outs = [jax.lax.with_sharding_constraint(invals[0], layout)]
         else:
-            params = eqn.primitive.get_bind_params(eqn.params)
-            if not here.empty:
-                params = {k: _on_mesh(v, here) for k, v in params.items()}
             with eqn.ctx.manager, jax.sharding.use_abstract_mesh(here):
-                out = eqn.primitive.bind(*invals, **params)
-            outs = out if eqn.primitive.multiple_results else [out]
+                outs = _rebind(eqn, invals, here)
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
+
+
+def _rebind(eqn: jex.JaxprEqn, invals: Sequence[Any], here: AbstractMesh) -> list[Any]:
+    """Binds `eqn`'s primitive again on `invals`, its shardings over `here` (this trace's mesh)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if not here.empty:
+        params = {k: _on_mesh(v, here) for k, v in params.items()}
+    out = eqn.primitive.bind(*invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 # Control flow is traced again through JAX's own functions, its bodies evaluated here: the
@@ -309,14 +314,8 @@ def _callback(
             "ordered=False (it then runs once on each of the replica's devices), or use "
             "devices_per_replica=1."
         )
-    params = {k: _on_mesh(v, here) for k, v in eqn.primitive.get_bind_params(eqn.params).items()}
-
-    def bind(*args: jax.Array) -> list[Any]:
-        out = eqn.primitive.bind(*args, **params)
-        return list(out) if eqn.primitive.multiple_results else [out]
-
     whole = jax.shard_map(
-        bind,
+        lambda *args: _rebind(eqn, args, here),
         mesh=here,
         in_specs=tuple(P() for _ in invals),
         out_specs=[P() for _ in eqn.outvars],

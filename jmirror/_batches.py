@@ -530,14 +530,9 @@ def dealt_batches(
         for _, element, state in pulled:
             group.append(element)
             if len(group) == n:
-                stacked = _stack_group(topology, group, step)
+                stacked, layout = _stack_group(topology, group, step)
                 step += 1
                 position = dataclasses.replace(position, batches=step, state=state)
-                layout = None
-                if processes > 1:  # compared with the other processes' before the step is used
-                    flat, treedef = _flatten(group[0])
-                    leaves = [np.asarray(x) for x in flat]
-                    layout = Layout.of(treedef, leaves, "element", rows=False)
                 yield _Positioned(stacked, position, layout=layout)
                 group = []
     finally:
@@ -551,7 +546,11 @@ def dealt_batches(
         )
 
 
-def _stack_group(topology: Topology, group: list[Any], step: int) -> PerReplica:
+def _stack_group(
+    topology: Topology, group: list[Any], step: int
+) -> tuple[PerReplica, Layout | None]:
+    """Returns one step's elements stacked and placed, and (several processes) their layout,
+    which the processes compare before the step is used."""
     call = FUNCTION_CALL
     flats = []
     treedef = _flatten(group[0])[1]
@@ -587,5 +586,6 @@ def _stack_group(topology: Topology, group: list[Any], step: int) -> PerReplica:
         placed = [
             jax.make_array_from_process_local_data(topology.stacked, x, shape(x)) for x in stacked
         ]
-        return PerReplica(treedef.unflatten(placed))
-    return PerReplica(treedef.unflatten(_place(topology, stacked)))
+        layout = Layout.of(treedef, flats[0], "element", rows=False)
+        return PerReplica(treedef.unflatten(placed)), layout
+    return PerReplica(treedef.unflatten(_place(topology, stacked))), None
