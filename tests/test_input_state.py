@@ -86,14 +86,11 @@ def test_resuming_a_grain_pipeline_at_batch_100000_reads_no_skipped_element(s, n
     position.update(batches=k, source_state={"json": direct.get_state()})
     reads = Reads()
     data = s.distribute_dataset(_grain(reads, 10**8, g), remainder="drop", start=position)
-    begin = time.perf_counter()
     it = iter(data)
     batch = _host(next(it))
-    seconds = time.perf_counter() - begin
     it.close()
     np.testing.assert_array_equal(batch["x"][:, 0], np.arange(k * g, (k + 1) * g))
-    assert min(reads.rows) == k * g
-    assert seconds < 1.0, seconds
+    assert min(reads.rows) == k * g  # not one of the k * g rows before it
 
 
 def test_prefetched_batches_never_reach_the_position(s, n):

@@ -1,10 +1,12 @@
 """`python -m jmirror.launch --compilation-cache DIR|off`: compiled steps survive a restart.
 
 The environment the launcher gives its processes is checked in both device passes; the tests
-that start processes run once, in the 8-device pass: each process times the first call of a
-step that takes long to compile, fails, is restarted by the launcher and times it again. With
-several processes on XLA:CPU each process finds its own entries (JAX alone writes only process
-0's, and the others' keys differ).
+that start processes run once, in the 8-device pass: each process makes the first call of a
+step, fails, is restarted by the launcher and makes it again, counting with JAX's monitoring
+events what XLA compiled during the call and what the persistent cache gave back (the time it
+saves is a benchmark's: benchmarks/restart_cache_bench.py). With several processes on XLA:CPU
+each process finds its own entries (JAX alone writes only process 0's, and the others' keys
+differ).
 """
 
 import os
@@ -60,11 +62,11 @@ def test_a_directory_given_wins_and_off_disables_it(tmp_path):
     assert off["JAX_ENABLE_COMPILATION_CACHE"] == "false"
 
 
-def _first_calls(tmp_path, cache: str, processes: int = 1) -> dict[tuple[str, str], float]:
-    """The first call's CPU seconds by (restart, process) (`("0", "1")`: the cold start's
-    process 1) of a run with `cache`: the process's own work, which other jobs on a loaded
-    machine do not stretch as they stretch wall time (benchmarks/restart_cache_bench.py gives
-    both)."""
+def _first_calls(
+    tmp_path, cache: str, processes: int = 1
+) -> dict[tuple[str, str], tuple[int, int]]:
+    """The programs compiled and found in the cache during the first call, by (restart,
+    process) (`("0", "1")`: the cold start's process 1), of a run with `cache`."""
     run = harness.launch(
         [
             *("--processes", str(processes), "--devices-per-process", str(2 // processes)),
@@ -76,8 +78,11 @@ def _first_calls(tmp_path, cache: str, processes: int = 1) -> dict[tuple[str, st
     )
     code, _ = run.wait(RUN_S)
     assert code == 0, run.output()
-    pattern = r"first call restart (\d) process (\d) [\d.]+ cpu ([\d.]+)"
-    found = {(restart, i): float(s) for restart, i, s in re.findall(pattern, run.output())}
+    pattern = r"first call restart (\d) process (\d) .* compiled (\d+) found (\d+)"
+    found = {
+        (restart, i): (int(compiled), int(hits))
+        for restart, i, compiled, hits in re.findall(pattern, run.output())
+    }
     expected = [(r, str(i)) for r in "01" for i in range(processes)]
     assert sorted(found) == expected, run.output()
     return found
@@ -87,17 +92,23 @@ def _first_calls(tmp_path, cache: str, processes: int = 1) -> dict[tuple[str, st
 def test_a_restart_finds_its_steps_compiled(tmp_path):
     first = _first_calls(tmp_path, str(tmp_path / "cache"))
     assert any((tmp_path / "cache").iterdir())  # the steps, written by the cold start
-    assert first["1", "0"] <= 0.3 * first["0", "0"], first
+    compiled, found = first["0", "0"]
+    assert compiled >= 1 and found == 0, first
+    assert first["1", "0"] == (0, compiled), first  # every program the cold start compiled
 
 
 @starts_processes
 def test_every_process_of_a_restart_finds_its_steps_compiled(tmp_path):
     first = _first_calls(tmp_path, str(tmp_path / "cache"), processes=2)
     for process in "01":
-        assert first["1", process] <= 0.3 * first["0", process], (process, first)
+        compiled, found = first["0", process]
+        assert compiled >= 1 and found == 0, (process, first)
+        assert first["1", process] == (0, compiled), (process, first)
 
 
 @starts_processes
 def test_with_the_cache_off_a_restart_compiles_again(tmp_path):
     first = _first_calls(tmp_path, "off")
-    assert first["1", "0"] > 0.5 * first["0", "0"], first
+    assert first["1", "0"] == first["0", "0"], first
+    compiled, found = first["1", "0"]
+    assert compiled >= 1 and found == 0, first

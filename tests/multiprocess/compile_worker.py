@@ -4,11 +4,13 @@ Run by `python -m jmirror.launch --max-restarts 1 ...` (tests/test_launch_cache.
 benchmarks/restart_cache_bench.py): XLA:CPU takes seconds to compile the step's convolutions
 against a fraction of a second to trace it, so its first call after a restart shows whether
 the compiled step was found in the persistent compilation cache. Prints
-`first call restart R process I SECONDS cpu CPU_SECONDS` (wall and this process's CPU time);
-exits 3 on the first start (JMIRROR_RESTART=0), so
-that the launcher restarts it, and 0 after.
+`first call restart R process I SECONDS cpu CPU_SECONDS compiled C found F` (wall and this
+process's CPU time; the programs XLA compiled during the call and those the persistent cache
+gave back, counted from JAX's own monitoring events); exits 3 on the first start
+(JMIRROR_RESTART=0), so that the launcher restarts it, and 0 after.
 """
 
+import collections
 import os
 import sys
 import time
@@ -50,12 +52,19 @@ params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 16, 16, 1)))
 state = strategy.mirror((params, tx.init(params)))
 x, y = strategy.mirror((np.ones((4, 16, 16, 1), np.float32), np.zeros((4,), np.int32)))
 jax.block_until_ready((state, x, y))
+events = collections.Counter()
+# Every program JAX hands XLA passes through its backend-compile event, whether the persistent
+# cache then gives it back (a cache hit) or XLA compiles it.
+jax.monitoring.register_event_duration_secs_listener(lambda name, *_, **__: events.update([name]))
+jax.monitoring.register_event_listener(lambda name, **_: events.update([name]))
 began, began_cpu = time.perf_counter(), time.process_time()
 jax.block_until_ready(step(*state, x, y))
 first_call, first_call_cpu = time.perf_counter() - began, time.process_time() - began_cpu
+found = events["/jax/compilation_cache/cache_hits"]
+compiled = events["/jax/core/compile/backend_compile_duration"] - found
 restart = os.environ["JMIRROR_RESTART"]
 print(
     f"first call restart {restart} process {jax.process_index()} {first_call:.4f} "
-    f"cpu {first_call_cpu:.4f}"
+    f"cpu {first_call_cpu:.4f} compiled {compiled} found {found}"
 )
 sys.exit(3 if restart == "0" else 0)
