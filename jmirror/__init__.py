@@ -61,3 +61,15 @@ __all__ = [
     "sync",
     "sync_batch_norm",
 ]
+
+# tf.distribute's module-level names with another name in jmirror.
+_TF_NAMES = {
+    "get_replica_context": "replica_context() (inside a replica function)",
+    "in_cross_replica_context": "in_replica_context() (negated)",
+}
+
+
+def __getattr__(name: str) -> object:
+    ours = _TF_NAMES.get(name)
+    hint = f"; tf.distribute's {name} is jmirror's jm.{ours}" if ours else ""
+    raise AttributeError(f"module 'jmirror' has no attribute {name!r}{hint}")

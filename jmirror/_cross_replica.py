@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jmirror._adapter import static_leaves
 from jmirror._values import (
@@ -132,6 +133,8 @@ class CrossReplica(abc.ABC):
         if not any(isinstance(x, PerReplica) for x in nodes):
             return self.reduce_plain(op, value)
         static = static_leaves(value, is_leaf=is_distributed)  # an equinox module's functions
+        if axis is not None:
+            _check_axis(op, value, axis)
         return treedef.unflatten(
             [
                 x
@@ -175,6 +178,9 @@ class CrossReplica(abc.ABC):
         static = static_leaves(sync_on_read.value)
         dtypes = {i: jnp.result_type(x) for i, (x, st) in enumerate(zip(held, static)) if not st}
         news = treedef.flatten_up_to(value)
+        paths = [jax.tree_util.keystr(q) for q, _ in jax.tree_util.tree_flatten_with_path(value)[0]]
+        for i, dtype in dtypes.items():
+            _check_assigned(paths[i], held[i], dtype, news[i])
 
         def spread(
             dtype: jax.typing.DTypeLike,
@@ -204,3 +210,53 @@ class CrossReplica(abc.ABC):
             lambda r: [component(dtypes[i], news[i], r) for i in traced], aggregation
         )
         return SyncOnRead(with_leaves(dict(zip(traced, parts.value))), aggregation)
+
+
+def _check_axis(op: ReduceOp, value: PyTree, axis: int) -> None:
+    """Raises a `ValueError` when a per-replica component of `value` has no axis `axis`."""
+    if not isinstance(axis, int) or isinstance(axis, bool):
+        raise TypeError(
+            f"strategy.reduce({op.value!r}, value, axis={axis!r}): axis must be None or an "
+            "int (an axis of each replica's component)."
+        )
+    nodes = jax.tree_util.tree_flatten_with_path(value, is_leaf=is_distributed)[0]
+    for node_path, node in nodes:
+        if not isinstance(node, PerReplica):
+            continue
+        for path, leaf in jax.tree_util.tree_flatten_with_path(node.values)[0]:
+            shape = getattr(leaf, "shape", None)
+            if shape is None or not shape:
+                continue  # a static leaf; an unstacked leaf is the count check's
+            component = tuple(shape[1:])
+            if -len(component) <= axis < len(component):
+                continue
+            where = jax.tree_util.keystr(node_path) + jax.tree_util.keystr(path)
+            raise ValueError(
+                f"strategy.reduce({op.value!r}, value, axis={axis}): the per-replica value at "
+                f"{where or '<root>'} has components of shape {component} "
+                f"({len(component)} axes), with no axis {axis}. axis names an axis of each "
+                "replica's component, reduced as well as across replicas; pass axis=None to "
+                "reduce across replicas only, or an axis the components have."
+            )
+
+
+def _check_assigned(where: str, held: PyTree, dtype: Any, new: PyTree) -> None:
+    """Raises when `new` cannot be a `SyncOnRead` leaf's value exactly: another shape than a
+    replica's component, or a dtype that casting to the leaf's would change (a float into an
+    integer leaf)."""
+    where = where or "<root>"
+    component = tuple(np.shape(held)[1:])
+    if tuple(np.shape(new)) != component:
+        raise ValueError(
+            f"strategy.assign: the value at {where} has shape {tuple(np.shape(new))}; the "
+            f"SyncOnRead's components there have shape {component}. Pass a value of that shape "
+            "(reading the SyncOnRead gives back exactly the value assigned)."
+        )
+    given = getattr(new, "dtype", None) or np.result_type(new)
+    if not np.can_cast(given, dtype, casting="same_kind"):
+        raise TypeError(
+            f"strategy.assign: the value at {where} has dtype {np.dtype(given).name}; the "
+            f"SyncOnRead's leaf there is {np.dtype(dtype).name}, and casting would change the "
+            "value. Pass a value whose dtype casts to it unchanged (round it first, for "
+            "example), or make the SyncOnRead with the dtype you mean to assign."
+        )

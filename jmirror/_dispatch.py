@@ -13,7 +13,10 @@ that JAX dispatches itself (a replicated function traced inside the caller's `ja
 does, except on several XLA:CPU host devices for arguments holding a leaf of `LARGE_DONATION`
 bytes or more, where donating made steps much slower (benchmarks/RESULTS.md). Before a donating
 call, `Donation.check` refuses arguments that jaxlib would crash on (a deleted buffer, or one
-buffer passed twice), with a `ValueError` instead of the process dying.
+buffer passed twice), with a `ValueError` instead of the process dying. A buffer donated once
+and passed again to another step, not donated there, crashes jaxlib as well when the step runs
+on several devices (on one it raises): `refuse_deleted` checks every argument leaf of such
+calls, one C-level pass, and `explain_deleted` names the leaf where JAX raised.
 
 **Per call, flat in the tree's size.** A replicated function asks its `Donation`
 (`Donation(dispatch, donate_argnums)`) on every call. The policy depends only on the donated
@@ -396,6 +399,39 @@ def _explain_donated(
         _check_not_donated(call, arg, f"args[{i}]", donated_ids)
     _check_not_donated(call, kwargs, "kwargs", donated_ids)
 
+
+def refuse_deleted(call: object, prepared: PyTree) -> None:
+    """Raises the `ValueError` naming a deleted leaf among a prepared call's arguments
+    (`jmirror._arguments.Prepared`): jaxlib ends the process on one when the step runs on
+    several devices.
+
+    Raises:
+      ValueError: an argument leaf was deleted (donated to an earlier call, or deleted by the
+        caller), naming its path and the fix.
+    """
+    if _any_deleted(prepared.others) or _any_deleted(prepared.donated):
+        args, kwargs = prepared.plan.rebuild(prepared.donated, prepared.others)
+        explain_deleted(call, {"args": args, "kwargs": kwargs})
+
+
+def explain_deleted(call: object, trees: dict[str, PyTree]) -> None:
+    """Raises the `ValueError` for the first deleted array leaf of the `trees` (by the name
+    that paths start with; none deleted: returns)."""
+    for prefix, tree in trees.items():
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+                if leaf.is_deleted():
+                    where = f"{prefix}{jax.tree_util.keystr(path)}"
+                    raise ValueError(_DELETED.format(call=call, where=where, leaf=leaf))
+
+
+_DELETED = (
+    "{call}: the argument at {where} (shape {leaf.shape}, dtype {leaf.dtype}) has been "
+    "deleted: its buffer was donated to an earlier call (a step with donate_argnums reuses "
+    "its donated inputs' buffers for its outputs) or deleted. Pass the value that call "
+    "returned (state = step(state, ...)) instead of the old one, or keep the old value alive "
+    "by dropping the argument from that step's donate_argnums."
+)
 
 _TWICE = (
     "{call}: one array is passed as the donated argument at {first} and again at {where}; a "

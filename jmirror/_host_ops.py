@@ -23,6 +23,7 @@ from jmirror import _shard_jaxpr
 from jmirror._adapter import map_traced, map_traced_leaves, static_leaves
 from jmirror._components import replica_component, replica_copy
 from jmirror._cross_replica import REDUCERS, CrossReplica
+from jmirror._mirrored_state import UPDATE
 from jmirror._placement import split_error
 from jmirror._topology import Topology, declared_leaves
 from jmirror._values import (
@@ -346,6 +347,8 @@ class _Updater:
 
     def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
+        # How messages name the replicated function (`jm.replicate` uses the qualname).
+        self.__qualname__ = f"{UPDATE}({getattr(fn, '__qualname__', repr(fn))})"
 
     def __call__(self, *args: PyTree, **kwargs: PyTree) -> PyTree:
         return self.fn(*args, **kwargs)

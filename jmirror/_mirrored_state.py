@@ -113,6 +113,13 @@ _DECLARE = (
     "a (path, leaf) -> bool predicate; it then comes back as a PerReplica."
 )
 
+UPDATE = "strategy.update"  # how the replicated function of `strategy.update` is named
+_DECLARE_UPDATE = (
+    "strategy.update applies fn to every replica's copy alike and keeps the tree mirrored: "
+    "reduce its PerReplica arguments first (strategy.reduce), or, for state meant to differ "
+    "per replica, call strategy.run(fn, args=(tree, ...), per_replica=...)."
+)
+
 
 def refuse(name: str, diverged: Sequence[Diverged]) -> None:
     """Raises the `MirroredStateError` of `diverged` (nothing when it is empty)."""
@@ -136,7 +143,9 @@ def _message(name: str, diverged: Sequence[Diverged], verb: str, refused: bool) 
         f"different on each replica, no longer proven mirrored: {shown}{more}."
     )
     tail = " Nothing ran: the arguments are untouched and nothing was donated." if refused else ""
-    return f"{head} {fixes}{tail} {_DECLARE}"
+    # strategy.update has no per_replica=: its per-replica arguments are what to reduce.
+    declare = _DECLARE_UPDATE if f"({UPDATE}(" in name else _DECLARE
+    return f"{head} {fixes}{tail} {declare}"
 
 
 # --- the per_replica= argument ------------------------------------------------------------------

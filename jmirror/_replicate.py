@@ -214,7 +214,10 @@ class Replicated:
             # Values of this process alone cannot be put on other processes' devices: JAX
             # takes them as the same value on every process (global arrays stay as they are).
             donate = self._donation_on(strategy).check_prepared(self, prepared, shared)
-            return prepared, donate, has_tracers(types)
+            traced = has_tracers(types)
+            if not traced:
+                _dispatch.refuse_deleted(self, prepared)
+            return prepared, donate, traced
         placement = self._placement
         if placement is None or placement.topology is not topology:
             placement = self._placement = Placement(topology)
@@ -226,7 +229,12 @@ class Replicated:
             self._warnings.of_arguments(*self._warning_args(strategy, prepared))
             prepared = prepared.with_leaves(placed)
         donate = self._donation_on(strategy).check_prepared(self, prepared, shared)
-        return prepared, donate, has_tracers(types)
+        traced = has_tracers(types)
+        if topology.num_devices > 1 and not traced:
+            # jaxlib raises on a deleted buffer when one device runs the step (`_dispatch`
+            # names it then), and ends the process when several do.
+            _dispatch.refuse_deleted(self, prepared)
+        return prepared, donate, traced
 
     def _run(
         self, strategy: Runner, step: _Step, prepared: Prepared, donate: bool, traced: bool
@@ -272,7 +280,12 @@ class Replicated:
         """Calls the step's `jax.jit` on the prepared arguments."""
         try:
             return jitted(prepared.plan, prepared.donated, prepared.others)
-        except Exception:
+        except Exception as e:
+            # JAX's own error about a deleted argument names neither its path nor the fix.
+            try:
+                _dispatch.refuse_deleted(self, prepared)
+            except ValueError as deleted:
+                raise deleted from e
             # Name pmap leftovers and host batches before JAX's own error about them.
             self._warnings.of_arguments(*self._warning_args(strategy, prepared))
             raise

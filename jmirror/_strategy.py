@@ -22,7 +22,7 @@ from jmirror import _context, _nnx, _nnx_metrics
 from jmirror._backends import BACKENDS, choose
 from jmirror._cross_replica import CrossReplica
 from jmirror._devices import Device, DeviceSpec, resolve_devices
-from jmirror._dispatch import Dispatch
+from jmirror._dispatch import Dispatch, explain_deleted
 from jmirror._host_ops import HostOps
 from jmirror._input import DistributedDataset, distribute_dataset, distribute_datasets_from_function
 from jmirror._merge_ops import MergeOps
@@ -48,6 +48,17 @@ _CROSS_REPLICA_IN_REPLICA = (
     "jm.merge_call(lambda strategy, ...: strategy.{name}(...)) to run it in cross-replica "
     "context."
 )
+
+
+# tf.distribute.Strategy's names with another name (or none) in jmirror.
+TF_STRATEGY_NAMES = {
+    "num_replicas_in_sync": "num_replicas",
+    "experimental_local_results": "local_results",
+    "experimental_distribute_dataset": "distribute_dataset",
+    "experimental_distribute_values_from_function": "distribute_values_from_function",
+    "experimental_run_v2": "run",
+    "extended": "update(tree, fn, ...) and strategy.mirror / strategy.read (no `extended`)",
+}
 
 
 class MirroredStrategy:
@@ -216,6 +227,12 @@ class MirroredStrategy:
             f"max_in_flight={self.max_in_flight}{self._topology.describe_spanning()})"
         )
 
+    def __getattr__(self, name: str) -> Any:
+        # Only for names the class lacks: tf.distribute's names point to jmirror's.
+        ours = TF_STRATEGY_NAMES.get(name)
+        hint = f"; tf.distribute's {name} is jmirror's strategy.{ours}" if ours else ""
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}{hint}")
+
     # --- scope -----------------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -299,6 +316,7 @@ class MirroredStrategy:
             >>> len(params["w"].sharding.device_set) == strategy.num_replicas
             True
         """
+        explain_deleted("strategy.mirror", {"tree": tree})
         return self._cross_replica("mirror(tree)").mirror(tree)
 
     def sync_on_read(self, tree: PyTree, aggregation: Aggregation | str = "sum") -> SyncOnRead:
@@ -392,6 +410,7 @@ class MirroredStrategy:
             (2.0, True)
         """
         ops = self._cross_replica("read(tree)")
+        explain_deleted("strategy.read", {"tree": tree})
         if _nnx.holds_metrics(tree):
             tree = _nnx_metrics.read_metrics(ops.stacked, tree)
         return ops.read(tree)
@@ -409,7 +428,9 @@ class MirroredStrategy:
             >>> [int(p) for p in parts] == list(range(strategy.num_replicas))
             True
         """
-        return self._cross_replica("local_results(value)").local_results(value)
+        ops = self._cross_replica("local_results(value)")
+        explain_deleted("strategy.local_results", {"value": value})
+        return ops.local_results(value)
 
     def reduce(self, op: ReduceOp | str, value: PyTree, axis: int | None = None) -> PyTree:
         """Reduces a `PerReplica` across replicas into one value on `devices[0]`.
@@ -436,7 +457,9 @@ class MirroredStrategy:
             True
         """
         op = ReduceOp(op)
-        return self._cross_replica("reduce(op, value)").reduce(op, value, axis)
+        ops = self._cross_replica("reduce(op, value)")
+        explain_deleted("strategy.reduce", {"value": value})
+        return ops.reduce(op, value, axis)
 
     def gather(self, value: PyTree, axis: int = 0) -> PyTree:
         """Concatenates the replicas' components along `axis`: the global batch back.
@@ -452,7 +475,9 @@ class MirroredStrategy:
             >>> strategy.gather(x).tolist() == list(range(n * 2))
             True
         """
-        return self._cross_replica("gather(value)").gather(value, axis)
+        ops = self._cross_replica("gather(value)")
+        explain_deleted("strategy.gather", {"value": value})
+        return ops.gather(value, axis)
 
     def update(
         self, tree: PyTree, fn: Callable[..., Any], *args: PyTree, **kwargs: PyTree

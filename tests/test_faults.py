@@ -140,6 +140,64 @@ def test_donated_and_plain_argument_is_a_value_error(donating):
     np.testing.assert_array_equal(donating.read(step(w, b=donating.mirror(jnp.ones(4)))), 2.0)
 
 
+def test_a_donated_argument_passed_to_another_step_is_a_value_error(donating):
+    # The other step not compiled yet (compiled, on several devices, jaxlib ends the process
+    # without the check: test_a_deleted_argument_never_ends_the_process).
+    train = jm.replicate(lambda w: w + 1, strategy=donating, donate_argnums=0)
+    evaluate = jm.replicate(lambda w: jm.all_reduce("sum", w * 2), strategy=donating)
+    w = donating.mirror(jnp.ones(3))
+    new = train(w)
+    for call in (evaluate, lambda w: donating.run(lambda v: v * 2, args=(w,))):
+        with pytest.raises(ValueError, match=r"args\[0\].*has been deleted.*donate_argnums"):
+            call(w)
+    np.testing.assert_array_equal(donating.read(evaluate(new)), 4.0 * donating.num_replicas)
+
+
+@pytest.mark.parametrize("call", ["mirror", "read", "local_results", "gather", "reduce"])
+def test_strategy_apis_name_a_deleted_array(donating, call):
+    w = donating.mirror(jnp.ones(3))
+    jm.replicate(lambda w: w + 1, strategy=donating, donate_argnums=0)(w)
+    apis = {
+        "mirror": lambda: donating.mirror({"w": w}),
+        "read": lambda: donating.read({"w": w}),
+        "local_results": lambda: donating.local_results({"w": w}),
+        "gather": lambda: donating.gather({"w": w}),
+        "reduce": lambda: donating.reduce("mean", {"w": w}),
+    }
+    with pytest.raises(ValueError, match=rf"strategy\.{call}: .*\['w'\].*has been deleted"):
+        apis[call]()
+
+
+_DELETED_ON_SEVERAL_DEVICES = """
+import jax
+jax.config.update("jax_num_cpu_devices", 4)
+import jax.numpy as jnp, jmirror as jm
+s = jm.MirroredStrategy(donation="always")
+train = jm.replicate(lambda w: w + 1, strategy=s, donate_argnums=0)
+evaluate = jm.replicate(lambda w: w * 2, strategy=s)
+w = s.mirror(jnp.ones(3))
+evaluate(w)
+train(w)
+try:
+    evaluate(w)
+except ValueError as e:
+    print("refused:", e)
+"""
+
+
+def test_a_deleted_argument_never_ends_the_process():
+    # jaxlib ends the process (SIGSEGV) on a deleted buffer given to a compiled program that
+    # runs on several devices: in a process of its own, so that the suite survives if it does.
+    run = subprocess.run(
+        [sys.executable, "-c", _DELETED_ON_SEVERAL_DEVICES],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "refused:" in run.stdout and "args[0]" in run.stdout, run.stdout + run.stderr
+
+
 def test_donation_policy_is_explicit(n):
     large = np.zeros(8 * 2**20 // 4, np.float32)  # 8 MiB
     for donation in ("auto", "always"):

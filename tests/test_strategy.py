@@ -1,5 +1,7 @@
 """MirroredStrategy: devices, scope, create_state and the cross-replica methods."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -390,3 +392,57 @@ def test_a_per_replica_value_for_another_replica_count_is_a_value_error_naming_b
     ):
         with pytest.raises(ValueError, match=rf"shape \({n + 1}, 3\).*leading axis of size {n} "):
             call(other)
+
+
+@pytest.mark.parametrize("shape, axis", [((), 0), ((4, 3), 2), ((4, 3), -3)])
+def test_reduce_over_an_axis_the_components_lack_is_a_value_error(strategy, n, shape, axis):
+    x = jm.PerReplica({"loss": np.ones((n, *shape), np.float32)})
+    with pytest.raises(
+        ValueError, match=rf"\['loss'\] has components of shape {re.escape(str(shape))}"
+    ):
+        strategy.reduce("mean", x, axis=axis)
+    with pytest.raises(ValueError, match="axis=None"):
+        strategy.reduce("sum", x, axis=axis)
+
+
+def test_assign_refuses_what_it_could_not_read_back(strategy):
+    count = strategy.sync_on_read(np.int32(0), "sum")
+    with pytest.raises(TypeError, match=r"dtype float64.*int32"):
+        strategy.assign(count, 13.7)
+    assert int(strategy.read(strategy.assign(count, np.int64(13)))) == 13
+    pair = strategy.sync_on_read({"a": np.zeros(2, np.float32), "b": np.float32(0)}, "mean")
+    with pytest.raises(ValueError, match=r"\['a'\] has shape \(3,\).*shape \(2,\)"):
+        strategy.assign(pair, {"a": np.ones(3, np.float32), "b": 1.0})
+    out = strategy.read(strategy.assign(pair, {"a": np.arange(2.0), "b": 5}))
+    np.testing.assert_array_equal(out["a"], [0.0, 1.0])
+    assert float(out["b"]) == 5.0
+
+
+def test_update_from_per_replica_arguments_names_update_and_its_fix(strategy, n):
+    if n == 1:
+        pytest.skip("one replica: nothing diverges")
+    w = strategy.mirror({"w": np.ones(3, np.float32)})
+
+    def shift(tree, delta):
+        return {"w": tree["w"] - delta.sum()}
+
+    with pytest.warns(jm.MirroredStateWarning) as caught:
+        strategy.update(w, shift, jm.PerReplica(np.arange(n * 2, dtype=np.float32).reshape(n, 2)))
+    text = str(caught[0].message)
+    assert "jm.replicate(strategy.update(" in text and "shift" in text, text
+    assert "strategy.reduce" in text and "per_replica=" in text, text
+    assert "_Updater" not in text, text
+
+
+def test_tf_distribute_names_point_to_jmirrors(strategy):
+    with pytest.raises(
+        AttributeError, match="num_replicas_in_sync is jmirror's strategy.num_replicas"
+    ):
+        strategy.num_replicas_in_sync  # noqa: B018
+    with pytest.raises(
+        AttributeError, match="experimental_local_results is jmirror's strategy.local_results"
+    ):
+        strategy.experimental_local_results  # noqa: B018
+    with pytest.raises(AttributeError, match="get_replica_context is jmirror's jm.replica_context"):
+        jm.get_replica_context  # noqa: B018
+    assert not hasattr(strategy, "no_such_name") and not hasattr(jm, "no_such_name")
