@@ -281,6 +281,44 @@ def check_hashable(
             raise TypeError(unhashable_message(name, positions.where(path), leaf))
 
 
+def check_metadata(name: str, tree: Any, positions: Positions) -> None:
+    """Raises a `TypeError` naming the first field of a dataclass node in `tree` that is not
+    one of its pytree children (static metadata, as an `eqx.field(static=True)`) and holds an
+    array or a value that cannot be hashed."""
+    stack: list[tuple[tuple, Any]] = [((), tree)]
+    while stack:
+        path, node = stack.pop()
+        below = functools.partial(operator.is_not, node)  # the node's children, one level
+        children = jax.tree_util.tree_flatten_with_path(node, is_leaf=below)[0]
+        if len(children) == 1 and children[0][1] is node:
+            continue  # a leaf
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            named = {k[0].name for k, _ in children if k and hasattr(k[0], "name")}
+            for field in dataclasses.fields(node):
+                value = getattr(node, field.name, None)
+                if field.name not in named and not _can_be_static(value):
+                    where = positions.where((*path, jax.tree_util.GetAttrKey(field.name)))
+                    raise TypeError(
+                        f"{name}: the static field at {where} (not a pytree child: part of "
+                        f"the structure, compared and hashed as a static argument of jax.jit "
+                        f"is) holds a {type(value).__name__}, which cannot be compared or "
+                        "hashed as static data. Make the field a regular one, so that its "
+                        "array is traced (drop static=True), store a hashable value (a "
+                        "tuple), or close over the value in the replicated function."
+                    )
+        stack.extend((path + k, child) for k, child in reversed(children))
+
+
+def _can_be_static(value: Any) -> bool:
+    if isinstance(value, (np.ndarray, jax.Array)):
+        return False
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
 def unhashable_message(name: str, where: str, value: Any) -> str:
     """Returns the message of an unhashable static value at `where`."""
     return (
@@ -381,11 +419,17 @@ class Arguments:
             )
             kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         tree = (donated, others, kwargs)
-        if flat is None or static_kwargs:
-            leaves, treedef = flatten(tree)
-            layout = self._layout(treedef)
-        else:
-            leaves, layout = self._joined(flat, positions)
+        try:
+            if flat is None or static_kwargs:
+                leaves, treedef = flatten(tree)
+                layout = self._layout(treedef)
+            else:
+                leaves, layout = self._joined(flat, positions)
+        except (TypeError, ValueError):
+            # Comparing or hashing structures compares their nodes' metadata (an equinox
+            # module's static fields): an array there has no single truth value.
+            check_metadata(self.name, tree, positions)
+            raise
         types = set(map(type, leaves))
         statics = layout.statics(leaves, types)
         key = (id(strategy), statics, static_args, static_kwargs)
@@ -393,6 +437,9 @@ class Arguments:
             # As `jax.jit` does, static arguments that compare equal across types (1, 1.0,
             # True) are different steps: the function may read the type.
             key += (tuple(map(type, static_args)), tuple(type(v) for _, v in static_kwargs))
+        if statics:
+            # So are static leaves (a module's numbers): 2 and 2.0 give different results.
+            key += (tuple(type(x) for _, x in statics),)
         try:
             plan = layout.plans.get(key)
         except TypeError:

@@ -128,6 +128,16 @@ def test_numbers_inside_modules_are_static_and_outside_traced(strategy, n):
     assert step.num_compilations == 2
 
 
+def test_static_numbers_equal_across_types_are_different_steps(strategy):
+    # As static arguments of jax.jit: 2 and 2.0 (and True and 1) may give different results.
+    step = jm.replicate(lambda m, x: (m, x * m.scale), strategy=strategy)
+    x = jnp.arange(3, dtype=jnp.int32)
+    for scale, dtype in ((2, jnp.int32), (2.0, jnp.float32), (True, jnp.int32)):
+        module, out = step(_Scaled(jnp.ones(3), scale), x)
+        assert module.scale is scale and strategy.read(out).dtype == dtype
+    assert step.num_compilations == 3
+
+
 def test_non_array_leaves_outside_modules_are_static(strategy):
     def fn(x, activation, mode, tx):
         y = activation(x)
@@ -170,6 +180,24 @@ def test_unhashable_static_leaf_is_a_type_error_naming_the_path(strategy):
     step = jm.replicate(lambda x, cfg: x, strategy=strategy)
     with pytest.raises(TypeError, match=r"args\[1\]\['cfg'\].*_Unhashable.*hashable"):
         step(jnp.ones(2), {"cfg": _Unhashable()})
+
+
+class _WithStaticTable(eqx.Module):
+    linear: eqx.nn.Linear
+    table: np.ndarray = eqx.field(static=True)
+
+    def __call__(self, x):
+        return self.linear(x) + self.table.sum()
+
+
+@pytest.mark.filterwarnings("ignore:A JAX array is being set as static")
+def test_an_array_in_a_static_field_is_a_type_error_naming_the_field(strategy, n):
+    step = jm.replicate(lambda m, x: jax.vmap(m)(x), strategy=strategy)
+    linear = eqx.nn.Linear(4, 2, key=jax.random.key(0))
+    x = jm.PerReplica(np.ones((n, 2, 4), np.float32))
+    step(_WithStaticTable(linear, np.ones(3, np.float32)), x)
+    with pytest.raises(TypeError, match=r"static field at args\[0\]\.table .*ndarray.*static=True"):
+        step(_WithStaticTable(linear, np.full(3, 2.0, np.float32)), x)
 
 
 def _stacked_modules(n):
