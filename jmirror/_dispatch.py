@@ -417,6 +417,8 @@ def refuse_deleted(call: object, prepared: PyTree) -> None:
 def explain_deleted(call: object, trees: dict[str, PyTree]) -> None:
     """Raises the `ValueError` for the first deleted array leaf of the `trees` (by the name
     that paths start with; none deleted: returns)."""
+    if not _any_deleted(jax.tree_util.tree_leaves(list(trees.values()))):
+        return  # the common case: one C-level pass, no paths
     for prefix, tree in trees.items():
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
             if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
