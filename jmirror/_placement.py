@@ -12,6 +12,12 @@ that device. Every other array leaf is placed before the call, as the same value
 - any other leaf goes to its mirrored layout (`Topology.leaf_sharding`: its own metadata or
   the layout rules inside a replica, replicated over the replicas).
 
+Python numbers that are traced (not static) are placed mirrored too, keeping their weak type
+(`jax.device_put` keeps it): the step then returns, for state such as `TrainState.create`'s
+`step=0`, an array of the very type it was given, and the second call reuses the first's
+compiled step instead of compiling again for a committed array. Each value's placed array is
+kept (a few values: flags, constant rates) and placed again once donated.
+
 Deciding costs two C-level passes per call (each array's sharding, then a set of their
 ids) and a set comparison: shardings met once are remembered by identity, and the arrays a
 step returns share their shardings. Tracers (a call inside the caller's own `jit`, `grad`,
@@ -21,6 +27,7 @@ step returns share their shardings. Tracers (a call inside the caller's own `jit
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +60,8 @@ class Placement:
         # layouts of each structure by id(layout) -> (layout, expected).
         self._pairs: dict[tuple[int, int], tuple[Any, Any]] = {}
         self._expected: dict[int, tuple[Layout, list[Any]]] = {}
+        # (type, value, sign, id(sharding)) -> (the placed number, its sharding kept alive).
+        self._scalars: dict[tuple, tuple[jax.Array, Any]] = {}
 
     def place(
         self,
@@ -62,6 +71,7 @@ class Placement:
         types: set[type],
         tree: PyTree,
         where: Callable[[Any], str],
+        statics: tuple[tuple[int, Any], ...] = (),
     ) -> list[Any] | None:
         """Returns `leaves` with every leaf that is not in place placed, or None when all are.
 
@@ -72,6 +82,7 @@ class Placement:
           types: the set of the leaves' types.
           tree: `(donated args, other args, kwargs)`, for the layout rules' paths.
           where: names a key path into `tree` for messages (`Positions.where`).
+          statics: `(flat index, value)` of the static leaves (never placed).
 
         Raises:
           ValueError: a leaf of a distributed value whose leading axis is not the replica
@@ -86,8 +97,9 @@ class Placement:
             return None
         else:
             _PLACED_ARRAYS.update(t for t in types if _is_placed_array_type(t))
+        scalars = _traced_scalars(leaves, types, statics)
         expected = self._expected_of(name, layout, leaves, tree) if self._laid_out else None
-        if np.ndarray not in types:
+        if np.ndarray not in types and not scalars:
             # Leaves without a sharding (Python numbers, statics) give None: in place.
             shardings = list(map(getattr, leaves, _REPEAT_SHARDING, _REPEAT_NONE))
             if expected is not None:
@@ -97,7 +109,13 @@ class Placement:
                 return None
             elif all(map(self._learn, shardings)):
                 return None
-        return self._place_all(name, layout, leaves, tree, where, expected)
+        return self._place_all(name, layout, leaves, tree, where, expected, scalars)
+
+    def only_scalars(self, leaves: list[Any], placed: list[Any], statics: tuple) -> bool:
+        """Returns whether placing changed no leaf but traced Python numbers (nothing to warn
+        of)."""
+        scalars = _traced_scalars(leaves, set(map(type, leaves)), statics)
+        return all(a is b or i in scalars for i, (a, b) in enumerate(zip(leaves, placed)))
 
     def _learn(self, sharding: Any) -> bool:
         """Returns whether arrays laid out by `sharding` are in place (remembering it if so)."""
@@ -157,13 +175,16 @@ class Placement:
         tree: PyTree,
         where: Callable[[Any], str],
         expected: list[Any] | None,
+        scalars: set[int],
     ) -> list[Any]:
         topology = self._topology
         found = None
         placed = []
         for i, (x, split) in enumerate(zip(leaves, layout.split)):
             wanted = None if expected is None else expected[i]
-            if not self._needs_place(x, wanted):
+            if i in scalars and not split:
+                placed.append(self._scalar(x, wanted or topology.mirrored))
+            elif not self._needs_place(x, wanted):
                 placed.append(x)
             elif split:
                 if found is None:
@@ -172,6 +193,17 @@ class Placement:
             else:
                 placed.append(jax.device_put(x, wanted or topology.mirrored))
         return placed
+
+    def _scalar(self, x: complex, sharding: Any) -> jax.Array:
+        """Returns the Python number `x` placed mirrored, weakly typed (kept per value)."""
+        sign = math.copysign(1.0, x) if isinstance(x, float) else 0.0  # 0.0 and -0.0
+        key = (type(x), x, sign, id(sharding))
+        known = self._scalars.get(key)
+        if known is None or known[0].is_deleted():  # donated by an earlier call
+            if len(self._scalars) >= _REMEMBERED:
+                self._scalars.clear()
+            known = self._scalars[key] = (jax.device_put(x, sharding), sharding)
+        return known[0]
 
     def _needs_place(self, x: object, wanted: PyTree) -> bool:
         if isinstance(x, np.ndarray):
@@ -217,6 +249,17 @@ def split_error(name: str, topology: Topology, path: str | None, leaf: PyTree) -
         "of replicas), one slice per replica. Reshape the global batch to (num_replicas, "
         "per_replica_batch, ...) or use strategy.distribute_dataset, which does this for you."
     )
+
+
+_SCALAR_TYPES = frozenset({int, float, bool, complex})
+
+
+def _traced_scalars(leaves: list[Any], types: set[type], statics: tuple) -> set[int]:
+    """Returns the flat indices of the Python numbers among `leaves` that are traced."""
+    if types.isdisjoint(_SCALAR_TYPES):
+        return set()
+    static_at = {i for i, _ in statics}
+    return {i for i, x in enumerate(leaves) if type(x) in _SCALAR_TYPES and i not in static_at}
 
 
 _SHARDING = operator.attrgetter("sharding")

@@ -223,10 +223,12 @@ class Replicated:
             placement = self._placement = Placement(topology)
         layout = prepared.plan.layout
         where = prepared.plan.positions.where
-        placed = placement.place(self._name, layout, leaves, types, prepared.tree, where)
+        statics = prepared.plan.statics
+        placed = placement.place(self._name, layout, leaves, types, prepared.tree, where, statics)
         if placed is not None:
-            # What needed placing may be a pmap leftover or a host batch: say so.
-            self._warnings.of_arguments(*self._warning_args(strategy, prepared))
+            if not placement.only_scalars(leaves, placed, statics):
+                # What needed placing may be a pmap leftover or a host batch: say so.
+                self._warnings.of_arguments(*self._warning_args(strategy, prepared))
             prepared = prepared.with_leaves(placed)
         donate = self._donation_on(strategy).check_prepared(self, prepared, shared)
         traced = has_tracers(types)

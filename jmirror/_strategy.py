@@ -16,9 +16,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from jmirror import _context, _nnx, _nnx_metrics
+from jmirror._adapter import map_traced_leaves
 from jmirror._backends import BACKENDS, choose
 from jmirror._cross_replica import CrossReplica
 from jmirror._devices import Device, DeviceSpec, resolve_devices
@@ -333,6 +336,10 @@ class MirroredStrategy:
             True
         """
         aggregation = Aggregation(aggregation)
+        # Python numbers get their dtype for good (as a TensorFlow variable does): a weakly
+        # typed start would come back from the first step strongly typed, and the second
+        # call would compile again.
+        tree = map_traced_leaves(lambda leaves: list(map(_strongly_typed, leaves)), tree)
         return self._cross_replica("sync_on_read(tree)").sync_on_read(tree, aggregation)
 
     def assign(self, sync_on_read: SyncOnRead, value: PyTree) -> SyncOnRead:
@@ -663,3 +670,10 @@ def get_strategy() -> MirroredStrategy:
 
 
 _context.set_default_factory(MirroredStrategy)
+
+
+def _strongly_typed(x: Any) -> Any:
+    """Returns a Python number as a NumPy array of the dtype JAX gives it; `x` otherwise."""
+    if type(x) in (int, float, bool, complex):
+        return np.asarray(x, dtype=jax.dtypes.canonicalize_dtype(jnp.result_type(x)))
+    return x

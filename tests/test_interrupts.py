@@ -169,3 +169,35 @@ def test_an_interrupt_during_the_write_back_waits_for_all_of_it(strategy, monkey
     assert arrived
     for v in model.variables():  # every Variable written back before the interrupt
         np.testing.assert_array_equal(np.asarray(jax.device_get(v[...])), np.ones(32))
+
+
+@pytest.mark.parametrize("wait", ["wait_until_finished", "close"])
+def test_an_interrupted_wait_for_a_background_save_keeps_the_save(tmp_path, monkeypatch, wait):
+    # A KeyboardInterrupt inside `Thread.join` can leave CPython taking a thread that still
+    # runs for finished: the save then looked done to every later wait, and was lost.
+    from jmirror.checkpoint import _storage
+
+    written = _storage.write
+    writing = threading.Event()
+
+    def slow_write(*args, **kwargs):
+        writing.set()
+        time.sleep(1.0)
+        return written(*args, **kwargs)
+
+    monkeypatch.setattr(_storage, "write", slow_write)
+    strategy = jm.MirroredStrategy()
+    manager = jm.checkpoint.CheckpointManager(tmp_path / "run", strategy=strategy, async_save=True)
+    assert manager.save(1, {"w": strategy.mirror(jnp.arange(4.0))})
+    assert writing.wait(60)
+    threading.Timer(0.2, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        getattr(manager, wait)()
+    getattr(manager, wait)()  # waits for the save still running
+    if wait == "wait_until_finished":
+        assert manager.all_steps() == [1]
+        manager.close()
+    restored = jm.checkpoint.CheckpointManager(tmp_path / "run", strategy=strategy)
+    assert restored.all_steps() == [1]
+    np.testing.assert_array_equal(strategy.read(restored.restore(1)["w"]), np.arange(4.0))
+    restored.close()

@@ -255,3 +255,39 @@ def test_state_not_mirrored_yet_compiles_once(strategy):
             assert _compiles_during(lambda: params.update(plain(params, ones))) == 0
     assert plain.num_compilations == 1
     np.testing.assert_array_equal(strategy.read(params["b"]), np.full(2, 3 * strategy.num_replicas))
+
+
+def test_state_holding_python_numbers_compiles_once(strategy, n):
+    """`TrainState.create`'s `step=0`, a Python counter, an `nnx.Variable(0)` and a
+    `sync_on_read(0.0)` total: the first call's state comes back as arrays of the same type."""
+    tx = optax.sgd(0.1)
+    state = train_state.TrainState.create(apply_fn=None, params={"w": jnp.ones((3, 2))}, tx=tx)
+    x = jm.PerReplica(np.ones((n, 4, 3), np.float32))
+
+    @jm.replicate(strategy=strategy)
+    def step(state, counter, total, x, lr):
+        grads = jax.grad(lambda p: jnp.mean((x @ p["w"]) ** 2))(state.params)
+        grads = jax.tree.map(lambda g: g * lr, jm.all_reduce("mean", grads))
+        total = total.replace(total.value + jnp.sum(x))
+        return state.apply_gradients(grads=grads), {"seen": counter["seen"] + 1}, total
+
+    counter, total = {"seen": 0}, strategy.sync_on_read(0.0, "sum")
+    for lr in (1.0, 0.5, 0.25):  # a changing Python float stays traced
+        state, counter, total = step(state, counter, total, x, lr)
+    assert step.num_compilations == 1
+    assert int(strategy.read(state.step)) == 3 and int(strategy.read(counter["seen"])) == 3
+    assert float(strategy.read(total)) == 3 * n * 12
+
+    class Counted(nnx.Module):
+        def __init__(self):
+            self.calls = nnx.Variable(0)
+
+    counted = Counted()
+
+    @jm.replicate(strategy=strategy)
+    def count(module):
+        module.calls.set_value(module.calls.get_value() + 1)
+
+    for _ in range(3):
+        count(counted)
+    assert count.num_compilations == 1 and int(strategy.read(counted.calls.get_value())) == 3

@@ -21,6 +21,11 @@ Writer threads are daemon threads, and so are the threads orbax starts from them
 is a daemon when the thread that starts it is one): a write that failed half-way may leave
 an orbax thread waiting for a signal that never comes, which must not keep the process
 from exiting (`_storage` runs a synchronous save in such a thread too).
+
+Every wait for one of these threads waits on an event the thread sets as its last act, in
+short polls, never on `Thread.join` / `is_alive`: a KeyboardInterrupt that lands inside
+`Thread.join` can leave CPython (3.11) taking the thread for finished while it still runs,
+and the write it was doing would then be taken as done and lost.
 """
 
 from __future__ import annotations
@@ -57,32 +62,25 @@ class Background:
 
     def __init__(self, what: str):
         self.what = what
-        self._thread: threading.Thread | None = None
+        self._thread: _Worker | None = None
         self._error: BaseException | None = None
         self._step: int | None = None
 
     def start(self, step: int, work: Callable[[], None]) -> None:
         """Runs `work` in a daemon thread; its error is kept for `raise_error`."""
-
-        def run() -> None:
-            try:
-                work()
-            except BaseException as error:  # kept for the next call, or reported at exit
-                self._error = error
-
         _install_exit_hooks()
         self._step = step
-        self._thread = threading.Thread(target=run, name=f"jmirror-checkpoint-{step}", daemon=True)
         with _LOCK:
             _PENDING.add(self)
-        self._thread.start()
+        self._thread = _Worker(work, f"jmirror-checkpoint-{step}")
 
     def raise_error(self, wait: bool) -> None:
         """Raises the error of the last write (waiting for the write first when `wait`)."""
         thread = self._thread
-        if thread is not None and (wait or not thread.is_alive()):
-            join(thread)
+        if thread is not None and (wait or thread.done.is_set()):
+            thread.wait()
             self._thread = None
+            self._error = thread.error
         error, self._error = self._error, None
         if self._thread is None:
             with _LOCK:
@@ -107,10 +105,38 @@ class Background:
             print(message, file=sys.stderr, flush=True)
 
 
-def join(thread: threading.Thread) -> None:
-    """Waits for `thread`, in short polls (a KeyboardInterrupt still interrupts the wait)."""
-    while thread.is_alive():
-        thread.join(_POLL_S)
+class _Worker:
+    """`work` running in a daemon thread, with the event it sets when it has finished and
+    what it returned or raised."""
+
+    def __init__(self, work: Callable[[], object], name: str):
+        self.done = threading.Event()
+        self.result: object = None
+        self.error: BaseException | None = None
+        self._work = work
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.result = self._work()
+        except BaseException as error:  # kept for whoever waits
+            self.error = error
+        finally:
+            self.done.set()
+
+    def wait(self) -> None:
+        """Waits until the work has finished, in short polls (a KeyboardInterrupt still
+        interrupts the wait, and the work is then still waited for by the next wait)."""
+        while not self.done.wait(_POLL_S):
+            pass
+
+    def outcome(self) -> object:
+        """Waits, then returns the work's result or raises its error."""
+        self.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
 
 
 def run_in_daemon_thread(work: Callable[[], object]) -> object:
@@ -120,42 +146,13 @@ def run_in_daemon_thread(work: Callable[[], object]) -> object:
     """
     if threading.current_thread().daemon:
         return work()
-    box: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            box["result"] = work()
-        except BaseException as error:  # re-raised in the caller's thread
-            box["error"] = error
-
-    thread = threading.Thread(target=run, name="jmirror-checkpoint-io", daemon=True)
-    thread.start()
-    join(thread)
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box.get("result")
+    return _Worker(work, "jmirror-checkpoint-io").outcome()
 
 
 def start_daemon(work: Callable[[], T]) -> Callable[[], T]:
     """Starts `work` in a daemon thread; the returned function waits for its result."""
-    box: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            box["result"] = work()
-        except BaseException as error:  # re-raised by the waiting function
-            box["error"] = error
-
-    thread = threading.Thread(target=run, name="jmirror-checkpoint-crc", daemon=True)
-    thread.start()
-
-    def result() -> T:
-        join(thread)
-        if "error" in box:
-            raise box["error"]  # type: ignore[misc]
-        return box["result"]  # type: ignore[return-value]
-
-    return result
+    worker = _Worker(work, "jmirror-checkpoint-crc")
+    return lambda: worker.outcome()  # type: ignore[return-value]
 
 
 def _finish_pending() -> None:
