@@ -329,8 +329,10 @@ class Replicated:
         with strategy.topology.mesh_scope():
             lowered = lowerable[donates].lower(prepared.plan, prepared.donated, prepared.others)
 
-        def prepare(args: tuple, kwargs: dict) -> Prepared:
-            return self._prepare(strategy, args, kwargs)[0]
+        def prepare(args: tuple, kwargs: dict) -> tuple[Prepared, Adapted | None]:
+            # An adapter's call (NNX objects) is finished as a call is: written back.
+            adapted = self._adapt(args, kwargs)[1]
+            return self._prepare(strategy, args, kwargs)[0], adapted
 
         return _Lowered.of(lowered, prepare)
 
@@ -351,6 +353,10 @@ class Replicated:
         return _context.current_strategy()
 
 
+# Prepares a compiled step's call: the prepared arguments, and the adapter's call if any.
+_PrepareCall = Callable[[tuple, dict], tuple[Prepared, Adapted | None]]
+
+
 class _Lowered(jax.stages.Lowered):
     """A replicated step's `jax.stages.Lowered`, whose `compile()` gives a step called with
     the replicated function's own arguments."""
@@ -358,7 +364,7 @@ class _Lowered(jax.stages.Lowered):
     __slots__ = ("_prepare_call",)
 
     @classmethod
-    def of(cls, lowered: jax.stages.Lowered, prepare: Callable[[tuple, dict], Prepared]):
+    def of(cls, lowered: jax.stages.Lowered, prepare: _PrepareCall):
         """Returns `lowered` as a `_Lowered` that prepares calls with `prepare`."""
         new = cls.__new__(cls)
         for klass in type(lowered).__mro__:
@@ -377,13 +383,14 @@ class _Compiled:
     """A compiled replicated step called with the replicated function's own arguments
     (`jax.stages.Compiled`'s other attributes are the compiled program's)."""
 
-    def __init__(self, compiled: Any, prepare: Callable[[tuple, dict], Prepared]):
+    def __init__(self, compiled: Any, prepare: _PrepareCall):
         self._compiled = compiled
         self._prepare_call = prepare
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        prepared = self._prepare_call(args, kwargs)
-        return restore_statics(self._compiled(prepared.donated, prepared.others))
+        prepared, adapted = self._prepare_call(args, kwargs)
+        result = restore_statics(self._compiled(prepared.donated, prepared.others))
+        return result if adapted is None else adapted.finish(result)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._compiled, name)

@@ -156,6 +156,9 @@ class PerReplica:
         return jax.tree_util.treedef_is_leaf(jax.tree.structure(self._values))
 
     def __getitem__(self, key: Any) -> PerReplica:
+        if key is Ellipsis:
+            # The whole value, as `x[...]` of an array (what NNX's `variable[...]` reads).
+            return self
         values = self._values
         if self._wraps_leaf():
             raise TypeError(

@@ -112,6 +112,8 @@ def test_unproven_state_is_written_back_per_replica_and_read_names_it(strategy):
     forward(model, _split(n, xs[0]))
     mean = model.bn.mean.get_raw_value()
     assert isinstance(mean, jm.PerReplica)
+    whole = model.bn.mean[...]  # NNX's accessor reads the whole value
+    assert isinstance(whole, jm.PerReplica) and whole.values is mean.values
     assert isinstance(model.conv.kernel.get_raw_value(), jax.Array)  # untouched: mirrored
     components = strategy.local_results(mean)
     for i, component in enumerate(components):  # each replica's own statistics
@@ -375,6 +377,25 @@ def test_strategy_run_and_lower_with_nnx(strategy):
     assert float(strategy.read(counter[...])) == 2.0
     lowered = jm.replicate(bump, strategy=strategy).lower(counter)
     assert isinstance(lowered, jax.stages.Lowered)
+
+
+def test_a_compiled_step_returns_and_writes_back_as_a_call_does(strategy):
+    n = strategy.num_replicas
+    xs, ys = _data(n, steps=2)
+    axis = strategy.axis_name
+    (model, optimizer), (ref_model, ref_optimizer) = _pair(axis), _pair(axis)
+    step, ref_step = _replicated_step(strategy), _replicated_step(strategy)
+    x, y = _split(n, xs[0]), _split(n, ys[0])
+    compiled = step.lower(model, optimizer, x, y).compile()
+    for x, y in zip(xs, ys):
+        x, y = _split(n, x), _split(n, y)
+        loss, ref_loss = compiled(model, optimizer, x, y), ref_step(ref_model, ref_optimizer, x, y)
+        assert isinstance(loss, jax.Array)  # the replica function's result, nothing more
+        np.testing.assert_allclose(strategy.read(loss), strategy.read(ref_loss), rtol=1e-6)
+    assert int(strategy.read(optimizer.step[...])) == 2
+    np.testing.assert_allclose(
+        strategy.read(model.conv.kernel[...]), strategy.read(ref_model.conv.kernel[...]), rtol=1e-6
+    )
 
 
 def test_donated_nnx_arguments(strategy):
