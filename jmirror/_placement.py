@@ -143,12 +143,25 @@ class Placement:
         topology = self._topology
         expected = []
         for (path, x, like), split in zip(declared_leaves(tree), layout.split):
-            if split or not isinstance(x, (jax.Array, np.ndarray)):
+            if split:
+                expected.append(self._pieces_layout(path, x))
+            elif not isinstance(x, (jax.Array, np.ndarray)):
                 expected.append(None)
             else:
                 expected.append(topology.leaf_sharding(path[2:], like, name))
         self._expected[id(layout)] = (layout, expected)
         return expected
+
+    def _pieces_layout(self, path: tuple, x: object) -> Any:
+        """Returns the layout of a `jm.Sharded` node's stacked pieces (`[N, length]`) as the
+        step returns them, split over the model axis too (None for other split leaves: any
+        layout over the mesh is in place). Pieces made elsewhere (an `nnx.Optimizer` built in
+        the strategy's scope lays them out by its parameters' metadata) are placed so, and the
+        step compiles once."""
+        last = path[-1] if path else None
+        if getattr(last, "name", None) != "shards" or np.ndim(x) != 2:
+            return None
+        return self._topology.pieces_sharding(np.shape(x)[1])
 
     def _all_laid_out(self, leaves: list[Any], shardings: list[Any], expected: list[Any]) -> bool:
         """Returns whether every array is committed in its expected layout."""
@@ -189,7 +202,7 @@ class Placement:
             elif split:
                 if found is None:
                     found = declared_leaves(tree)
-                placed.append(self._place_split(name, x, where(found[i][0])))
+                placed.append(self._place_split(name, x, where(found[i][0]), wanted))
             else:
                 placed.append(jax.device_put(x, wanted or topology.mirrored))
         return placed
@@ -214,11 +227,11 @@ class Placement:
             return not x.committed or x.sharding != wanted
         return not self._learn(x.sharding)
 
-    def _place_split(self, name: str, x: PyTree, path: str) -> PyTree:
+    def _place_split(self, name: str, x: PyTree, path: str, wanted: Any = None) -> PyTree:
         topology = self._topology
         if np.shape(x)[:1] != (topology.num_replicas,):
             raise split_error(name, topology, path, x)
-        return jax.device_put(x, topology.stacked)
+        return jax.device_put(x, wanted or topology.stacked)
 
 
 def split_error(name: str, topology: Topology, path: str | None, leaf: PyTree) -> ValueError:

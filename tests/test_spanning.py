@@ -1001,3 +1001,29 @@ def test_whole_components_equal_one_device_per_replica():
         np.asarray(one.read(totals1["only_first_replica"])),
         rtol=1e-5,
     )
+
+
+def test_an_nnx_optimizer_of_shard_update_built_in_scope_compiles_once():
+    # Built in the strategy's scope, the optimizer's pieces take their parameters' metadata
+    # layout (P(None, 'model')); the step returns them split over replicas too.
+    import optax
+    from flax import nnx
+
+    strategy = _spanning(2)
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+    with strategy.scope():
+        model = nnx.Linear(6, 8, kernel_init=init, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, jm.shard_update(optax.adam(1e-2)), wrt=nnx.Param)
+    x = jm.PerReplica(np.random.default_rng(0).normal(size=(4, 2, 6)).astype(np.float32))
+
+    @jm.replicate(strategy=strategy)
+    def step(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(model)
+        optimizer.update(model, grads)
+        return jm.all_reduce("mean", loss)
+
+    losses = [float(strategy.read(step(model, optimizer, x))) for _ in range(3)]
+    assert step.num_compilations == 1
+    assert losses[0] > losses[1] > losses[2]
+    pieces = optimizer.opt_state[0].mu["kernel"].get_value().shards
+    assert pieces.sharding.spec == P(strategy.axis_name, "model")
