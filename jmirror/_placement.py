@@ -152,7 +152,7 @@ class Placement:
         self._expected[id(layout)] = (layout, expected)
         return expected
 
-    def _pieces_layout(self, path: tuple, x: object) -> Any:
+    def _pieces_layout(self, path: tuple, x: Any) -> Any:
         """Returns the layout of a `jm.Sharded` node's stacked pieces (`[N, length]`) as the
         step returns them, split over the model axis too (None for other split leaves: any
         layout over the mesh is in place). Pieces made elsewhere (an `nnx.Optimizer` built in
