@@ -193,10 +193,13 @@ class Placement:
         topology = self._topology
         found = None
         placed = []
+        used: set[tuple] = set()  # the kept numbers this call took (each leaf its own array)
         for i, (x, split) in enumerate(zip(leaves, layout.split)):
             wanted = None if expected is None else expected[i]
             if i in scalars and not split:
-                placed.append(self._scalar(x, wanted or topology.mirrored))
+                # A donated leaf's array is consumed by the call: never a kept one.
+                donated = i < layout.num_donated
+                placed.append(self._scalar(x, wanted or topology.mirrored, used, donated))
             elif not self._needs_place(x, wanted):
                 placed.append(x)
             elif split:
@@ -207,10 +210,15 @@ class Placement:
                 placed.append(jax.device_put(x, wanted or topology.mirrored))
         return placed
 
-    def _scalar(self, x: complex, sharding: Any) -> jax.Array:
-        """Returns the Python number `x` placed mirrored, weakly typed (kept per value)."""
+    def _scalar(self, x: complex, sharding: Any, used: set[tuple], donated: bool) -> jax.Array:
+        """Returns the Python number `x` placed mirrored, weakly typed: the array kept for its
+        value, unless the leaf is donated or the call already took that array (one array
+        given twice in a call could not be donated, and is refused)."""
         sign = math.copysign(1.0, x) if isinstance(x, float) else 0.0  # 0.0 and -0.0
         key = (type(x), x, sign, id(sharding))
+        if donated or key in used:
+            return jax.device_put(x, sharding)
+        used.add(key)
         known = self._scalars.get(key)
         if known is None or known[0].is_deleted():  # donated by an earlier call
             if len(self._scalars) >= _REMEMBERED:

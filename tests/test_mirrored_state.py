@@ -291,3 +291,18 @@ def test_state_holding_python_numbers_compiles_once(strategy, n):
     for _ in range(3):
         count(counted)
     assert count.num_compilations == 1 and int(strategy.read(counted.calls.get_value())) == 3
+
+
+def test_equal_python_numbers_in_donated_state_are_each_their_own_array(n):
+    strategy = jm.MirroredStrategy(donation="always")
+
+    @jm.replicate(strategy=strategy, donate_argnums=0)
+    def step(state, other):
+        return {"a": state["a"] + 1, "b": state["b"] + 2, "c": state["c"] * 2.0}, other + 1
+
+    state, other = {"a": 0, "b": 0, "c": 0.5}, 0  # two equal numbers donated, one more kept
+    for _ in range(3):
+        state, other = step(state, other)
+    assert step.num_compilations == 1
+    assert [int(strategy.read(state[k])) for k in "ab"] == [3, 6]
+    assert float(strategy.read(state["c"])) == 4.0 and int(strategy.read(other)) == 3
