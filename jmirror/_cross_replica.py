@@ -13,6 +13,7 @@ rule for reducing a value that is not per replica, the messages) is written once
 from __future__ import annotations
 
 import abc
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -214,11 +215,13 @@ class CrossReplica(abc.ABC):
 
 def _check_axis(op: ReduceOp, value: PyTree, axis: int) -> None:
     """Raises a `ValueError` when a per-replica component of `value` has no axis `axis`."""
-    if not isinstance(axis, int) or isinstance(axis, bool):
+    try:
+        axis = operator.index(axis)  # an int, or an integer like np.int64
+    except TypeError:
         raise TypeError(
             f"strategy.reduce({op.value!r}, value, axis={axis!r}): axis must be None or an "
             "int (an axis of each replica's component)."
-        )
+        ) from None
     nodes = jax.tree_util.tree_flatten_with_path(value, is_leaf=is_distributed)[0]
     for node_path, node in nodes:
         if not isinstance(node, PerReplica):

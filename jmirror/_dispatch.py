@@ -372,22 +372,14 @@ def _explain_donated(
     call: object, args: tuple, kwargs: dict, donate_argnums: Sequence[int]
 ) -> None:
     """Raises the `ValueError` for the first donated leaf that is deleted or used twice."""
+    donated = [i for i in donate_argnums if i < len(args)]
+    explain_deleted(call, {f"args[{i}]": args[i] for i in donated})
     donated_ids: dict[int, str] = {}
-    for i in donate_argnums:
-        if i >= len(args):
-            continue
+    for i in donated:
         for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
             if not isinstance(leaf, jax.Array) or isinstance(leaf, jax.core.Tracer):
                 continue
             where = f"args[{i}]{jax.tree_util.keystr(path)}"
-            if leaf.is_deleted():
-                raise ValueError(
-                    f"{call}: the donated argument at {where} (shape {leaf.shape}, dtype "
-                    f"{leaf.dtype}) has been deleted: its buffer was donated to an earlier "
-                    "call, which reused it for that call's outputs. Pass the new value the "
-                    "step returned (state = step(state, ...)), or drop the argument from "
-                    "donate_argnums to keep the inputs alive."
-                )
             first = donated_ids.setdefault(id(leaf), where)
             if first != where:
                 raise ValueError(_TWICE.format(call=call, first=first, where=where))

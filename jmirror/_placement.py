@@ -16,7 +16,8 @@ Python numbers that are traced (not static) are placed mirrored too, keeping the
 (`jax.device_put` keeps it): the step then returns, for state such as `TrainState.create`'s
 `step=0`, an array of the very type it was given, and the second call reuses the first's
 compiled step instead of compiling again for a committed array. Each value's placed array is
-kept (a few values: flags, constant rates) and placed again once donated.
+kept for later calls (a few values: flags, constant rates); a donated leaf, and a value's
+repeat within one call, get arrays of their own.
 
 Deciding costs two C-level passes per call (each array's sharding, then a set of their
 ids) and a set comparison: shardings met once are remembered by identity, and the arrays a
@@ -72,8 +73,10 @@ class Placement:
         tree: PyTree,
         where: Callable[[Any], str],
         statics: tuple[tuple[int, Any], ...] = (),
-    ) -> list[Any] | None:
-        """Returns `leaves` with every leaf that is not in place placed, or None when all are.
+    ) -> tuple[list[Any], bool] | None:
+        """Returns `leaves` with every leaf that is not in place placed, and whether an array
+        was (not only Python numbers: what the warnings of arguments look at); None when all
+        are in place.
 
         Args:
           name: how errors name the replicated function.
@@ -110,12 +113,6 @@ class Placement:
             elif all(map(self._learn, shardings)):
                 return None
         return self._place_all(name, layout, leaves, tree, where, expected, scalars)
-
-    def only_scalars(self, leaves: list[Any], placed: list[Any], statics: tuple) -> bool:
-        """Returns whether placing changed no leaf but traced Python numbers (nothing to warn
-        of)."""
-        scalars = _traced_scalars(leaves, set(map(type, leaves)), statics)
-        return all(a is b or i in scalars for i, (a, b) in enumerate(zip(leaves, placed)))
 
     def _learn(self, sharding: Any) -> bool:
         """Returns whether arrays laid out by `sharding` are in place (remembering it if so)."""
@@ -189,10 +186,11 @@ class Placement:
         where: Callable[[Any], str],
         expected: list[Any] | None,
         scalars: set[int],
-    ) -> list[Any]:
+    ) -> tuple[list[Any], bool]:
         topology = self._topology
         found = None
         placed = []
+        arrays = False  # whether an array (not a Python number) was placed
         used: set[tuple] = set()  # the kept numbers this call took (each leaf its own array)
         for i, (x, split) in enumerate(zip(leaves, layout.split)):
             wanted = None if expected is None else expected[i]
@@ -206,9 +204,11 @@ class Placement:
                 if found is None:
                     found = declared_leaves(tree)
                 placed.append(self._place_split(name, x, where(found[i][0]), wanted))
+                arrays = True
             else:
                 placed.append(jax.device_put(x, wanted or topology.mirrored))
-        return placed
+                arrays = True
+        return placed, arrays
 
     def _scalar(self, x: complex, sharding: Any, used: set[tuple], donated: bool) -> jax.Array:
         """Returns the Python number `x` placed mirrored, weakly typed: the array kept for its
@@ -272,15 +272,15 @@ def split_error(name: str, topology: Topology, path: str | None, leaf: PyTree) -
     )
 
 
-_SCALAR_TYPES = frozenset({int, float, bool, complex})
+PYTHON_NUMBERS = frozenset({int, float, bool, complex})
 
 
 def _traced_scalars(leaves: list[Any], types: set[type], statics: tuple) -> set[int]:
     """Returns the flat indices of the Python numbers among `leaves` that are traced."""
-    if types.isdisjoint(_SCALAR_TYPES):
+    if types.isdisjoint(PYTHON_NUMBERS):
         return set()
     static_at = {i for i, _ in statics}
-    return {i for i, x in enumerate(leaves) if type(x) in _SCALAR_TYPES and i not in static_at}
+    return {i for i, x in enumerate(leaves) if type(x) in PYTHON_NUMBERS and i not in static_at}
 
 
 _SHARDING = operator.attrgetter("sharding")

@@ -226,10 +226,10 @@ class Replicated:
         statics = prepared.plan.statics
         placed = placement.place(self._name, layout, leaves, types, prepared.tree, where, statics)
         if placed is not None:
-            if not placement.only_scalars(leaves, placed, statics):
+            if placed[1]:
                 # What needed placing may be a pmap leftover or a host batch: say so.
                 self._warnings.of_arguments(*self._warning_args(strategy, prepared))
-            prepared = prepared.with_leaves(placed)
+            prepared = prepared.with_leaves(placed[0])
         donate = self._donation_on(strategy).check_prepared(self, prepared, shared)
         traced = has_tracers(types)
         if topology.num_devices > 1 and not traced:

@@ -29,6 +29,7 @@ from jmirror._dispatch import Dispatch, explain_deleted
 from jmirror._host_ops import HostOps
 from jmirror._input import DistributedDataset, distribute_dataset, distribute_datasets_from_function
 from jmirror._merge_ops import MergeOps
+from jmirror._placement import PYTHON_NUMBERS
 from jmirror._process_ops import ProcessHostOps
 from jmirror._replicate import replicate
 from jmirror._step_stats import StepStats
@@ -674,6 +675,6 @@ _context.set_default_factory(MirroredStrategy)
 
 def _strongly_typed(x: Any) -> Any:
     """Returns a Python number as a NumPy array of the dtype JAX gives it; `x` otherwise."""
-    if type(x) in (int, float, bool, complex):
+    if type(x) in PYTHON_NUMBERS:
         return np.asarray(x, dtype=jax.dtypes.canonicalize_dtype(jnp.result_type(x)))
     return x

@@ -440,7 +440,7 @@ state = {
 manager = jm.checkpoint.CheckpointManager(directory, async_save=True)
 manager.save(1, {"n": np.int32(1)})
 manager.save(2, state, data={"process": me})  # waits for step 1, then goes to the background
-pending = manager._background._thread
+pending = manager._background._worker
 print(f"process {me} exits; step 2 pending: {pending is not None and not pending.done.is_set()}")
 if me == 1:
     sys.exit(0)  # process 0 ends by falling off the end

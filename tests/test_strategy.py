@@ -446,3 +446,10 @@ def test_tf_distribute_names_point_to_jmirrors(strategy):
     with pytest.raises(AttributeError, match="get_replica_context is jmirror's jm.replica_context"):
         jm.get_replica_context  # noqa: B018
     assert not hasattr(strategy, "no_such_name") and not hasattr(jm, "no_such_name")
+
+
+def test_reduce_takes_an_integer_like_axis(strategy, n):
+    x = jm.PerReplica(np.arange(n * 2, dtype=np.float32).reshape(n, 2))
+    assert float(strategy.reduce("sum", x, axis=np.int64(0))) == float(np.sum(np.arange(n * 2)))
+    with pytest.raises(TypeError, match="axis must be None or an int"):
+        strategy.reduce("sum", x, axis=0.5)

@@ -62,7 +62,7 @@ class Background:
 
     def __init__(self, what: str):
         self.what = what
-        self._thread: _Worker | None = None
+        self._worker: _Worker | None = None
         self._error: BaseException | None = None
         self._step: int | None = None
 
@@ -72,17 +72,17 @@ class Background:
         self._step = step
         with _LOCK:
             _PENDING.add(self)
-        self._thread = _Worker(work, f"jmirror-checkpoint-{step}")
+        self._worker = _Worker(work, f"jmirror-checkpoint-{step}")
 
     def raise_error(self, wait: bool) -> None:
         """Raises the error of the last write (waiting for the write first when `wait`)."""
-        thread = self._thread
-        if thread is not None and (wait or thread.done.is_set()):
-            thread.wait()
-            self._thread = None
-            self._error = thread.error
+        worker = self._worker
+        if worker is not None and (wait or worker.done.is_set()):
+            worker.wait()
+            self._worker = None
+            self._error = worker.error
         error, self._error = self._error, None
-        if self._thread is None:
+        if self._worker is None:
             with _LOCK:
                 _PENDING.discard(self)
         if error is not None:
