@@ -41,7 +41,7 @@ Executable = Callable[..., Sequence[jax.Array]]
 
 
 def _done_token(needs_token: bool) -> tuple[jax.Array, ...]:
-    """A scalar output for a step with no array outputs, for the in-flight bound to wait on."""
+    """Returns a scalar output for a step with no array outputs, for the in-flight bound."""
     return (jnp.zeros((), jnp.int8),) if needs_token else ()
 
 
@@ -131,9 +131,9 @@ class Output(NamedTuple):
 def _out_layouts(
     topology: Topology, closed: Any, out_split: Sequence[bool], out_paths: Sequence[Any] | None
 ) -> list[tuple[int, Any]]:
-    """The layout of each mirrored output by the topology's rules (`Topology.leaf_sharding`),
-    given the outputs' paths (key paths or `Output`s); without them XLA's propagation
-    decides."""
+    """Returns the layout of each mirrored output by the topology's rules
+    (`Topology.leaf_sharding`), given the outputs' paths (key paths or `Output`s); without
+    them XLA's propagation decides."""
     if out_paths is None:
         return []
     avals = closed.out_avals
@@ -170,7 +170,7 @@ def _with_replica_ids(closed: Any, topology: Topology) -> Callable[..., list[Any
 
 
 def _on_mesh(value: Any, here: AbstractMesh) -> Any:
-    """A parameter's sharding over the abstract mesh it was traced with, over `here`."""
+    """Returns a parameter's sharding over the abstract mesh it was traced with, over `here`."""
     if (
         isinstance(value, NamedSharding)
         and isinstance(value.mesh, AbstractMesh)
@@ -342,7 +342,7 @@ def _vmap_executable(
     needs_token: bool,
     out_paths: Sequence[Any] | None = None,
 ) -> Executable:
-    """Every replica on one device, as `jax.vmap` with the replica axis name."""
+    """Builds the executable running every replica on one device (`jax.vmap`, replica axis)."""
     body = jex.jaxpr_as_fun(closed)
     replicas = jax.vmap(
         lambda *flat: tuple(body(*flat)),
@@ -366,7 +366,7 @@ BACKENDS: dict[str, Callable[..., Executable]] = {
 
 
 def choose(backend: str | None, topology: Topology, call: str = "MirroredStrategy") -> str:
-    """The backend a strategy runs on: `backend`, or with None `"pmap"` (one device per
+    """Returns the backend a strategy runs on: `backend`, or with None `"pmap"` (one device per
     replica) or `"shard_map"` (replicas spanning several devices, which `jax.pmap` cannot
     run: `"pmap"` given then is a `ValueError`)."""
     k = topology.devices_per_replica
@@ -400,7 +400,7 @@ _SPANNING_CPU = (("xla_disable_hlo_passes", "all-reduce-promotion"),)
 
 
 def executable(backend: str, topology: Topology) -> Callable[..., Executable]:
-    """The backend that runs replica jaxprs for `backend` on `topology`.
+    """Returns the backend that runs replica jaxprs for `backend` on `topology`.
 
     Across processes `"pmap"` runs as `"shard_map"`: JAX cannot run a `jax.pmap` nested in
     `jax.jit` there, and `jax.pmap` is `jax.jit(jax.shard_map(..., check_vma=False))` anyway,

@@ -145,7 +145,7 @@ def resolve(
 
 
 def _as_int(value: Any) -> Any:
-    """An integer-like argument (a numpy integer, ...) as an int; anything else unchanged."""
+    """Returns an integer-like argument (a numpy integer, ...) as an int, anything else as is."""
     if value is None or isinstance(value, (bool, int)):
         return value
     try:
@@ -177,7 +177,7 @@ def _format(values: tuple[object, ...]) -> str:
 
 
 def describe(request: Request) -> str:
-    """The request in words, for the error of a second call with another configuration."""
+    """Returns the request in words, for the error of a second call with another configuration."""
     values = (request.coordinator_address, request.num_processes, request.process_id)
     where = f" ({request.cluster})" if request.cluster else ""
     devices = request.devices_per_process
@@ -247,7 +247,7 @@ def _check_address(address: str, where: str, variable: str | None = None) -> Non
 
 
 def _check_host_resolves(address: str, variable: str | None, origin: str | None = None) -> None:
-    """A host name that does not resolve is an error now, not JAX's 300 s connection wait."""
+    """Refuses a host name that does not resolve now, not after JAX's 300 s connection wait."""
     host, _, port = address.rpartition(":")
     try:
         socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
@@ -385,7 +385,7 @@ def _check_range(num_processes: int, process_id: int, where: str) -> None:
 
 
 def int_from_env(name: str, minimum: int) -> int:
-    """The integer in variable `name`, at least `minimum`, else a ValueError naming the fix."""
+    """Returns the integer in variable `name`, at least `minimum` (else a ValueError, the fix)."""
     text = os.environ.get(name)
     if text is None:
         raise ValueError(
@@ -443,7 +443,7 @@ class Cluster:
     port_variable: str | None = None  # JAX_COORDINATOR_PORT when it set the port
 
     def local_device_ids(self) -> tuple[int, ...] | None:
-        """The GPUs this process should see: None for every GPU of its host.
+        """Returns the GPUs this process should see: None for every GPU of its host.
 
         JAX gives each process of a detected cluster the one GPU of its local index
         (`local_device_ids=[local id]`): right for one task per GPU, but one task per host
@@ -458,7 +458,7 @@ class Cluster:
 
 
 def detect_cluster() -> Cluster | None:
-    """The cluster JAX would detect, only when it runs several processes; else None.
+    """Returns the cluster JAX would detect, only when it runs several processes; else None.
 
     Read from environment variables only, in JAX's order (Open MPI, then SLURM, then
     Kubernetes). A single SLURM task or Open MPI rank is one process. `KUBERNETES_SERVICE_HOST`
@@ -521,7 +521,7 @@ def _open_mpi() -> Cluster | None:
 
 
 def _slurm() -> Cluster | None:
-    """A SLURM job step's tasks, read as JAX's `SlurmCluster` reads them."""
+    """Returns a SLURM job step's tasks, read as JAX's `SlurmCluster` reads them."""
     count = _env_int("SLURM_NTASKS", "SLURM")
     if count == 1:
         return None
@@ -595,7 +595,7 @@ def _address(host: str, port: int) -> str:
 
 
 def _env_int(name: str, cluster: str, required: bool = True) -> Any:
-    """The integer in variable `name` of a detected cluster; a ValueError naming it if it is
+    """Returns the integer in variable `name` of a detected cluster; a ValueError naming it if it is
     not one (JAX would raise a bare `int()` error); None if absent and not `required`."""
     text = os.environ.get(name)
     if text is None and not required:
@@ -641,12 +641,12 @@ class HostAddress:
     route: str | None  # this host's address towards the coordinator; None: no route
 
     def is_loopback(self) -> bool:
-        """Whether gloo would publish an address no other host can reach (or none at all)."""
+        """Returns whether gloo would publish an address no other host can reach (or none)."""
         return self.resolved is None or ipaddress.ip_address(self.resolved).is_loopback
 
 
 def reaches_other_hosts(coordinator_address: str | None) -> bool:
-    """Whether the coordinator may be on another host: its address is not a loopback one."""
+    """Returns whether the coordinator may be on another host: its address is not a loopback one."""
     if coordinator_address is None:
         return True  # a detected cluster: JAX finds the coordinator, on any host
     host = coordinator_address.rpartition(":")[0].strip("[]")
@@ -669,7 +669,7 @@ def this_host(coordinator_address: str | None) -> HostAddress:
 
 
 def _route_to(coordinator_address: str | None) -> str | None:
-    """The local address the kernel picks to reach the coordinator (a UDP `connect` sends
+    """Returns the local address the kernel picks to reach the coordinator (a UDP `connect` sends
     nothing); two processes on one host get the same, processes on two hosts do not."""
     if coordinator_address is None:
         return None
@@ -686,7 +686,7 @@ def _route_to(coordinator_address: str | None) -> str | None:
 
 
 def loopback_hostname_error(hosts: list[HostAddress]) -> str | None:
-    """The error when the processes (`hosts[i]` is process i's) span several hosts and some
+    """Returns the error when the processes (`hosts[i]` is process i's) span several hosts and some
     host's name resolves to a loopback address, so that gloo could not connect them; else None.
 
     Hosts are told apart by their route to the coordinator; processes of one host reach each

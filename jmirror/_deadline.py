@@ -116,7 +116,7 @@ class _Wait:
 
 
 def _ready(wait: _Wait) -> bool:
-    """Whether a watched call has completed although the waiter has not seen it yet.
+    """Returns whether a watched call has completed although the waiter has not seen it yet.
 
     On a loaded machine the waiter thread may run seconds after the call it waits for
     completed; that time is not the call's.
@@ -271,7 +271,7 @@ class _Watchdog:
             }
 
     def _client(self) -> Any:
-        """The coordination service's client, once connected (never during `initialize`,
+        """Returns the coordination service's client, once connected (never during `initialize`,
         whose client exists before it is connected: calling it then aborts the process)."""
         with self._lock:
             if any(w.missing is not None for w in self._waits.values()):
@@ -370,7 +370,7 @@ class _Watchdog:
 
 
 def _gloo_absent(cause: str) -> tuple[int, ...] | None:
-    """The process of the device whose rank gloo's rendezvous waited for, if the key says."""
+    """Returns the process of the device whose rank gloo's rendezvous waited for (if known)."""
     match = _GLOO_KEY.search(cause)
     if match is None:
         return None
@@ -383,7 +383,7 @@ def _gloo_absent(cause: str) -> tuple[int, ...] | None:
 
 
 def _label(call: object) -> str:
-    """What a wait is for, in words: a string as given, a replicated function as a step."""
+    """Returns what a wait is for, in words: a string as given, a replicated function as a step."""
     if isinstance(call, str):
         return call
     return f"the replicated step {str(call).strip('<>')}"
@@ -449,7 +449,7 @@ def _started() -> _Watchdog:
 
 
 def threads() -> tuple[threading.Thread, ...]:
-    """The threads this module started (none until a bounded or watched call)."""
+    """Returns the threads this module started (none until a bounded or watched call)."""
     return _WATCHDOG.threads
 
 
@@ -494,9 +494,9 @@ def _current() -> list[_Wait]:
 
 
 def _restart_after_compiling(event: str, duration_secs: float, **kwargs: object) -> None:
-    """A `jax.monitoring` listener: JAX traced, lowered or compiled something in this thread,
-    so the clock of this thread's innermost bounded wait starts again (compilation and
-    tracing are not waiting for other processes); a backend compilation ends its pause."""
+    """Restarts the clock of this thread's innermost bounded wait when JAX traced, lowered or
+    compiled something in this thread (a `jax.monitoring` listener: compilation and tracing
+    are not waiting for other processes); a backend compilation ends its pause."""
     if event.startswith(_COMPILE_EVENTS):
         waits = getattr(_THREAD, "waits", None)
         if waits:

@@ -171,7 +171,7 @@ class Dispatch:
         return cls(bound, check_donation(donation, call), topology, in_flight, timeout)
 
     def donates(self, donated: Sequence[Any]) -> bool:
-        """Whether a step donates the arguments `donated` under this policy."""
+        """Returns whether a step donates the arguments `donated` under this policy."""
         return donates(self.donation, self.topology.platform, self.topology.num_devices, donated)
 
     def wait_for_room(self) -> None:
@@ -182,7 +182,7 @@ class Dispatch:
             _step_stats.waited_for_room(waited)
 
     def bounded(self, call: object) -> contextlib.AbstractContextManager[None]:
-        """The bound on dispatching a step across processes (a cheap one may run inline)."""
+        """Returns the bound on dispatching a step across processes (a cheap one may run inline)."""
         return _deadline.bounded(call, self.timeout_s)
 
     def track(self, token: PyTree, call: object = "a replicated step") -> None:
@@ -199,13 +199,13 @@ _BOUNDS_LOCK = threading.Lock()
 
 
 def in_flight_for(platform: str) -> InFlight:
-    """The queue of steps in flight shared by every strategy on `platform`."""
+    """Returns the queue of steps in flight shared by every strategy on `platform`."""
     with _BOUNDS_LOCK:
         return _BOUNDS.setdefault(platform, InFlight())
 
 
 def donates(donation: str, platform: str, num_devices: int, donated: Sequence[Any]) -> bool:
-    """Whether a step donates the arguments `donated` under the policy `donation`."""
+    """Returns whether a step donates the arguments `donated` under the policy `donation`."""
     return _donates_any_size(donation, platform, num_devices) or _all_small(
         jax.tree.leaves(donated)
     )
@@ -235,7 +235,7 @@ class Donation:
         self._decided: dict[tuple[int, ...], tuple[tuple[Any, ...], bool]] = {}
 
     def donates(self, args: tuple) -> bool:
-        """Whether a call with positional arguments `args` donates (no check)."""
+        """Returns whether a call with positional arguments `args` donates (no check)."""
         if not self.argnums:
             return False
         if self._always:
@@ -244,7 +244,7 @@ class Donation:
         return self._policy(donated, _all_concrete(donated))
 
     def check(self, call: object, args: tuple, kwargs: dict) -> bool:
-        """Whether this call donates; if it does, refuses what would crash jaxlib.
+        """Returns whether this call donates; if it does, refuses what would crash jaxlib.
 
         Raises:
           ValueError: a donated leaf is deleted (donated to an earlier call) or is passed
@@ -320,7 +320,7 @@ def _safe(
     kwargs: dict,
     argnums: tuple[int, ...],
 ) -> bool:
-    """Whether no donated leaf is deleted or appears twice, from the leaves per argument."""
+    """Returns whether no donated leaf is deleted or appears twice, from the leaves per argument."""
     others = [a for i, a in enumerate(per_arg) if i not in argnums]
     if kwargs:
         others.append(jax.tree_util.tree_leaves(kwargs))
@@ -328,7 +328,7 @@ def _safe(
 
 
 def _safe_flat(donated: Sequence[Any], concrete: bool, others: Sequence[Any]) -> bool:
-    """Whether no donated leaf is deleted or appears twice (in `donated` or among `others`);
+    """Returns whether no donated leaf is deleted or appears twice (in `donated` or among `others`);
     C-level passes when `concrete`: every donated leaf is a concrete `jax.Array`."""
     ids = set(map(id, donated))
     if len(ids) != len(donated) or not ids.isdisjoint(map(id, others)):
@@ -345,7 +345,7 @@ _LEAVES = jax.tree_util.tree_leaves
 
 
 def _all_concrete(leaves: Sequence[Any]) -> bool:
-    """Whether every leaf is a concrete (placed, never traced) `jax.Array`: one C-level pass
+    """Returns whether every leaf is a concrete (placed, never traced) `jax.Array`: one C-level pass
     once each class has been seen."""
     if _CONCRETE.issuperset(map(type, leaves)):
         return True
@@ -357,7 +357,7 @@ def _all_concrete(leaves: Sequence[Any]) -> bool:
 
 
 def _any_deleted(leaves: Sequence[Any]) -> bool:
-    """Whether a concrete array among `leaves` is deleted (one C-level pass when all are)."""
+    """Returns whether a concrete array among `leaves` is deleted (one C-level pass if all are)."""
     if _CONCRETE.issuperset(map(type, leaves)):
         return any(map(_IS_DELETED, leaves))
     for x in leaves:

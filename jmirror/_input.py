@@ -451,7 +451,7 @@ def distribute_dataset(
 
 
 def _short_name(source: object) -> str:
-    """A source as a row of `strategy.step_stats()` names it: its name, else its type's."""
+    """Returns a source as a row of `strategy.step_stats()` names it: its name, else its type's."""
     name = getattr(source, "__name__", None)
     return name if isinstance(name, str) else type(source).__name__
 
@@ -462,7 +462,7 @@ _POSITION_EXAMPLE = (
 
 
 def _check_start(call: str, start: object) -> Position | None:
-    """The `Position` a valid `start` describes (None for None or a position at its start)."""
+    """Returns the `Position` a valid `start` describes (None: None, or a position at its start)."""
     if start is None:
         return None
     if not isinstance(start, Mapping):

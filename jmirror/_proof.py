@@ -176,18 +176,18 @@ class Proof:
 
     # --- helpers -----------------------------------------------------------------------------
 
-    def _axes(self, eqn: Any) -> tuple:
+    def _axes(self, eqn: jex.JaxprEqn) -> tuple:
         for key in _AXIS_PARAMS:
             if key in eqn.params:
                 value = eqn.params[key]
                 return tuple(value) if isinstance(value, (tuple, list)) else (value,)
         return ()
 
-    def _communicates(self, eqn: Any) -> bool:
+    def _communicates(self, eqn: jex.JaxprEqn) -> bool:
         return eqn.primitive.name != "axis_index" and self.axis_name in self._axes(eqn)
 
-    def find_collective(self, jaxpr: Any) -> str | None:
-        """The name of the first collective over the replica axis inside `jaxpr`, if any."""
+    def find_collective(self, jaxpr: jex.Jaxpr) -> str | None:
+        """Returns the name of the first collective over the replica axis inside `jaxpr`, if any."""
         for eqn in jaxpr.eqns:
             if self._communicates(eqn):
                 return eqn.primitive.name
@@ -197,7 +197,7 @@ class Proof:
                     return found
         return None
 
-    def _introduces_variation(self, jaxpr: Any) -> bool:
+    def _introduces_variation(self, jaxpr: jex.Jaxpr) -> bool:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             if name in _ALWAYS_VARYING or (self._communicates(eqn) and name not in _REDUCTIONS):
@@ -208,13 +208,13 @@ class Proof:
 
     # --- analysis ------------------------------------------------------------------------------
 
-    def run(self, closed: Any, in_varying: Sequence[bool]) -> list[bool]:
+    def run(self, closed: jex.ClosedJaxpr | jex.Jaxpr, in_varying: Sequence[bool]) -> list[bool]:
         """Returns, for each output of the closed jaxpr, whether it may vary."""
-        jaxpr = closed.jaxpr if hasattr(closed, "jaxpr") else closed
+        jaxpr = closed.jaxpr if isinstance(closed, jex.ClosedJaxpr) else closed
         env: dict[Any, bool] = {v: False for v in jaxpr.constvars}
         env.update(zip(jaxpr.invars, in_varying))
 
-        def read(atom: Any) -> bool:
+        def read(atom: jex.Var | jex.Literal) -> bool:
             return False if isinstance(atom, jex.Literal) else env.get(atom, False)
 
         for eqn in jaxpr.eqns:
@@ -226,7 +226,7 @@ class Proof:
             env.update(zip(eqn.outvars, outs))
         return [read(v) for v in jaxpr.outvars]
 
-    def _restore(self, jaxpr: Any, eqn: Any, ins: list[bool]) -> bool:
+    def _restore(self, jaxpr: jex.Jaxpr, eqn: jex.JaxprEqn, ins: list[bool]) -> bool:
         """Decides a `restore_key`: the original key when the written one is the folded key
         passed through unchanged (sound: it then holds the folded value on every replica)."""
         written, _, folded = (self._root(jaxpr, v) for v in eqn.invars)
@@ -236,7 +236,7 @@ class Proof:
 
     # --- values passed through unchanged ------------------------------------------------------
 
-    def _root(self, jaxpr: Any, atom: Any) -> Any:
+    def _root(self, jaxpr: jex.Jaxpr, atom: jex.Var | jex.Literal) -> jex.Var | jex.Literal:
         """Returns the variable of `jaxpr` that `atom` is, passed through unchanged (itself
         if none)."""
         if isinstance(atom, jex.Literal):
@@ -251,16 +251,16 @@ class Proof:
             cached = self._roots[id(jaxpr)] = (jaxpr, roots)
         return cached[1].get(atom, atom)
 
-    def _forwarded(self, closed: Any) -> list[int | None]:
+    def _forwarded(self, closed: jex.ClosedJaxpr | jex.Jaxpr) -> list[int | None]:
         """Returns, for each output of a jaxpr, the input it is unchanged (None: computed)."""
-        jaxpr = closed.jaxpr if hasattr(closed, "jaxpr") else closed
-        index = {v: k for k, v in enumerate(jaxpr.invars)}
+        jaxpr = closed.jaxpr if isinstance(closed, jex.ClosedJaxpr) else closed
+        index: dict[object, int] = {v: k for k, v in enumerate(jaxpr.invars)}
         return [
             None if isinstance(v, jex.Literal) else index.get(self._root(jaxpr, v))
             for v in jaxpr.outvars
         ]
 
-    def _forwards(self, eqn: Any) -> list[int | None]:
+    def _forwards(self, eqn: jex.JaxprEqn) -> list[int | None]:
         """Returns, for each output of an equation, the operand it is (None: computed)."""
         n_out, name = len(eqn.outvars), eqn.primitive.name
         if eqn.primitive is MARKER:
@@ -284,7 +284,7 @@ class Proof:
             return self._forwarded(subs[0])
         return [None] * n_out
 
-    def _equation(self, eqn: Any, ins: list[bool]) -> list[bool]:
+    def _equation(self, eqn: jex.JaxprEqn, ins: list[bool]) -> list[bool]:
         name = eqn.primitive.name
         n_out = len(eqn.outvars)
         if name in _REDUCTIONS and self.axis_name in self._axes(eqn):
@@ -317,7 +317,7 @@ class Proof:
         else:
             self.markers[marker_id] = [a or b for a, b in zip(previous, ins)]
 
-    def _scan(self, eqn: Any, ins: list[bool]) -> list[bool]:
+    def _scan(self, eqn: jex.JaxprEqn, ins: list[bool]) -> list[bool]:
         body = eqn.params["jaxpr"]
         n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
         consts, carry, xs = (
@@ -332,7 +332,7 @@ class Proof:
                 return carry + outs[n_carry:]
             carry = new_carry
 
-    def _while(self, eqn: Any, ins: list[bool]) -> list[bool]:
+    def _while(self, eqn: jex.JaxprEqn, ins: list[bool]) -> list[bool]:
         cond_jaxpr, body_jaxpr = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
         n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
         cond_consts, body_consts = ins[:n_cond], ins[n_cond : n_cond + n_body]
@@ -360,7 +360,7 @@ class Proof:
                 return carry
             carry = new_carry
 
-    def _cond(self, eqn: Any, ins: list[bool]) -> list[bool]:
+    def _cond(self, eqn: jex.JaxprEqn, ins: list[bool]) -> list[bool]:
         index_varies, operands = ins[0], ins[1:]
         branches = eqn.params["branches"]
         if index_varies:
@@ -378,20 +378,19 @@ class Proof:
         return outs
 
 
-def _arity(jaxpr: Any) -> tuple[int, int]:
-    inner = jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") else jaxpr
-    return len(inner.invars), len(inner.outvars)
+def _arity(jaxpr: jex.Jaxpr) -> tuple[int, int]:
+    return len(jaxpr.invars), len(jaxpr.outvars)
 
 
-def dependencies(closed: Any) -> list[int]:
+def dependencies(closed: jex.ClosedJaxpr | jex.Jaxpr) -> list[int]:
     """Returns, for each output of a (closed) jaxpr, the inputs it is computed from, as a bit
     mask over the inputs' positions. Calls (`jit`, `remat`, custom derivatives, `shard_map`)
     are followed inside; any other equation's outputs come from all of its operands."""
-    jaxpr = closed.jaxpr if hasattr(closed, "jaxpr") else closed
+    jaxpr = closed.jaxpr if isinstance(closed, jex.ClosedJaxpr) else closed
     return _dependencies(jaxpr, [1 << i for i in range(len(jaxpr.invars))])
 
 
-def _dependencies(jaxpr: Any, ins: list[int]) -> list[int]:
+def _dependencies(jaxpr: jex.Jaxpr, ins: list[int]) -> list[int]:
     env: dict[Any, int] = dict(zip(jaxpr.invars, ins))
 
     def read(atom: object) -> int:
@@ -402,8 +401,7 @@ def _dependencies(jaxpr: Any, ins: list[int]) -> list[int]:
         subs = list(jex.jaxprs_in_params(eqn.params))
         name = eqn.primitive.name
         if (name in _CALLS or name == "shard_map") and len(subs) == 1:
-            inner: Any = subs[0]
-            inner = inner.jaxpr if hasattr(inner, "jaxpr") else inner
+            inner = subs[0]
             if _arity(inner) == (len(eqn.invars), len(eqn.outvars)):
                 env.update(zip(eqn.outvars, _dependencies(inner, operands)))
                 continue
@@ -414,7 +412,9 @@ def _dependencies(jaxpr: Any, ins: list[int]) -> list[int]:
     return [read(v) for v in jaxpr.outvars]
 
 
-def prove(closed: Any, in_varying: Sequence[bool], axis_name: str) -> tuple[list[bool], Proof]:
+def prove(
+    closed: jex.ClosedJaxpr | jex.Jaxpr, in_varying: Sequence[bool], axis_name: str
+) -> tuple[list[bool], Proof]:
     """Analyses a replica jaxpr; returns each output's "may vary" flag and the proof."""
     proof = Proof(axis_name)
     return proof.run(closed, in_varying), proof

@@ -129,8 +129,8 @@ def _put_public(x: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
 
 
 def distributed_configuration() -> tuple[str | None, int | None, int | None] | None:
-    """The coordinator address, process count and index `jax.distributed.initialize` is using
-    (also those its cluster detection found), or None where the internal is missing."""
+    """Returns the coordinator address, process count and index `jax.distributed.initialize`
+    uses (also those its cluster detection found), or None where the internal is missing."""
     try:
         from jax._src import distributed  # the internal, read only here
     except ImportError:

@@ -190,7 +190,7 @@ class Recorder:
 
 
 def _reference(owner: object) -> Callable[[], Any]:
-    """A weak reference to `owner`, or a strong one where it cannot have a weak one."""
+    """Returns a weak reference to `owner`, or a strong one where it cannot have a weak one."""
     try:
         return weakref.ref(owner)
     except TypeError:
@@ -214,7 +214,7 @@ def _as_dict(row: _Row, process_index: int | None) -> dict[str, Any]:
 
 
 def _verdict(rows: list[dict[str, Any]], wall_s: float) -> str:
-    """The largest part of the time: waiting for batches, waiting for room, or the rest."""
+    """Returns the largest part of the time: waiting for batches, waiting for room, or the rest."""
     input_s = sum(row["input_wait_s"] for row in rows)
     room_s = sum(row["room_wait_s"] for row in rows)
     host_s = wall_s - input_s - room_s
@@ -267,7 +267,7 @@ def _set_apart(state: _Open, row: _Row, spent: float) -> float:
 
 
 def _compiling(spans: list[tuple[float, float]], length: float) -> float:
-    """The seconds of the last `length` seconds covered by compilation spans (nested spans
+    """Returns the seconds of the last `length` seconds covered by compilation spans (nested spans
     counted once); forgets the spans."""
     end = time.time()
     start = end - length

@@ -143,7 +143,7 @@ class MirroredStrategy:
     def _init(
         self, topology: Topology, backend: str, max_in_flight: int | None, donation: str
     ) -> None:
-        """The one constructor path of every strategy class (subclasses resolve their own
+        """Initializes any strategy class, the one constructor path (subclasses resolve their own
         topology and backend, then call it)."""
         if backend not in BACKENDS:
             raise ValueError(f"{type(self).__name__}: unknown backend {backend!r}.")
@@ -177,7 +177,7 @@ class MirroredStrategy:
         return self._topology.model_axis_name
 
     def replica_devices(self, i: int) -> tuple[Device, ...]:
-        """The devices replica `i` runs on.
+        """Returns the devices replica `i` runs on.
 
         Example:
             >>> import jmirror as jm
@@ -260,7 +260,7 @@ class MirroredStrategy:
     # --- cross-replica operations --------------------------------------------------------------
 
     def _cross_replica(self, call: str) -> CrossReplica:
-        """The cross-replica operations for where `call` runs: the host, or inside merge_fn."""
+        """Returns the cross-replica operations where `call` runs: the host, or inside merge_fn."""
         if _context.in_replica_context():
             name = call.split("(")[0]
             raise RuntimeError(_CROSS_REPLICA_IN_REPLICA.format(call=call, name=name))

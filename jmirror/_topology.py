@@ -257,23 +257,9 @@ class Topology:
     ) -> None:
         """Raises a `ValueError` naming the path, shape and spec unless `spec` lays out a leaf of
         `shape` inside one replica."""
-        why = None
-        if not isinstance(spec, P):
-            why = f"is not a jax.sharding.PartitionSpec (a {type(spec).__name__})"
-        elif len(spec) > len(shape):
-            why = f"has more entries than the leaf has dimensions ({len(shape)})"
-        else:
-            for dim, entry in zip(shape, spec):
-                names = entry if isinstance(entry, tuple) else (entry,)
-                if self.axis_name in names:
-                    why = f"names the replica axis {self.axis_name!r}"
-                elif set(names) - {None, self.model_axis_name}:
-                    why = f"names an axis other than {self.model_axis_name!r}"
-                elif self.model_axis_name in names and dim % self.devices_per_replica:
-                    k = self.devices_per_replica
-                    why = f"splits a dimension of {dim} that {k} does not divide"
-                if why:
-                    break
+        why = _spec_problem(
+            spec, shape, self.axis_name, self.model_axis_name, self.devices_per_replica
+        )
         if why:
             where = jax.tree_util.keystr(tuple(path)) or "<root>"
             raise ValueError(
@@ -417,6 +403,26 @@ class Topology:
         k = self.devices_per_replica
         per = f", devices_per_replica={k}" if k > 1 else ""
         return f"Topology(devices=[{devices}], axis_name={self.axis_name!r}{per})"
+
+
+def _spec_problem(
+    spec: object, shape: tuple[int, ...], axis: str, model: str, k: int
+) -> str | None:
+    """Returns what is wrong with `spec` as the layout of a leaf of `shape` inside one replica
+    of `k` devices (model axis `model`, replica axis `axis`), or None."""
+    if not isinstance(spec, P):
+        return f"is not a jax.sharding.PartitionSpec (a {type(spec).__name__})"
+    if len(spec) > len(shape):
+        return f"has more entries than the leaf has dimensions ({len(shape)})"
+    for dim, entry in zip(shape, spec):
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if axis in names:
+            return f"names the replica axis {axis!r}"
+        if set(names) - {None, model}:
+            return f"names an axis other than {model!r}"
+        if model in names and dim % k:
+            return f"splits a dimension of {dim} that {k} does not divide"
+    return None
 
 
 def check_devices_per_replica(k: object, num_devices: int, call: str = "MirroredStrategy") -> int:

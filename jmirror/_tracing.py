@@ -321,7 +321,8 @@ def trace_and_prove(call: ReplicaCall, avals: Sequence[jax.ShapeDtypeStruct]) ->
 
 
 def _run_replica(call: ReplicaCall, round_: _Round, *flat: Any) -> list[jax.Array]:
-    """The replica function on flat per-replica leaves, in a replica context; flat results."""
+    """Runs the replica function on flat per-replica leaves in a replica context; returns flat
+    results."""
     round_.trace.learn(flat, call.split)
     top = []
     pos = 0

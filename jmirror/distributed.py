@@ -249,7 +249,7 @@ def _join(request: _cluster_config.Request, timeout_s: float | None) -> None:
 
 
 def _check_hosts_reachable(request: _cluster_config.Request, timeout_s: float | None) -> None:
-    """Every process's host name and address, exchanged through the coordination service's
+    """Returns every process's host name and address, exchanged through the coordination service's
     key-value store before gloo starts: several hosts with a host name on loopback is an
     `OSError` on every process (they all decide on the same list), not gloo's abort later.
 
@@ -281,7 +281,7 @@ _HOSTS_KEY = "jmirror/hosts"
 
 
 def _not_joined(request: _cluster_config.Request) -> str:
-    """Who may be missing while `jax.distributed.initialize` waits (no one can be asked yet)."""
+    """Returns who may be missing while `jax.distributed.initialize` waits (none can be asked)."""
     address, count, me = _shim.distributed_configuration() or (None, None, None)
     # What jmirror worked out, else what JAX's own detection found (Kubernetes).
     address = request.coordinator_address or address
@@ -313,7 +313,7 @@ _timeout_s: float | None = 300.0
 
 
 def timeout_s_of_initialize() -> float | None:
-    """The `timeout_s` given to `initialize` (internal; 300 before it ran): the bound of the
+    """Returns the `timeout_s` given to `initialize` (internal; 300 before it ran): the bound of the
     default strategy of several processes, so that a call made without `strategy=` (a
     checkpoint's barrier) is bounded as the run asked.
 
@@ -326,7 +326,7 @@ def timeout_s_of_initialize() -> float | None:
 
 
 def sigterm_handler_after_initialize() -> object:
-    """What `signal.getsignal(SIGTERM)` said right after `jax.distributed` started (internal).
+    """Returns what `signal.getsignal(SIGTERM)` said right after `jax.distributed` started.
 
     JAX's preemption notifier catches SIGTERM with a handler Python does not see; if Python
     reports another handler later, a Python handler has replaced JAX's. `jm.checkpoint`'s
@@ -346,7 +346,7 @@ _LOST_PEER = re.compile(r"Gloo .*(Connection reset by peer|Connection closed by 
 
 
 def _exit_at_once(print_exception, lost_peer_wait_s: float):
-    """An excepthook that prints the uncaught exception and ends the process at once.
+    """Returns an excepthook that prints the uncaught exception and ends the process at once.
 
     Otherwise the interpreter would wait in JAX's exit hook (`shutdown_timeout_seconds`, 300 s)
     for the other processes, which wait for this one in their next collective: measured with
@@ -382,7 +382,7 @@ def _exit_at_once(print_exception, lost_peer_wait_s: float):
 
 
 def is_initialized() -> bool:
-    """Whether this process is ready for several processes (or knows it is alone).
+    """Returns whether this process is ready for several processes (or knows it is alone).
 
     True once `jm.distributed.initialize` has returned (also when it found one process and did
     nothing), or when `jax.distributed.initialize` was called directly. Unlike
@@ -437,7 +437,7 @@ def _check_backends_not_initialized(what: str) -> None:
 
 
 def _backends_are_initialized() -> bool:
-    """Whether JAX's backends have started, asked with public calls only.
+    """Returns whether JAX's backends have started, asked with public calls only.
 
     JAX answers this only internally. Its config refuses a new `jax_num_cpu_devices` with
     `RuntimeError` once the backends have started (the value is read when the CPU backend is

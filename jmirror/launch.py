@@ -371,7 +371,7 @@ _GLOO_COUNTS = (" is connected to ", "Expected number of connected peer ranks is
 
 
 def _is_gloo_report(line: str) -> bool:
-    """Whether `line` holds nothing but gloo's reports of fully connected ranks."""
+    """Returns whether `line` holds nothing but gloo's reports of fully connected ranks."""
     if "[Gloo] Rank" not in line and " peer ranks" not in line:
         return False
     pieces = _GLOO_PIECE.findall(line)
@@ -388,7 +388,7 @@ def _free_port() -> int:
 
 
 def _exit_code(returncode: int) -> int:
-    """A Popen return code as a shell reports it: 128 + the signal number for a signal."""
+    """Returns a Popen return code as a shell reports it: 128 + the signal number for a signal."""
     return 128 - returncode if returncode < 0 else returncode
 
 
