@@ -28,7 +28,6 @@ from jmirror._values import PyTree, ReduceOp, Sharded, SyncOnRead
 
 if TYPE_CHECKING:
     import optax
-    from flax import nnx
 
 LossFn = Callable[..., Any]
 # `(params, carry, micro_batch) -> (loss, carry)`: one micro-batch's loss, with the other
@@ -169,7 +168,9 @@ def accumulate_gradients(
     if _nnx_recipes.is_model(params):
         diff, carry, loss, finish = _nnx_recipes.micro_loss(call, params, args)
     elif _is_equinox_module(params):
-        diff, carry, loss, finish = _equinox_micro_loss(call, params, args)
+        from jmirror import _equinox_recipes  # equinox is the caller's: imported already
+
+        diff, carry, loss, finish = _equinox_recipes.micro_loss(call, params, args)
     else:
         diff, carry, loss, finish = params, (), _plain_micro_loss(call, args), _nothing
     micro = jax.tree.map(
@@ -360,29 +361,6 @@ def _nothing(carry: PyTree) -> None:
     """Writes nothing back: a plain pytree's loss changes no other state."""
 
 
-# --- equinox, only once the caller imported it ---------------------------------------------
-
-
-def _is_equinox_module(x: object) -> bool:
-    eqx = sys.modules.get("equinox")
-    return eqx is not None and isinstance(x, eqx.Module)
-
-
-def _equinox_micro_loss(
-    loss_fn: LossFn, model: nnx.Module, args: tuple
-) -> tuple[PyTree, PyTree, MicroLoss, Callable[[PyTree], None]]:
-    """Returns an equinox model's micro-batch loss: its floating arrays differentiated, as
-    `eqx.filter_value_and_grad` does, the rest of the module closed over."""
-    import equinox as eqx
-
-    diff, static = eqx.partition(model, eqx.is_inexact_array)
-
-    def loss(d: PyTree, carry: PyTree, micro_batch: PyTree) -> tuple[jax.Array, PyTree]:
-        return loss_fn(eqx.combine(d, static), micro_batch, *args), carry
-
-    return diff, (), loss, _nothing
-
-
 # --- the train step ------------------------------------------------------------------------
 
 
@@ -480,7 +458,9 @@ def make_accumulating_train_step(
 
     def train_step(state: PyTree, batch: PyTree, *args: PyTree) -> tuple[Any, jax.Array]:
         if _is_equinox_state(state):
-            return _equinox_step(state, tx, accumulate, batch, args)
+            from jmirror import _equinox_recipes
+
+            return _equinox_recipes.step(state, tx, accumulate, batch, args)
         pair = _nnx_recipes.pair(state, "make_accumulating_train_step")
         if pair is not None:
             model, optimizer = pair
@@ -532,40 +512,17 @@ def _train_state_step(
     return state.apply_gradients(grads=grads, batch_stats=stats), loss
 
 
+# --- equinox, only once the caller imported it (the rest in `_equinox_recipes`) --------------
+
+
+def _is_equinox_module(x: object) -> bool:
+    eqx = sys.modules.get("equinox")
+    return eqx is not None and isinstance(x, eqx.Module)
+
+
 def _is_equinox_state(state: PyTree) -> bool:
     """Returns whether `state` is an equinox `(model, opt_state)` pair or `(model, opt_state,
     state)` triple."""
     return (
         isinstance(state, (tuple, list)) and len(state) in (2, 3) and _is_equinox_module(state[0])
     )
-
-
-def _equinox_step(
-    state: tuple,
-    tx: optax.GradientTransformation | None,
-    accumulate: Callable[..., tuple],
-    batch: PyTree,
-    args: tuple,
-) -> tuple[tuple, jax.Array]:
-    """Takes one step of an equinox `(model, opt_state)` pair or `(model, opt_state, state)`
-    triple with the optax `tx`."""
-    import equinox as eqx
-
-    kind = "(model, opt_state)" if len(state) == 2 else "(model, opt_state, state)"
-    if tx is None:
-        raise TypeError(
-            f"recipes.make_accumulating_train_step got an equinox {kind} "
-            f"{'pair' if len(state) == 2 else 'triple'} but no optax transformation to update "
-            "it with: pass it as make_accumulating_train_step(loss_fn, k, tx=optimizer), the "
-            "one whose tx.init(eqx.filter(model, eqx.is_array)) made opt_state."
-        )
-    model, opt_state = state[0], state[1]
-    if len(state) == 2:
-        loss, grads = accumulate(model, batch, args, opt_state)
-    else:
-        loss, grads, model_state = accumulate(model, batch, args, opt_state, state[2])
-    updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-    model = eqx.apply_updates(model, updates)
-    if len(state) == 2:
-        return (model, opt_state), loss
-    return (model, opt_state, model_state), loss
