@@ -43,6 +43,18 @@ def is_variable(x: object) -> bool:
     return nnx is not None and isinstance(x, nnx.Variable)
 
 
+def is_flax_internal(entry: object, child: object) -> bool:
+    """Returns whether `child`, under `entry`, is a flax object's internal pytree node holding
+    no arrays (an NNX object's `_pytree__...` bookkeeping), which checkpoints leave out."""
+    name = getattr(entry, "name", None)
+    return (
+        isinstance(name, str)
+        and name.startswith("_pytree__")
+        and type(child).__module__.startswith("flax.")
+        and not jax.tree.leaves(child)
+    )
+
+
 def _linen_names(x: PyTree) -> Any:
     """Returns the names of a linen metadata box (`nn.Partitioned`; `()` for a box without
     names), else None."""

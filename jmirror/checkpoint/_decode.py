@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from jmirror._flax import is_variable
 from jmirror._nnx_metrics import MetricComponents
 from jmirror._values import Aggregation, PerReplica, PyTree, Sharded, SyncOnRead, is_distributed
 from jmirror.checkpoint import _format, _sharded
-from jmirror.checkpoint._encode import children, container_kind, is_nnx_variable
+from jmirror.checkpoint._encode import children, container_kind
 
 if TYPE_CHECKING:
     from jmirror._strategy import MirroredStrategy
@@ -438,8 +439,8 @@ def _target_leaves(target: PyTree) -> list[tuple[tuple, Any]]:
     """Returns (path, leaf) of each leaf of `target` in flattening order; a leaf that is an NNX
     `Variable`'s value comes with that `Variable` (its partitioning metadata)."""
     out = []
-    for path, node in jax.tree_util.tree_flatten_with_path(target, is_leaf=is_nnx_variable)[0]:
-        inner = jax.tree_util.tree_flatten_with_path(node)[0] if is_nnx_variable(node) else None
+    for path, node in jax.tree_util.tree_flatten_with_path(target, is_leaf=is_variable)[0]:
+        inner = jax.tree_util.tree_flatten_with_path(node)[0] if is_variable(node) else None
         if inner is None:
             out.append((path, node))
         else:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -32,6 +31,7 @@ import numpy as np
 
 from jmirror import _deadline
 from jmirror._components import local_copy
+from jmirror._flax import is_flax_internal, is_variable
 from jmirror._values import Aggregation, PerReplica, PyTree, Sharded, SyncOnRead
 from jmirror.checkpoint import _format, _sharded
 
@@ -84,24 +84,7 @@ def children(node: PyTree) -> list[tuple[Any, Any]] | None:
     pairs, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
     if len(pairs) == 1 and pairs[0][0] == () and pairs[0][1] is node:
         return None
-    return [(path[0], child) for path, child in pairs if not _is_flax_internal(path[0], child)]
-
-
-def _is_flax_internal(entry: object, child: object) -> bool:
-    name = getattr(entry, "name", None)
-    return (
-        isinstance(name, str)
-        and name.startswith("_pytree__")
-        and type(child).__module__.startswith("flax.")
-        and not jax.tree.leaves(child)
-    )
-
-
-def is_nnx_variable(x: object) -> bool:
-    """Returns whether `x` is a flax `nnx.Variable` (without importing flax when it is not
-    loaded)."""
-    nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(x, nnx.Variable)
+    return [(path[0], child) for path, child in pairs if not is_flax_internal(path[0], child)]
 
 
 def container_kind(node: PyTree) -> str:
@@ -159,7 +142,7 @@ class _Encoder:
         out: dict[str, Any] = {"node": kind}
         if kind == "class":
             out["class"] = f"{type(x).__module__}.{type(x).__qualname__}"
-            if is_nnx_variable(x) and len(pairs) == 1:
+            if is_variable(x) and len(pairs) == 1:
                 out["variable"] = True  # restored without target as its value
         out["children"] = [
             [_format.entry_to_json(entry, where), self.node(child, path + (entry,))]
@@ -264,7 +247,7 @@ class _Encoder:
         out: dict[str, Any] = {"node": kind}
         if kind == "class":
             out["class"] = f"{type(tree).__module__}.{type(tree).__qualname__}"
-            if is_nnx_variable(tree) and len(pairs) == 1:
+            if is_variable(tree) and len(pairs) == 1:
                 out["variable"] = True
         out["children"] = [
             [_format.entry_to_json(e, where), self.subtree(c, path, one, sub_path + (e,))]
