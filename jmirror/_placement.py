@@ -19,6 +19,11 @@ compiled step instead of compiling again for a committed array. Each value's pla
 kept for later calls (a few values: flags, constant rates); a donated leaf, and a value's
 repeat within one call, get arrays of their own.
 
+With several processes, global arrays are JAX's to lay out; values of this process (numpy
+arrays, arrays on its own devices) are laid out by each process from its own copy, as the same
+value on every process, and Python numbers are placed as above until many different ones have
+been met (each costs JAX's check across processes), then left to JAX.
+
 Deciding costs two C-level passes per call (each array's sharding, then a set of their
 ids) and a set comparison: shardings met once are remembered by identity, and the arrays a
 step returns share their shardings. Tracers (a call inside the caller's own `jit`, `grad`,
@@ -35,6 +40,7 @@ from typing import Any
 
 import jax
 import jax.core
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -44,6 +50,8 @@ from jmirror._values import PyTree
 
 # Shardings remembered per placement before the memory starts again.
 _REMEMBERED = 256
+# Python numbers placed with several processes before numbers are left to JAX.
+_NUMBERS_ACROSS_PROCESSES = 16
 
 
 class Placement:
@@ -63,6 +71,10 @@ class Placement:
         self._expected: dict[int, tuple[Layout, list[Any]]] = {}
         # (type, value, sign, id(sharding)) -> (the placed number, its sharding kept alive).
         self._scalars: dict[tuple, tuple[jax.Array, Any]] = {}
+        # With several processes: how many numbers were placed (each checked across processes),
+        # and whether numbers are left to JAX from now on (`_put_number`).
+        self._numbers_placed = 0
+        self._numbers_left_to_jax = False
 
     def place(
         self,
@@ -126,7 +138,10 @@ class Placement:
         return True
 
     def in_place(self, sharding: Any) -> bool:
-        """Returns whether an array laid out by `sharding` is on the strategy's mesh."""
+        """Returns whether an array laid out by `sharding` is on the strategy's mesh (or, with
+        several processes, is a global array: JAX lays those out)."""
+        if not sharding.is_fully_addressable:
+            return True
         topology = self._topology
         if sharding.device_set != topology.device_set:
             return False
@@ -206,31 +221,53 @@ class Placement:
                 placed.append(self._place_split(name, x, where(found[i][0]), wanted))
                 arrays = True
             else:
-                placed.append(jax.device_put(x, wanted or topology.mirrored))
+                placed.append(_put(x, wanted or topology.mirrored))
                 arrays = True
         return placed, arrays
 
-    def _scalar(self, x: complex, sharding: Any, used: set[tuple], donated: bool) -> jax.Array:
+    def _scalar(
+        self, x: complex, sharding: Any, used: set[tuple], donated: bool
+    ) -> jax.Array | complex:
         """Returns the Python number `x` placed mirrored, weakly typed: the array kept for its
         value, unless the leaf is donated or the call already took that array (one array
         given twice in a call could not be donated, and is refused)."""
         sign = math.copysign(1.0, x) if isinstance(x, float) else 0.0  # 0.0 and -0.0
         key = (type(x), x, sign, id(sharding))
+        if self._numbers_left_to_jax:
+            return x
         if donated or key in used:
-            return jax.device_put(x, sharding)
+            return self._put_number(x, sharding)
         used.add(key)
         known = self._scalars.get(key)
         if known is None or known[0].is_deleted():  # donated by an earlier call
+            placed = self._put_number(x, sharding)
+            if not isinstance(placed, jax.Array):
+                return placed
             if len(self._scalars) >= _REMEMBERED:
                 self._scalars.clear()
-            known = self._scalars[key] = (jax.device_put(x, sharding), sharding)
+            known = self._scalars[key] = (placed, sharding)
         return known[0]
+
+    def _put_number(self, x: complex, sharding: Any) -> jax.Array | complex:
+        """Returns the Python number `x` placed weakly typed (`jax.device_put`)."""
+        if not sharding.is_fully_addressable:
+            # With several processes `jax.device_put` checks the value equal on every process
+            # (a collective of milliseconds): a few values (a step counter's 0, constant
+            # rates) are placed once each; numbers that keep changing are left to JAX (the
+            # step compiles once more, for numbers), not checked every call.
+            self._numbers_placed += 1
+            if self._numbers_placed > _NUMBERS_ACROSS_PROCESSES:
+                self._numbers_left_to_jax = True
+                return x
+        return jax.device_put(x, sharding)
 
     def _needs_place(self, x: object, wanted: PyTree) -> bool:
         if isinstance(x, np.ndarray):
             return True
         if not isinstance(x, jax.Array) or x.is_deleted():
             return False  # a number, a static leaf; a deleted array is the donation check's
+        if not x.is_fully_addressable:
+            return False  # a global array of several processes: JAX lays it out
         if wanted is not None:
             return not x.committed or x.sharding != wanted
         return not self._learn(x.sharding)
@@ -240,6 +277,25 @@ class Placement:
         if np.shape(x)[:1] != (topology.num_replicas,):
             raise split_error(name, topology, path, x)
         return jax.device_put(x, wanted or topology.stacked)
+
+
+def _put(x: Any, sharding: Any) -> jax.Array:
+    """Returns the array `x` laid out by `sharding`, as the same value on every process.
+
+    With several processes each process lays out its own copy of a value of its own (a numpy
+    array, an array on this process's devices), as JAX takes host values to be the same on
+    every process: jaxlib cannot move an array committed to one process's devices to the
+    others' on CPU, and `jax.device_put` would check every value equal across processes
+    first (a collective of milliseconds each call).
+    """
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        # A random key has no host value: its key data is laid out, and wrapped again.
+        data = _put(jax.random.key_data(x), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def split_error(name: str, topology: Topology, path: str | None, leaf: PyTree) -> ValueError:

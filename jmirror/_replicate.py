@@ -210,14 +210,6 @@ class Replicated:
             args, kwargs = self._globalize(topology, args, kwargs)
             flat = None  # globalizing replaced this process's components
         prepared, leaves, types = self._arguments.prepare(strategy, args, kwargs, flat)
-        if several:
-            # Values of this process alone cannot be put on other processes' devices: JAX
-            # takes them as the same value on every process (global arrays stay as they are).
-            donate = self._donation_on(strategy).check_prepared(self, prepared, shared)
-            traced = has_tracers(types)
-            if not traced:
-                _dispatch.refuse_deleted(self, prepared)
-            return prepared, donate, traced
         placement = self._placement
         if placement is None or placement.topology is not topology:
             placement = self._placement = Placement(topology)
@@ -232,7 +224,7 @@ class Replicated:
             prepared = prepared.with_leaves(placed[0])
         donate = self._donation_on(strategy).check_prepared(self, prepared, shared)
         traced = has_tracers(types)
-        if topology.num_devices > 1 and not traced:
+        if (several or topology.num_devices > 1) and not traced:
             # jaxlib raises on a deleted buffer when one device runs the step (`_dispatch`
             # names it then), and ends the process when several do.
             _dispatch.refuse_deleted(self, prepared)

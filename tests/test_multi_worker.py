@@ -176,3 +176,18 @@ def test_with_one_process_it_is_a_mirrored_strategy(backend):
     flat, _, c = train(strategy)
     np.testing.assert_array_equal(flat, params)
     assert int(strategy.read(c)) == int(jm.MirroredStrategy().read(count))
+
+
+def test_state_nobody_placed_compiles_once_and_arrays_of_this_process_are_placed(two_processes):
+    # As with one process: a TrainState.create state (step=0, arrays on one device) is placed
+    # mirrored before the first call, so the second call finds the step compiled; an array
+    # committed to one of this process's devices, or laid out on a mesh of them, is the same
+    # value on every replica (8 replicas sum it 8 times).
+    for seen in two_processes:
+        assert int(seen["unplaced/compiles"]) == 1
+        assert int(seen["unplaced/step"]) == 3
+        np.testing.assert_allclose(seen["unplaced/w"], np.full(3, 1 - 3 * 0.1), rtol=1e-6)
+        for name in ("committed", "local_mesh"):
+            value = seen[f"unplaced/{name}"]
+            assert value.dtype.kind != "U", str(value)  # not an error message
+            np.testing.assert_allclose(value, 8 * np.arange(4.0))

@@ -116,6 +116,46 @@ for backend in ("pmap", "shard_map"):
     for field in dataclasses.fields(computed["stats"]):
         value = getattr(computed["stats"], field.name)
         results[f"{backend}/metric_welford_{field.name}"] = np.asarray(value)
+
+
+def unplaced_arguments(strategy) -> dict[str, np.ndarray]:
+    """What calls given state nobody placed do on this process: a `TrainState.create` state (a
+    Python number step, arrays on one device) trained 3 steps, with its compile count; sums
+    over the replicas of an array committed to one of this process's devices and of one laid
+    out on a mesh of this process's devices (or the errors, so that only their test fails)."""
+    import optax
+    from flax.training.train_state import TrainState
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    seen: dict[str, object] = {}
+    state = TrainState.create(apply_fn=None, params={"w": jnp.ones(3)}, tx=optax.sgd(0.1))
+
+    def train(state, x):
+        grads = jax.grad(lambda p: jnp.sum(p["w"] * x))(state.params)
+        return state.apply_gradients(grads=jm.all_reduce("mean", grads))
+
+    step = jm.replicate(train, strategy=strategy)
+    for _ in range(3):
+        state = step(state, np.ones(3, np.float32))
+    seen["compiles"] = step.num_compilations
+    seen["step"] = strategy.read(state.step)
+    seen["w"] = strategy.read(state.params["w"])
+    total = jm.replicate(lambda v: jm.all_reduce("sum", v), strategy=strategy)
+    devices = jax.local_devices()
+    local_mesh = NamedSharding(Mesh(np.array(devices), ("data",)), PartitionSpec("data"))
+    given = {
+        "committed": jax.device_put(jnp.arange(4.0), devices[1]),
+        "local_mesh": jax.device_put(jnp.arange(4.0), local_mesh),
+    }
+    for name, value in given.items():
+        try:
+            seen[name] = strategy.read(total(value))
+        except Exception as error:  # recorded: the test names it
+            seen[name] = f"{type(error).__name__}: {error}"
+    return {f"unplaced/{key}": np.asarray(value) for key, value in seen.items()}
+
+
+results.update(unplaced_arguments(strategy))
 try:
     jm.replicate(lambda v: v, strategy=strategy)(jm.PerReplica(np.zeros((8, 2), np.float32)))
     results["wrong_size_error"] = np.asarray("")
