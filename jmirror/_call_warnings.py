@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.core
+import jax.numpy as jnp
 import numpy as np
 
 from jmirror._mirrored_state import MirroredStateWarning
@@ -116,9 +117,31 @@ class CallWarnings:
             self._warned.add(kind)
             warnings.warn(message, category, stacklevel=caller_level())
 
+    def options_outside(self, options: Sequence[tuple[str, str]], prepared: Any) -> None:
+        """Warns, once, that a step needing XLA `options` is traced by the caller's own
+        transformation with half-precision floats among its arguments: that transformation's
+        program compiles without them, and XLA:CPU may end the process."""
+        leaves = [*prepared.donated, *prepared.others]
+        if not any(getattr(x, "dtype", None) in _HALF for x in leaves):
+            return
+        given = ", ".join(f"{k!r}: {v!r}" for k, v in options)
+        self.once("options outside", _OPTIONS_OUTSIDE.format(fn=self._name, options=given))
+
     def mirrored_state(self, message: str) -> None:
         """Warns of mirrored state returned per replica in a plain pytree (once)."""
         self.once("mirrored state", message, MirroredStateWarning)
+
+
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_OPTIONS_OUTSIDE = (
+    "{fn} is traced by your own transformation (jax.grad, jax.vmap, lax.scan, jax.jit, ...) "
+    "with bfloat16 or float16 arguments, and its replicas span several XLA:CPU devices. XLA "
+    "compiles your transformation's program, and its pass that promotes half-precision "
+    'all-reduces ends the process on the collectives of such steps ("Invalid binary '
+    'instruction opcode copy"). Compile the transformation in a jax.jit of your own with '
+    "the step's options, e.g. jax.jit(jax.grad(loss), compiler_options={{{options}}}); or "
+    "reduce in float32 (jm.all_reduce(..., dtype=jnp.float32)) with float32 arguments."
+)
 
 
 def _shape(x: PyTree) -> tuple | str:

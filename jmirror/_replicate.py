@@ -244,7 +244,10 @@ class Replicated:
             scope, inside = strategy.topology.call_scope(traced)
             # Inside the caller's own jit, the options are its to give (JAX takes them only
             # at the top level).
-            options = () if inside else _backends.compiler_options(strategy.topology)
+            options = _backends.compiler_options(strategy.topology)
+            if inside and options:
+                self._warnings.options_outside(options, prepared)
+                options = ()
             jitted = step.with_options(options)[0][donate]
             with dispatch.bounded(self), scope:
                 # With replicas spanning devices the mesh is in context while the step is

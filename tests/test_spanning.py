@@ -6,6 +6,7 @@ its k devices. Results are checked against the k = 1 strategy on the same global
 """
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -326,6 +327,29 @@ def test_a_step_of_replicas_spanning_devices_inside_an_outer_jit(outer):
     loops = jm.replicate(_loops_of_replica_ids, strategy=strategy)
     for got, want in zip(jax.jit(loops)(2.0), loops(2.0)):
         assert strategy.gather(got).tolist() == strategy.gather(want).tolist()
+
+
+def test_half_precision_inside_an_outer_transformation_names_the_options():
+    # XLA:CPU ends the process compiling such a program without the step's options (a
+    # transformation of the caller's compiles it): the call warns first, naming them, and
+    # the program compiled with them gives the gradient a one-device oracle gives.
+    strategy = _spanning(2)
+    n = strategy.num_replicas
+    step = jm.replicate(lambda w, x: jm.all_reduce("sum", jnp.sum(w * x)), strategy=strategy)
+    xs = np.linspace(-1, 1, n * 4, dtype=np.float32).reshape(n, 4)
+    x = jm.PerReplica(jnp.asarray(xs, jnp.bfloat16))
+    w = jnp.ones(4, jnp.bfloat16)
+    options = {"xla_disable_hlo_passes": "all-reduce-promotion"}
+    grad = jax.jit(jax.grad(lambda w: step(w, x).astype(jnp.float32)), compiler_options=options)
+    with pytest.warns(UserWarning, match="all-reduce-promotion"):
+        got = grad(w)
+    expected = jnp.asarray(xs, jnp.bfloat16).astype(np.float32).sum(0)
+    np.testing.assert_allclose(np.asarray(got, np.float32), expected, rtol=2e-2, atol=2e-2)
+    # float32 arguments compile without those options: no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f32 = jax.jit(jax.grad(lambda w: step(w, jm.PerReplica(xs))))(jnp.ones(4))
+    np.testing.assert_allclose(np.asarray(f32), xs.sum(0), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("k", SPANS)
