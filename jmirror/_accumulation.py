@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jmirror import _nnx_recipes
@@ -176,7 +177,7 @@ def accumulate_gradients(
     micro = jax.tree.map(
         lambda x: jnp.reshape(x, (num_micro_batches, -1) + jnp.shape(x)[1:]), batch
     )
-    loss_sum, grad_sum, (carry, state) = _sum_over_micro_batches(
+    loss_sum, grad_sum, (carry, state), loss_dtype = _sum_over_micro_batches(
         _checked(loss, state), diff, (carry, state), micro
     )
     finish(carry)
@@ -186,6 +187,7 @@ def accumulate_gradients(
         loss, grads = all_reduce(ReduceOp.MEAN, (loss, grads), dtype=dtype)
     else:
         loss = all_reduce(ReduceOp.MEAN, loss)
+    loss = loss.astype(loss_dtype)  # summed and reduced in at least float32
     if stateful:
         return loss, _own_dtypes(grads, diff), state
     return loss, _own_dtypes(grads, diff)
@@ -222,9 +224,10 @@ def _check(batch: PyTree, num_micro_batches: int) -> int:
 
 def _sum_over_micro_batches(
     loss: MicroLoss, diff: PyTree, carry: PyTree, micro: PyTree
-) -> tuple[jax.Array, PyTree, PyTree]:
-    """Returns the sums of the micro-batches' losses and gradients (in at least float32), and the
-    carry after the last micro-batch: one `lax.scan`, no collective."""
+) -> tuple[jax.Array, PyTree, PyTree, np.dtype]:
+    """Returns the sums of the micro-batches' losses and gradients (in at least float32), the
+    carry after the last micro-batch, and the loss's own dtype: one `lax.scan`, no
+    collective."""
     grad_fn = jax.value_and_grad(loss, has_aux=True)
     first = jax.tree.map(lambda x: x[0], micro)
     (loss_shape, _), grad_shapes = jax.eval_shape(grad_fn, diff, carry, first)
@@ -237,7 +240,7 @@ def _sum_over_micro_batches(
         return (sums, carry), None
 
     ((loss_sum, grad_sum), carry), _ = lax.scan(body, (zeros, carry), micro)
-    return loss_sum, grad_sum, carry
+    return loss_sum, grad_sum, carry, loss_shape.dtype
 
 
 def _with_state(loss_fn: LossFn) -> LossFn:

@@ -164,6 +164,24 @@ def test_accumulate_gradients_reduces_once_in_the_given_dtype(strategy, n):
     )
 
 
+@pytest.mark.parametrize("dtype", [None, jnp.float32])
+def test_a_bfloat16_loss_comes_back_in_its_own_dtype(strategy, n, dtype):
+    # Summed and reduced in float32, given back as the loss function returns it.
+    params = strategy.mirror({"w": jnp.ones((FEATURES, CLASSES), jnp.bfloat16)})
+
+    def loss_fn(p, batch):
+        return jnp.mean((batch["x"].astype(jnp.bfloat16) @ p["w"]) ** 2)
+
+    @jm.replicate(strategy=strategy)
+    def grads_step(params, batch):
+        return recipes.accumulate_gradients(loss_fn, params, batch, 2, dtype=dtype)
+
+    loss, grads = grads_step(params, split(n, batch_of(4 * n)))
+    assert loss.dtype == jnp.bfloat16 and grads["w"].dtype == jnp.bfloat16
+    expected = loss_fn(strategy.read(params), batch_of(4 * n))
+    np.testing.assert_allclose(float(strategy.read(loss)), float(expected), rtol=2e-2)
+
+
 def test_local_gradients_when_not_reduced(strategy, n):
     params = {"w": jnp.ones(()) * 0.5}
     loss_fn = lambda p, x: jnp.mean((x * p["w"] - 1.0) ** 2)  # noqa: E731
