@@ -217,7 +217,8 @@ def _check(batch: PyTree, num_micro_batches: int) -> int:
                 f"recipes.accumulate_gradients: the batch leaf at {jax.tree_util.keystr(path)!r} "
                 f"has shape {jnp.shape(leaf)}, whose leading size is not divisible by "
                 f"num_micro_batches={count}. Use a per-replica batch size that is "
-                "a multiple of num_micro_batches."
+                "a multiple of num_micro_batches; pass values that are not per example (a "
+                "scalar, a learning rate) through args= instead of the batch."
             )
     return count
 

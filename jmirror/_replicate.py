@@ -141,8 +141,7 @@ class Replicated:
         return _Step(jitted(True), jitted(False), jitted)
 
     def __repr__(self) -> str:
-        name = getattr(self._fn, "__qualname__", repr(self._fn))
-        return f"<jm.replicate({name})>"
+        return f"<jm.replicate({_function_name(self._fn)})>"
 
     def __get__(self, instance: Any, owner: Any = None) -> Any:
         if instance is None:
@@ -346,6 +345,15 @@ class Replicated:
         if self._strategy is not None:
             return self._strategy
         return _context.current_strategy()
+
+
+def _function_name(fn: object) -> str:
+    """Returns how a replicated function is named: its qualified name; a callable object's
+    class name (an equinox module's repr spans many lines); `partial(name)` for a partial."""
+    if isinstance(fn, functools.partial):
+        return f"partial({_function_name(fn.func)})"
+    name = getattr(fn, "__qualname__", None)
+    return name if isinstance(name, str) else type(fn).__qualname__
 
 
 # Prepares a compiled step's call: the prepared arguments, and the adapter's call if any.

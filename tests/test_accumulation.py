@@ -223,6 +223,19 @@ def test_a_count_of_micro_batches_that_is_no_positive_int_is_a_value_error(strat
         step(strategy.mirror(jnp.ones(())), jm.PerReplica(x))
 
 
+def test_a_batch_leaf_that_cannot_be_cut_names_it_and_args(strategy, n):
+    # A scalar among the batch (a rate) cannot be cut into micro-batches: args= takes it.
+    batch = {"x": jm.PerReplica(np.ones((n, 4), np.float32)), "rate": 0.5}
+    step = jm.replicate(
+        lambda p, b: recipes.accumulate_gradients(
+            lambda p, b: jnp.sum(b["x"] * p * b["rate"]), p, b, 2
+        ),
+        strategy=strategy,
+    )
+    with pytest.raises(ValueError, match=r"\['rate'\].*shape \(\).*args="):
+        step(strategy.mirror(jnp.ones(())), batch)
+
+
 @pytest.mark.parametrize("k", [0, True, 1.5])
 def test_a_step_with_a_bad_count_of_micro_batches_is_refused_when_made(strategy, k):
     with pytest.raises(ValueError, match=r"make_accumulating_train_step\(num_micro_batches="):

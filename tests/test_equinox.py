@@ -5,6 +5,7 @@ Oracles: `eqx.filter_jit` on one device over the same global batches, NumPy, and
 """
 
 import dataclasses
+import functools
 
 import equinox as eqx
 import jax
@@ -680,3 +681,22 @@ def test_usual_step_at_two_devices_per_replica_with_layout_rules_equals_one_devi
             np.asarray(strategy.read(a)), np.asarray(b), rtol=1e-5, atol=1e-6
         )
     assert step.num_compilations == 1
+
+
+def test_a_replicated_module_is_named_by_its_class(strategy):
+    # A module's repr spans many lines: errors, step statistics and profiler steps name its
+    # class instead (a partial by the function it holds).
+    model = eqx.nn.MLP(2, 2, 4, 1, key=jax.random.key(0))
+    step = jm.replicate(model, strategy=strategy)
+    assert repr(step) == "<jm.replicate(MLP)>"
+    strategy.step_stats(reset=True)
+    step(jm.PerReplica(jnp.ones((strategy.num_replicas, 2))))
+    (row,) = strategy.step_stats(reset=True).rows
+    assert row["name"] == "<jm.replicate(MLP)>"
+
+    def scale(x, factor):
+        return x * factor
+
+    assert repr(jm.replicate(functools.partial(scale, factor=2))) == (
+        "<jm.replicate(partial(test_a_replicated_module_is_named_by_its_class.<locals>.scale))>"
+    )
