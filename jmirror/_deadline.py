@@ -267,6 +267,7 @@ class _Watchdog:
                 "head": None if head is None else _label(head.call),
                 "waiting": sorted(_label(w.call) for w in self._waits.values()),
                 "waiting_nth": sorted([_label(w.call), w.nth] for w in self._waits.values()),
+                "begun": dict(self._begun),
                 "time": time.time(),
             }
 
@@ -279,8 +280,9 @@ class _Watchdog:
         return _shim.distributed_client()
 
     def _publish(self) -> None:
-        if not self._dispatched and not self._waits:
-            return  # nothing to report (e.g. only `initialize` was bounded)
+        with self._lock:
+            if not self._dispatched and not self._begun:
+                return  # nothing to report yet
         client = self._client()
         if client is None:
             return
@@ -399,6 +401,10 @@ def _describe(seen: dict[str, Any], now: float) -> str:
     if not parts:
         parts.append("in none of jmirror's cross-process waits")
     parts.append(f"{seen['dispatched']} cross-process calls dispatched, {seen['done']} completed")
+    begun = seen.get("begun") or {}
+    if begun:  # bounded waits other than steps: the input agreement, checkpoint barriers, ...
+        waits = ", ".join(f"{label} ({count})" for label, count in sorted(begun.items()))
+        parts.append(f"other cross-process waits begun: {waits}")
     text = "; ".join(parts)
     if age > STALE_S:
         text += f" (as of {age:.0f} s ago: it has not reported since; stuck or lost)"

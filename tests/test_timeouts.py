@@ -310,6 +310,10 @@ def test_a_stuck_peer_ends_the_run_within_the_timeout_naming_the_call_and_it(tmp
     ), out
     assert re.search(r"\[0\] jmirror: processes that did not arrive at .*: 1\.", out), out
     assert "[0] jmirror:   process 1: in none of jmirror's cross-process waits" in out
+    if mode == "stuck-input":
+        # It is stuck in its own source: its report names the agreements it made before.
+        line = re.search(r"\[0\] jmirror:   process 1: .*", out).group(0)
+        assert re.search(r"other cross-process waits begun: .*the input agreement", line), line
     assert "jmirror.launch: process 0 exited with code 1" in out
 
 
