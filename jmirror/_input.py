@@ -70,7 +70,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import json
 import reprlib
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -80,7 +83,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jmirror import _deadline, _step_stats
+from jmirror import _deadline, _shim, _step_stats
 from jmirror._batches import (
     DATASET_CALL,
     FUNCTION_CALL,
@@ -305,24 +308,59 @@ def _agreement(topology: Topology) -> Agree | None:
     """
     if topology.process_count == 1:
         return None
-    firsts: dict[int, Any] = {}
-    for device in topology.devices:
-        firsts.setdefault(device.process_index, device)
-    order = sorted(firsts)
-    mesh = Mesh(np.array([firsts[p] for p in order]), ("process",))
-    rows, gather = NamedSharding(mesh, P("process")), _all_gather(NamedSharding(mesh, P()))
-    shape = (len(order),)
+    return _Agreement(topology)
 
-    def agree(values: tuple[int, int, int]) -> list[list[int]]:
+
+class _Agreement:
+    """`jmirror._prefetch.Agree` over several processes (see `_agreement`)."""
+
+    def __init__(self, topology: Topology):
+        firsts: dict[int, Any] = {}
+        for device in topology.devices:
+            firsts.setdefault(device.process_index, device)
+        order = sorted(firsts)
+        mesh = Mesh(np.array([firsts[p] for p in order]), ("process",))
+        self._rows = NamedSharding(mesh, P("process"))
+        self._gather = _all_gather(NamedSharding(mesh, P()))
+        self._shape = (len(order),)
+        self._timeout_s = topology.timeout_s
+
+    def __call__(self, values: tuple[int, int, int]) -> list[list[int]]:
         local = np.array([values], np.int32)
-        mine = jax.make_array_from_process_local_data(rows, local, shape + local.shape[1:])
+        mine = jax.make_array_from_process_local_data(
+            self._rows, local, self._shape + local.shape[1:]
+        )
         # Bounded from the dispatch (this small program runs inline on XLA:CPU, waiting for
         # the others there); the first call's compilation is not counted.
-        with _deadline.bounded(_AGREEMENT, topology.timeout_s):
-            (copy,) = gather(mine).addressable_shards
+        with _deadline.bounded(_AGREEMENT, self._timeout_s):
+            (copy,) = self._gather(mine).addressable_shards
             return np.asarray(copy.data).tolist()  # process indices are 0 to P - 1, in order
 
-    return agree
+    def exchange(self, entries: list[list[str]]) -> list[list[list[str]]] | None:
+        """Returns every process's `entries` through JAX's coordination service (the detail
+        of an error: None when the service or a process does not answer within a few s)."""
+        client = _shim.distributed_client()
+        if client is None:
+            return None
+        # Every process exchanges at the same point of the same program: the n-th exchange
+        # is the same on every process.
+        key = f"jmirror/input_leaves/{next(_EXCHANGES)}"
+        count, me = jax.process_count(), jax.process_index()
+        ends = time.monotonic() + _EXCHANGE_S
+        try:
+            client.key_value_set(f"{key}/{me}", json.dumps(entries), True)
+            found = []
+            for p in range(count):
+                left_ms = max(1, int((ends - time.monotonic()) * 1000))
+                found.append(json.loads(client.blocking_key_value_get(f"{key}/{p}", left_ms)))
+        except Exception:  # noqa: BLE001 - only the error's detail is lost
+            return None
+        return found
+
+
+# How long an error waits for the other processes' leaves to name the ones that differ.
+_EXCHANGE_S = 10.0
+_EXCHANGES = itertools.count()
 
 
 _AGREEMENT = "the input agreement (does every process have a batch for the next step?)"

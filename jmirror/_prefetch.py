@@ -59,8 +59,8 @@ import time
 import warnings
 import weakref
 import zlib
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import jax
 
@@ -138,12 +138,16 @@ class Layout:
 
     def describe(self) -> str:
         """Returns each leaf's path, dtype and shape, as `batch['x']: float32[rows, 3]`."""
+        return ", ".join(f"{path}: {leaf}" for path, leaf in self.entries())
+
+    def entries(self) -> list[list[str]]:
+        """Returns `[path, leaf]` per leaf, as `["batch['x']", "float32[rows, 3]"]`."""
         numbered = self.treedef.unflatten(range(len(self.leaves)))
         paths = jax.tree_util.tree_flatten_with_path(numbered)[0]
-        return ", ".join(
-            f"{self.what}{jax.tree_util.keystr(path)}: {leaf}"
+        return [
+            [f"{self.what}{jax.tree_util.keystr(path)}", leaf]
             for (path, _), leaf in zip(paths, self.leaves, strict=True)
-        )
+        ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,9 +319,20 @@ class _Prefetcher:
 # What a process has for the next step of a pass over several processes (see `agree`):
 # SHORT is a batch whose process-local share is incomplete, dropped everywhere under "drop".
 ENDED, HAS_BATCH, FAILED, SHORT = 0, 1, 2, 3
-# `agree(values)`: this process's values in, every process's out (index = process), each
-# `(state, layout signature, share rows)`.
-Agree = Callable[[tuple[int, int, int]], Sequence[Sequence[int]]]
+
+
+class Agree(Protocol):
+    """How the processes agree on each step of a pass (jmirror._input makes it)."""
+
+    def __call__(self, values: tuple[int, int, int]) -> Sequence[Sequence[int]]:
+        """Returns every process's values (index = process) for this process's `values`,
+        each `(state, layout signature, share rows)`."""
+        ...
+
+    def exchange(self, entries: list[list[str]]) -> list[list[list[str]]] | None:
+        """Returns every process's `entries` (its batch's `[path, leaf]` pairs), or None
+        when they cannot be had in a few seconds; called by every process at once."""
+        ...
 
 
 POSITION_FORMAT = "jmirror.input"
@@ -328,6 +343,25 @@ POSITION_VERSIONS = (1, 2)
 
 def _names(indices: list[int]) -> str:
     return ", ".join(str(i) for i in indices)
+
+
+def _differences(everyone: list[list[list[str]]]) -> str:
+    """Returns, for each leaf path whose leaf differs between the processes' batches (or that
+    some lack), what each process has there: `batch['x']: float32[rows, 3] on process 0,
+    int32[rows, 3] on process 1`."""
+    leaves = [{path: leaf for path, leaf in entries} for entries in everyone]
+    paths = list(dict.fromkeys(path for entries in everyone for path, _ in entries))
+    found = []
+    for path in paths:
+        kinds: dict[str, list[int]] = {}
+        for p, mine in enumerate(leaves):
+            kinds.setdefault(mine.get(path, "nothing"), []).append(p)
+        if len(kinds) > 1:
+            found.append(
+                f"{path}: "
+                + ", ".join(f"{leaf} on process {_names(ps)}" for leaf, ps in kinds.items())
+            )
+    return "; ".join(found) or "the same leaves in another pytree structure"
 
 
 def _shutdown(elements: Iterator[Any], prefetcher: _Prefetcher | None, control: Control) -> None:
@@ -516,19 +550,29 @@ class DistributedIterator:
         if all(signature == layout.signature for signature in signatures):
             return
         self.close()
-        same = [i for i, signature in enumerate(signatures) if signature == layout.signature]
-        other = [i for i, signature in enumerate(signatures) if signature != layout.signature]
+        assert self._agree is not None
+        # Every process is here at this step (all saw the same signatures): each learns the
+        # others' leaves, to name the ones that differ.
+        everyone = self._agree.exchange(layout.entries())
         what = layout.what
         whats = "batches" if what == "batch" else f"{what}s"
         beyond = "" if what == "element" else " beyond their rows"
+        if everyone is not None:
+            found = _differences(everyone)
+        else:
+            same = [i for i, signature in enumerate(signatures) if signature == layout.signature]
+            other = [i for i, signature in enumerate(signatures) if signature != layout.signature]
+            found = (
+                f"process {_names(same)}'s {'is' if len(same) == 1 else 'are'} "
+                f"{layout.describe()}; process {_names(other)}'s "
+                f"differ{'s' if len(other) == 1 else ''} (its own error names it)"
+            )
         raise ValueError(
             f"{self._call}: at step {self._steps} the processes' {whats} differ in structure, "
-            f"dtype or shape{beyond}, over {self._source}: process {_names(same)}'s "
-            f"{'is' if len(same) == 1 else 'are'} {layout.describe()}; process "
-            f"{_names(other)}'s differ{'s' if len(other) == 1 else ''} (its own error names "
-            f"it). One global batch is made of every process's {what}: each process's source "
-            f"must yield {whats} of the same pytree structure, with the same dtypes and the "
-            f"same shapes{'' if what == 'element' else ' but for the number of rows'}."
+            f"dtype or shape{beyond}, over {self._source}: {found}. One global batch is made "
+            f"of every process's {what}: each process's source must yield {whats} of the same "
+            f"pytree structure, with the same dtypes and the same shapes"
+            f"{'' if what == 'element' else ' but for the number of rows'}."
         )
 
     def _check_shares(self, shares: list[int]) -> None:
