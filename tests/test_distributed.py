@@ -494,6 +494,8 @@ def test_a_coordinator_port_in_use_is_an_os_error_naming_it(fresh, port_in_use, 
         jm.distributed.initialize(f"{host}:{port_in_use}", 2, 0)
     assert error.value.errno == errno.EADDRINUSE
     assert time.monotonic() - start < 5  # JAX: "Failed to start RPC server" after ~37 s
+    # Two processes given index 0 meet here too: the message says so.
+    assert "also given process index 0" in str(error.value) and "0 to 1" in str(error.value)
     fresh.setenv("JMIRROR_COORDINATOR", f"{host}:{port_in_use}")
     fresh.setenv("JMIRROR_NUM_PROCESSES", "2")
     fresh.setenv("JMIRROR_PROCESS_ID", "0")
