@@ -352,13 +352,14 @@ def _origin(request: Request) -> str:
 
 def _port_fix(request: Request) -> str:
     fix = _port_holder_fix(request)
-    if request.process_id == 0 and request.num_processes > 1:
+    count = request.num_processes
+    if request.process_id == 0 and count is not None and count > 1:
         # Two processes given index 0 (a duplicated SLURM_PROCID, say) meet here: the second
         # cannot start the service the first started.
         fix += (
             " If another process of this run was also given process index 0, the port is "
             "its: give every process its own index, 0 to "
-            f"{request.num_processes - 1}{_origin(request)}."
+            f"{count - 1}{_origin(request)}."
         )
     return fix
 
