@@ -109,8 +109,9 @@ _OTHERWISE = (
 )
 _DECLARE = (
     "State that is meant to differ per replica is declared: jm.replicate(fn, per_replica=...) "
-    "or strategy.run(fn, ..., per_replica=...), with an NNX filter (such as nnx.BatchStat) or "
-    "a (path, leaf) -> bool predicate; it then comes back as a PerReplica."
+    "or strategy.run(fn, ..., per_replica=...), with an NNX filter (such as nnx.BatchStat), "
+    "a type whose nodes hold it (such as eqx.nn.State) or a (path, leaf) -> bool predicate; "
+    "it then comes back as a PerReplica."
 )
 
 UPDATE = "strategy.update"  # how the replicated function of `strategy.update` is named
@@ -157,7 +158,8 @@ def as_predicate(per_replica: PyTree) -> PathPredicate | None:
     """Returns `per_replica=` as a `(path, leaf) -> bool` for plain pytrees (None when not given).
 
     An NNX filter that is not a callable (a `Variable` type, `...`, a string tag) matches no
-    plain leaf but `...`, which matches every one.
+    plain leaf but `...`, which matches every one. A type matches the leaves of its type, and
+    every leaf inside a node of its type (`_declared_nodes`: an `eqx.nn.State`).
     """
     if per_replica is None:
         return None
@@ -168,6 +170,16 @@ def as_predicate(per_replica: PyTree) -> PathPredicate | None:
     if callable(per_replica):
         return cast(PathPredicate, per_replica)
     return lambda path, leaf: False
+
+
+def _declared_nodes(tree: PyTree, per_replica: PyTree) -> list[tuple]:
+    """Returns the paths, in `tree`, of the nodes that `per_replica=` names by their type (an
+    `eqx.nn.State`, a dataclass of statistics): every leaf under them is declared per replica."""
+    if not isinstance(per_replica, type):
+        return []
+    is_node = lambda x: isinstance(x, per_replica) or is_distributed(x)  # noqa: E731
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_node)[0]
+    return [path for path, x in found if isinstance(x, per_replica)]
 
 
 # --- dataclass state and plain pytrees ----------------------------------------------------------
@@ -295,11 +307,14 @@ def _check_dataclasses(
             entered = _entered(arg)
             kind = type(out).__name__
             state_kind = _state_kind(out)
+            declared = _declared_nodes(out, traced.per_replica)
             for p, x in jax.tree_util.tree_flatten_with_path(out, is_leaf=is_distributed)[0]:
                 checked.add(id(x))
                 if not traced.diverged(x) or entered.get(p, _NOT_MIRRORED) is _NOT_MIRRORED:
                     continue
                 if per_replica is not None and per_replica(p, x.values):
+                    continue
+                if any(p[: len(q)] == q for q in declared):
                     continue
                 at = f"result{jax.tree_util.keystr(where)}{jax.tree_util.keystr(p)}"
                 cause = what = None
@@ -337,11 +352,14 @@ def _check_plain(
         arg_where, arg = match
         before = jax.tree_util.tree_leaves(arg, is_leaf=is_distributed)
         where = "result" + jax.tree_util.keystr(sub)
+        declared = _declared_nodes(out, traced.per_replica)
         for (p, x), b in zip(leaves, before):
             checked.add(id(x))
             if not traced.diverged(x) or is_distributed(b):
                 continue
             if per_replica is not None and per_replica(p, x.values):
+                continue
+            if any(p[: len(q)] == q for q in declared):
                 continue
             at = f"{where}{jax.tree_util.keystr(p)}"
             warned.append(Diverged(at, f"like {arg_where}", _cause(p)))

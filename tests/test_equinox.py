@@ -700,3 +700,21 @@ def test_a_replicated_module_is_named_by_its_class(strategy):
     assert repr(jm.replicate(functools.partial(scale, factor=2))) == (
         "<jm.replicate(partial(test_a_replicated_module_is_named_by_its_class.<locals>.scale))>"
     )
+
+
+def test_per_replica_by_the_state_type_declares_every_leaf_of_the_state(strategy, n):
+    # As an NNX user writes per_replica=nnx.BatchStat: each replica's own statistics come
+    # back, equal to that replica's BatchNorm run alone.
+    model, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(3, axis_name="batch", mode="batch")
+
+    def forward(model, state, x):
+        batched = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+        return batched(x, state)[1]
+
+    xs = np.linspace(-2, 2, n * 4 * 3, dtype=np.float32).reshape(n, 4, 3) ** 2
+    step = jm.replicate(forward, strategy=strategy, per_replica=eqx.nn.State)
+    got = step(model, strategy.mirror(state), jm.PerReplica(xs))
+    for r, mine in enumerate(strategy.local_results(got)):
+        alone = eqx.filter_jit(forward)(model, state, xs[r])
+        for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(alone), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
