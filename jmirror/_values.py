@@ -332,6 +332,18 @@ class ValueContext:
     replica_id: int = 0
     num_replicas: int = 1
 
+    def __getattr__(self, name: str) -> Any:
+        # Only for names the class lacks: tf.distribute's ValueContext names point to ours.
+        ours = _TF_VALUE_CONTEXT.get(name)
+        hint = f"; tf.distribute's ValueContext.{name} is jmirror's .{ours}" if ours else ""
+        raise AttributeError(f"'ValueContext' object has no attribute {name!r}{hint}")
+
+
+_TF_VALUE_CONTEXT = {
+    "replica_id_in_sync_group": "replica_id",
+    "num_replicas_in_sync": "num_replicas",
+}
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)

@@ -446,6 +446,10 @@ def test_tf_distribute_names_point_to_jmirrors(strategy):
     with pytest.raises(AttributeError, match="get_replica_context is jmirror's jm.replica_context"):
         jm.get_replica_context  # noqa: B018
     assert not hasattr(strategy, "no_such_name") and not hasattr(jm, "no_such_name")
+    # distribute_values_from_function's context, as tf.distribute's ValueContext is read.
+    with pytest.raises(AttributeError, match="replica_id_in_sync_group is jmirror's .replica_id"):
+        strategy.distribute_values_from_function(lambda ctx: ctx.replica_id_in_sync_group)
+    assert not hasattr(jm.ValueContext(), "no_such_name")
 
 
 def test_reduce_takes_an_integer_like_axis(strategy, n):
