@@ -19,10 +19,16 @@ compiled step instead of compiling again for a committed array. Each value's pla
 kept for later calls (a few values: flags, constant rates); a donated leaf, and a value's
 repeat within one call, get arrays of their own.
 
-With several processes, global arrays are JAX's to lay out; values of this process (numpy
-arrays, arrays on its own devices) are laid out by each process from its own copy, as the same
-value on every process, and Python numbers are placed as above until many different ones have
-been met (each costs JAX's check across processes), then left to JAX.
+With several processes, JAX takes host values as the same value on every process, and jmirror
+leaves to it what keeps a weak type that way: Python floats, and arrays not committed to a
+device that are weakly typed (`jnp.asarray(0.5)`). Python integers and bools (a
+`TrainState.create` step) are placed as arrays of JAX's integer dtype, not weakly typed (only
+`jax.device_put` makes weakly typed global arrays, and it checks each value equal across
+processes first, wrongly for floats that float32 cannot hold). Arrays committed to this
+process's devices (which JAX refuses), numpy arrays and other arrays not committed are laid
+out by each process from its own copy; a global array on the strategy's devices laid out
+otherwise (another mesh, another order) is laid out again by JAX (`jax.device_put`); one on
+other devices is left to JAX.
 
 Deciding costs two C-level passes per call (each array's sharding, then a set of their
 ids) and a set comparison: shardings met once are remembered by identity, and the arrays a
@@ -50,8 +56,6 @@ from jmirror._values import PyTree
 
 # Shardings remembered per placement before the memory starts again.
 _REMEMBERED = 256
-# Python numbers placed with several processes before numbers are left to JAX.
-_NUMBERS_ACROSS_PROCESSES = 16
 
 
 class Placement:
@@ -63,6 +67,7 @@ class Placement:
         # Inside replicas spanning devices (or under layout rules) a mirrored leaf is in place
         # only in its own layout (`Topology.leaf_sharding`), committed to its devices.
         self._laid_out = topology.devices_per_replica > 1 or topology.layout is not None
+        self._several = topology.process_count > 1
         # id(sharding) -> the sharding (kept alive so that its id is not reused).
         self._in_place: dict[int, Any] = {id(None): None}
         # Laid out: (id(sharding), id(expected)) -> both, for pairs found equal; the expected
@@ -71,10 +76,6 @@ class Placement:
         self._expected: dict[int, tuple[Layout, list[Any]]] = {}
         # (type, value, sign, id(sharding)) -> (the placed number, its sharding kept alive).
         self._scalars: dict[tuple, tuple[jax.Array, Any]] = {}
-        # With several processes: how many numbers were placed (each checked across processes),
-        # and whether numbers are left to JAX from now on (`_put_number`).
-        self._numbers_placed = 0
-        self._numbers_left_to_jax = False
 
     def place(
         self,
@@ -112,7 +113,8 @@ class Placement:
             return None
         else:
             _PLACED_ARRAYS.update(t for t in types if _is_placed_array_type(t))
-        scalars = _traced_scalars(leaves, types, statics)
+        numbers = _INTEGERS if self._several else PYTHON_NUMBERS  # see the module docstring
+        scalars = _traced_scalars(leaves, types, statics, numbers)
         expected = self._expected_of(name, layout, leaves, tree) if self._laid_out else None
         if np.ndarray not in types and not scalars:
             # Leaves without a sharding (Python numbers, statics) give None: in place.
@@ -138,10 +140,7 @@ class Placement:
         return True
 
     def in_place(self, sharding: Any) -> bool:
-        """Returns whether an array laid out by `sharding` is on the strategy's mesh (or, with
-        several processes, is a global array: JAX lays those out)."""
-        if not sharding.is_fully_addressable:
-            return True
+        """Returns whether an array laid out by `sharding` is on the strategy's mesh."""
         topology = self._topology
         if sharding.device_set != topology.device_set:
             return False
@@ -209,7 +208,9 @@ class Placement:
         used: set[tuple] = set()  # the kept numbers this call took (each leaf its own array)
         for i, (x, split) in enumerate(zip(leaves, layout.split)):
             wanted = None if expected is None else expected[i]
-            if i in scalars and not split:
+            if i in scalars and not split and self._several:
+                placed.append(_put_integer(x, wanted or topology.mirrored))
+            elif i in scalars and not split:
                 # A donated leaf's array is consumed by the call: never a kept one.
                 donated = i < layout.num_donated
                 placed.append(self._scalar(x, wanted or topology.mirrored, used, donated))
@@ -225,52 +226,39 @@ class Placement:
                 arrays = True
         return placed, arrays
 
-    def _scalar(
-        self, x: complex, sharding: Any, used: set[tuple], donated: bool
-    ) -> jax.Array | complex:
+    def _scalar(self, x: complex, sharding: Any, used: set[tuple], donated: bool) -> jax.Array:
         """Returns the Python number `x` placed mirrored, weakly typed: the array kept for its
         value, unless the leaf is donated or the call already took that array (one array
         given twice in a call could not be donated, and is refused)."""
         sign = math.copysign(1.0, x) if isinstance(x, float) else 0.0  # 0.0 and -0.0
         key = (type(x), x, sign, id(sharding))
-        if self._numbers_left_to_jax:
-            return x
         if donated or key in used:
-            return self._put_number(x, sharding)
+            return jax.device_put(x, sharding)
         used.add(key)
         known = self._scalars.get(key)
         if known is None or known[0].is_deleted():  # donated by an earlier call
-            placed = self._put_number(x, sharding)
-            if not isinstance(placed, jax.Array):
-                return placed
             if len(self._scalars) >= _REMEMBERED:
                 self._scalars.clear()
-            known = self._scalars[key] = (placed, sharding)
+            known = self._scalars[key] = (jax.device_put(x, sharding), sharding)
         return known[0]
-
-    def _put_number(self, x: complex, sharding: Any) -> jax.Array | complex:
-        """Returns the Python number `x` placed weakly typed (`jax.device_put`)."""
-        if not sharding.is_fully_addressable:
-            # With several processes `jax.device_put` checks the value equal on every process
-            # (a collective of milliseconds): a few values (a step counter's 0, constant
-            # rates) are placed once each; numbers that keep changing are left to JAX (the
-            # step compiles once more, for numbers), not checked every call.
-            self._numbers_placed += 1
-            if self._numbers_placed > _NUMBERS_ACROSS_PROCESSES:
-                self._numbers_left_to_jax = True
-                return x
-        return jax.device_put(x, sharding)
 
     def _needs_place(self, x: object, wanted: PyTree) -> bool:
         if isinstance(x, np.ndarray):
             return True
         if not isinstance(x, jax.Array) or x.is_deleted():
             return False  # a number, a static leaf; a deleted array is the donation check's
-        if not x.is_fully_addressable:
-            return False  # a global array of several processes: JAX lays it out
+        if self._several and not self._placed_across(x):
+            return False
         if wanted is not None:
             return not x.committed or x.sharding != wanted
         return not self._learn(x.sharding)
+
+    def _placed_across(self, x: jax.Array) -> bool:
+        """Returns whether jmirror places array `x` with several processes (the module
+        docstring): else JAX takes it as it is."""
+        if not x.is_fully_addressable:  # a global array: laid out again on the same devices
+            return x.sharding.device_set == self._topology.device_set
+        return x.committed or not getattr(x, "weak_type", False)  # (random keys have none)
 
     def _place_split(self, name: str, x: PyTree, path: str, wanted: Any = None) -> PyTree:
         topology = self._topology
@@ -283,13 +271,12 @@ def _put(x: Any, sharding: Any) -> jax.Array:
     """Returns the array `x` laid out by `sharding`, as the same value on every process.
 
     With several processes each process lays out its own copy of a value of its own (a numpy
-    array, an array on this process's devices), as JAX takes host values to be the same on
-    every process: jaxlib cannot move an array committed to one process's devices to the
-    others' on CPU, and `jax.device_put` would check every value equal across processes
-    first (a collective of milliseconds each call).
+    array, an array on this process's devices): jaxlib cannot move an array committed to one
+    process's devices to the others' on CPU, and `jax.device_put` of a host value checks it
+    equal on every process first (a collective of milliseconds, each call).
     """
-    if sharding.is_fully_addressable:
-        return jax.device_put(x, sharding)
+    if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)  # one process; or a global array, laid out again
     if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         # A random key has no host value: its key data is laid out, and wrapped again.
         data = _put(jax.random.key_data(x), sharding)
@@ -331,12 +318,28 @@ def split_error(name: str, topology: Topology, path: str | None, leaf: PyTree) -
 PYTHON_NUMBERS = frozenset({int, float, bool, complex})
 
 
-def _traced_scalars(leaves: list[Any], types: set[type], statics: tuple) -> set[int]:
-    """Returns the flat indices of the Python numbers among `leaves` that are traced."""
-    if types.isdisjoint(PYTHON_NUMBERS):
+_INTEGERS = frozenset({int, bool})
+
+
+def _traced_scalars(
+    leaves: list[Any], types: set[type], statics: tuple, numbers: frozenset[type] = PYTHON_NUMBERS
+) -> set[int]:
+    """Returns the flat indices of the Python numbers (of the types `numbers`) among `leaves`
+    that are traced."""
+    if types.isdisjoint(numbers):
         return set()
     static_at = {i for i, _ in statics}
-    return {i for i, x in enumerate(leaves) if type(x) in PYTHON_NUMBERS and i not in static_at}
+    return {i for i, x in enumerate(leaves) if type(x) in numbers and i not in static_at}
+
+
+def _put_integer(x: int, sharding: Any) -> jax.Array | int:
+    """Returns the Python integer (or bool) `x` laid out by `sharding` with several processes,
+    as an array of JAX's integer dtype (not weakly typed; `x` itself when that dtype cannot
+    hold it: JAX then says so)."""
+    dtype = jax.dtypes.canonicalize_dtype(np.asarray(x).dtype)
+    if not isinstance(x, bool) and not np.iinfo(dtype).min <= x <= np.iinfo(dtype).max:
+        return x
+    return _put(np.asarray(x, dtype), sharding)
 
 
 _SHARDING = operator.attrgetter("sharding")

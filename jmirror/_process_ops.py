@@ -52,13 +52,22 @@ class ProcessHostOps(HostOps):
     # --- placing -------------------------------------------------------------------------------
 
     def _place_mirrored(self, sources: list[Any], layouts: list[Any]) -> list[jax.Array]:
-        host = [np.asarray(x) for x in sources]
+        # A random key has no host value: its key data travels, and is wrapped again.
+        impls = [_key_impl(x) for x in sources]
+        host = [
+            np.asarray(x if impl is None else jax.random.key_data(x))
+            for x, impl in zip(sources, impls)
+        ]
         with _deadline.bounded("strategy.mirror", self.topology.timeout_s):
             host = multihost_utils.broadcast_one_to_all(host)  # process 0's value, everywhere
         # Each device takes its piece of the value (the whole of it, unless laid out, k > 1).
-        return [
+        placed = [
             jax.make_array_from_callback(x.shape, layout, lambda index, x=x: x[index])
             for x, layout in zip(host, layouts)
+        ]
+        return [
+            x if impl is None else jax.random.wrap_key_data(x, impl=impl)
+            for x, impl in zip(placed, impls)
         ]
 
     def sync_on_read_from(self, component: Callable[[jax.Array], PyTree], aggregation):
@@ -204,6 +213,13 @@ def globalize(topology: Topology, tree: PyTree) -> PyTree:
         return inner.unflatten([v if s else leaf(p, v) for (p, v), s in zip(flat, static)])
 
     return jax.tree_util.tree_map_with_path(node, tree, is_leaf=is_distributed)
+
+
+def _key_impl(x: object) -> Any:
+    """Returns the PRNG implementation of a random key array, else None."""
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.key_impl(x)
+    return None
 
 
 def _from_local(

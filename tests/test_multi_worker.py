@@ -187,7 +187,13 @@ def test_state_nobody_placed_compiles_once_and_arrays_of_this_process_are_placed
         assert int(seen["unplaced/compiles"]) == 1
         assert int(seen["unplaced/step"]) == 3
         np.testing.assert_allclose(seen["unplaced/w"], np.full(3, 1 - 3 * 0.1), rtol=1e-6)
-        for name in ("committed", "local_mesh"):
+        # A Python float (0.1: not exact in float32) and a weakly typed scalar stay JAX's:
+        # weakly typed, so bfloat16 stays bfloat16, as with one process.
+        assert str(seen["unplaced/weak_dtype"]) == "bfloat16"
+        np.testing.assert_allclose(seen["unplaced/weak_value"], [0.05, 0.05], rtol=1e-2)
+        key_data = seen["unplaced/mirrored_key"]
+        np.testing.assert_array_equal(key_data, jax.random.key_data(jax.random.key(0)))
+        for name, length in (("committed", 4), ("local_mesh", 4), ("reversed_mesh", 8)):
             value = seen[f"unplaced/{name}"]
             assert value.dtype.kind != "U", str(value)  # not an error message
-            np.testing.assert_allclose(value, 8 * np.arange(4.0))
+            np.testing.assert_allclose(value, 8 * np.arange(float(length)))

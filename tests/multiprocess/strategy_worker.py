@@ -140,12 +140,25 @@ def unplaced_arguments(strategy) -> dict[str, np.ndarray]:
     seen["compiles"] = step.num_compilations
     seen["step"] = strategy.read(state.step)
     seen["w"] = strategy.read(state.params["w"])
+    # A Python rate float32 cannot hold exactly, and a weakly typed scalar with bfloat16.
+    scale = jm.replicate(lambda a, x, rate: a * x * rate, strategy=strategy)
+    half = scale(jnp.asarray(0.5), jnp.ones(2, jnp.bfloat16), 0.1)
+    seen["weak_dtype"] = str(half.dtype)
+    seen["weak_value"] = strategy.read(half).astype(np.float32)
+    # A random key mirrored: process 0's, on every process (as an NNX model's Rngs).
+    mirrored = strategy.mirror({"key": jax.random.key(strategy.process_index)})
+    seen["mirrored_key"] = jax.random.key_data(strategy.read(mirrored["key"]))
     total = jm.replicate(lambda v: jm.all_reduce("sum", v), strategy=strategy)
     devices = jax.local_devices()
     local_mesh = NamedSharding(Mesh(np.array(devices), ("data",)), PartitionSpec("data"))
+    reversed_mesh = NamedSharding(
+        Mesh(np.array(jax.devices()[::-1]), ("data",)), PartitionSpec("data")
+    )
+    host = np.arange(8.0, dtype=np.float32)
     given = {
         "committed": jax.device_put(jnp.arange(4.0), devices[1]),
         "local_mesh": jax.device_put(jnp.arange(4.0), local_mesh),
+        "reversed_mesh": jax.make_array_from_callback((8,), reversed_mesh, lambda i: host[i]),
     }
     for name, value in given.items():
         try:
