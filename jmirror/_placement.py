@@ -19,16 +19,16 @@ compiled step instead of compiling again for a committed array. Each value's pla
 kept for later calls (a few values: flags, constant rates); a donated leaf, and a value's
 repeat within one call, get arrays of their own.
 
-With several processes, JAX takes host values as the same value on every process, and jmirror
-leaves to it what keeps a weak type that way: Python floats, and arrays not committed to a
-device that are weakly typed (`jnp.asarray(0.5)`). Python integers and bools (a
-`TrainState.create` step) are placed as arrays of JAX's integer dtype, not weakly typed (only
+With several processes, JAX takes host values as the same value on every process. Only
 `jax.device_put` makes weakly typed global arrays, and it checks each value equal across
-processes first, wrongly for floats that float32 cannot hold). Arrays committed to this
-process's devices (which JAX refuses), numpy arrays and other arrays not committed are laid
-out by each process from its own copy; a global array on the strategy's devices laid out
-otherwise (another mesh, another order) is laid out again by JAX (`jax.device_put`); one on
-other devices is left to JAX.
+processes first (a collective of milliseconds; wrongly for Python floats that float32 cannot
+hold): jmirror uses it for weakly typed arrays not committed to a device (`jnp.asarray(0.5)`,
+library state), leaves Python floats to JAX, and places Python integers and bools (a
+`TrainState.create` step) as arrays of JAX's integer dtype, not weakly typed. Arrays
+committed to this process's devices (which JAX refuses), numpy arrays and other arrays not
+committed are laid out by each process from its own copy; a global array on the strategy's
+devices laid out otherwise (another mesh, another order) is laid out again by JAX
+(`jax.device_put`); one on other devices is left to JAX.
 
 Deciding costs two C-level passes per call (each array's sharding, then a set of their
 ids) and a set comparison: shardings met once are remembered by identity, and the arrays a
@@ -258,7 +258,7 @@ class Placement:
         docstring): else JAX takes it as it is."""
         if not x.is_fully_addressable:  # a global array: laid out again on the same devices
             return x.sharding.device_set == self._topology.device_set
-        return x.committed or not getattr(x, "weak_type", False)  # (random keys have none)
+        return True
 
     def _place_split(self, name: str, x: PyTree, path: str, wanted: Any = None) -> PyTree:
         topology = self._topology
@@ -277,6 +277,10 @@ def _put(x: Any, sharding: Any) -> jax.Array:
     """
     if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
         return jax.device_put(x, sharding)  # one process; or a global array, laid out again
+    if isinstance(x, jax.Array) and not x.committed and getattr(x, "weak_type", False):
+        # Only `jax.device_put` keeps a weak type (it checks the value equal on every process
+        # first: milliseconds; such values are mostly state, placed once).
+        return jax.device_put(x, sharding)
     if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         # A random key has no host value: its key data is laid out, and wrapped again.
         data = _put(jax.random.key_data(x), sharding)

@@ -191,6 +191,7 @@ def test_state_nobody_placed_compiles_once_and_arrays_of_this_process_are_placed
         # weakly typed, so bfloat16 stays bfloat16, as with one process.
         assert str(seen["unplaced/weak_dtype"]) == "bfloat16"
         np.testing.assert_allclose(seen["unplaced/weak_value"], [0.05, 0.05], rtol=1e-2)
+        assert seen["unplaced/weak_state"].tolist() == [1, True]
         key_data = seen["unplaced/mirrored_key"]
         np.testing.assert_array_equal(key_data, jax.random.key_data(jax.random.key(0)))
         for name, length in (("committed", 4), ("local_mesh", 4), ("reversed_mesh", 8)):

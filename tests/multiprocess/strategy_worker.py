@@ -145,6 +145,12 @@ def unplaced_arguments(strategy) -> dict[str, np.ndarray]:
     half = scale(jnp.asarray(0.5), jnp.ones(2, jnp.bfloat16), 0.1)
     seen["weak_dtype"] = str(half.dtype)
     seen["weak_value"] = strategy.read(half).astype(np.float32)
+    # Weakly typed state not yet on a device (as libraries make it): compiled once, still weak.
+    count = jm.replicate(lambda s: {"t": s["t"] + 1, "w": s["w"] * 2.0}, strategy=strategy)
+    counted = {"t": jnp.asarray(0), "w": jnp.ones(2)}
+    for _ in range(3):
+        counted = count(counted)
+    seen["weak_state"] = [count.num_compilations, counted["t"].weak_type]
     # A random key mirrored: process 0's, on every process (as an NNX model's Rngs).
     mirrored = strategy.mirror({"key": jax.random.key(strategy.process_index)})
     seen["mirrored_key"] = jax.random.key_data(strategy.read(mirrored["key"]))
