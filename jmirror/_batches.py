@@ -85,6 +85,8 @@ def _as_array(call: str, where: str, tree: PyTree, leaf: PyTree, leaf_index: int
         if kind != "b" and array.dtype.itemsize == 8 and array.size:
             _check_fits(call, where, tree, array, leaf_index, root)
         return array
+    if kind == "V" and _is_jax_dtype(array.dtype):
+        return array  # ml_dtypes' bfloat16, float8, int4, ...: numpy calls them records
     path = _leaf_path(tree, leaf_index, root)
     if kind == "O":
         found = f"a {type(leaf).__name__}"
@@ -102,6 +104,15 @@ def _as_array(call: str, where: str, tree: PyTree, leaf: PyTree, leaf_index: int
         "to a numeric dtype before it reaches the dataset (strings to integer ids through a "
         "vocabulary, datetimes to numbers of seconds), or keep it out of the batch."
     )
+
+
+def _is_jax_dtype(dtype: np.dtype) -> bool:
+    """Returns whether a dtype numpy holds as raw records is one of JAX's numeric dtypes
+    (ml_dtypes' bfloat16, float8 and narrow integer types)."""
+    try:
+        return jnp.issubdtype(dtype, jnp.number)
+    except TypeError:
+        return False
 
 
 _IINFO: dict[np.dtype, np.iinfo] = {}

@@ -474,3 +474,13 @@ def test_an_elastic_run_refuses_a_global_batch_that_n_does_not_divide(n, monkeyp
     monkeypatch.delenv(jm.distributed.ENV_PROCESS_COUNTS)
     ((padded, mask),) = list(strategy.distribute_dataset(uneven, remainder="pad", prefetch=0))
     assert int(np.asarray(mask.values).sum()) == n + 1
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_numpy_batches_of_jax_only_dtypes_are_batches(s, n, prefetch, dtype):
+    # What jax.device_get gives for bfloat16: numpy holds ml_dtypes' types as raw records.
+    batch = np.linspace(-2, 2, 2 * n * 3).reshape(2 * n, 3).astype(dtype)
+    (got,) = list(s.distribute_dataset([batch], remainder="drop", prefetch=prefetch))
+    assert got.values.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(_concat(s, got)), batch)
