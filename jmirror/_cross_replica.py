@@ -222,6 +222,41 @@ def _check_axis(op: ReduceOp, value: PyTree, axis: int) -> None:
             f"strategy.reduce({op.value!r}, value, axis={axis!r}): axis must be None or an "
             "int (an axis of each replica's component)."
         ) from None
+    _check_components_axis(
+        value,
+        axis,
+        f"strategy.reduce({op.value!r}, value, axis={axis})",
+        "axis names an axis of each replica's component, reduced as well as across replicas; "
+        "pass axis=None to reduce across replicas only, or an axis the components have.",
+    )
+
+
+def check_gather_axis(value: PyTree, axis: object) -> int:
+    """Returns `strategy.gather`'s `axis` as an int; raises when it is no int or a per-replica
+    component of `value` has no such axis (scalar components are stacked: axis 0 or -1)."""
+    try:
+        axis = operator.index(axis)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"strategy.gather(value, axis={axis!r}): axis must be an int (the axis of each "
+            "replica's component to concatenate along)."
+        ) from None
+    _check_components_axis(
+        value,
+        axis,
+        f"strategy.gather(value, axis={axis})",
+        "axis names the axis of each replica's component to concatenate along (0: the "
+        "global batch back); pass an axis the components have.",
+        scalars=True,
+    )
+    return axis
+
+
+def _check_components_axis(
+    value: PyTree, axis: int, call: str, fix: str, scalars: bool = False
+) -> None:
+    """Raises a `ValueError` naming `call`, the path and the shape when a per-replica component
+    of `value` has no axis `axis` (`scalars`: scalar components count as vectors)."""
     nodes = jax.tree_util.tree_flatten_with_path(value, is_leaf=is_distributed)[0]
     for node_path, node in nodes:
         if not isinstance(node, PerReplica):
@@ -231,15 +266,13 @@ def _check_axis(op: ReduceOp, value: PyTree, axis: int) -> None:
             if shape is None or not shape:
                 continue  # a static leaf; an unstacked leaf is the count check's
             component = tuple(shape[1:])
-            if -len(component) <= axis < len(component):
+            rank = max(len(component), 1) if scalars else len(component)
+            if -rank <= axis < rank:
                 continue
             where = jax.tree_util.keystr(node_path) + jax.tree_util.keystr(path)
             raise ValueError(
-                f"strategy.reduce({op.value!r}, value, axis={axis}): the per-replica value at "
-                f"{where or '<root>'} has components of shape {component} "
-                f"({len(component)} axes), with no axis {axis}. axis names an axis of each "
-                "replica's component, reduced as well as across replicas; pass axis=None to "
-                "reduce across replicas only, or an axis the components have."
+                f"{call}: the per-replica value at {where or '<root>'} has components of shape "
+                f"{component} ({len(component)} axes), with no axis {axis}. {fix}"
             )
 
 

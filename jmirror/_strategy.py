@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from jmirror import _context, _nnx, _nnx_metrics
 from jmirror._adapter import map_traced_leaves
 from jmirror._backends import BACKENDS, choose
-from jmirror._cross_replica import CrossReplica
+from jmirror._cross_replica import CrossReplica, check_gather_axis
 from jmirror._devices import Device, DeviceSpec, resolve_devices
 from jmirror._dispatch import Dispatch, explain_deleted
 from jmirror._host_ops import HostOps
@@ -485,7 +485,7 @@ class MirroredStrategy:
         """
         ops = self._cross_replica("gather(value)")
         explain_deleted("strategy.gather", {"value": value})
-        return ops.gather(value, axis)
+        return ops.gather(value, check_gather_axis(value, axis))
 
     def update(
         self, tree: PyTree, fn: Callable[..., Any], *args: PyTree, **kwargs: PyTree

@@ -278,6 +278,20 @@ def test_gather_concatenates_components(strategy, n):
     assert g.devices() == {strategy.devices[0]}
 
 
+def test_gather_along_an_axis_the_components_lack_names_it(strategy, n):
+    x = jm.PerReplica({"x": np.zeros((n, 2, 3), np.float32)})
+    np.testing.assert_array_equal(strategy.gather(x, axis=-1)["x"], np.zeros((2, 3 * n)))
+    with pytest.raises(ValueError, match=r"gather\(value, axis=2\).*\['x'\].*\(2, 3\)"):
+        strategy.gather(x, axis=2)
+    with pytest.raises(TypeError, match=r"axis=1\.0\): axis must be an int"):
+        strategy.gather(x, axis=1.0)
+    # Scalar components are stacked: axis 0 (or -1) is theirs.
+    scalars = jm.PerReplica(np.arange(n, dtype=np.float32))
+    np.testing.assert_array_equal(strategy.gather(scalars, axis=-1), np.arange(n))
+    with pytest.raises(ValueError, match="with no axis 1"):
+        strategy.gather(scalars, axis=1)
+
+
 def test_local_results(strategy, n):
     x = np.arange(n * 2.0).reshape(n, 2)
     parts = strategy.local_results({"a": jm.PerReplica(x), "b": 5})
