@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from jmirror import _context, _nnx, _nnx_metrics
 from jmirror._adapter import map_traced_leaves
 from jmirror._backends import BACKENDS, choose
-from jmirror._cross_replica import CrossReplica, check_gather_axis
+from jmirror._cross_replica import CrossReplica, check_gather_axis, check_stacked
 from jmirror._devices import Device, DeviceSpec, resolve_devices
 from jmirror._dispatch import Dispatch, explain_deleted
 from jmirror._host_ops import HostOps
@@ -438,6 +438,7 @@ class MirroredStrategy:
         """
         ops = self._cross_replica("local_results(value)")
         explain_deleted("strategy.local_results", {"value": value})
+        check_stacked("strategy.local_results", value, self.num_replicas)
         return ops.local_results(value)
 
     def reduce(self, op: ReduceOp | str, value: PyTree, axis: int | None = None) -> PyTree:
@@ -467,6 +468,7 @@ class MirroredStrategy:
         op = ReduceOp(op)
         ops = self._cross_replica("reduce(op, value)")
         explain_deleted("strategy.reduce", {"value": value})
+        check_stacked(f"strategy.reduce({op.value!r}, value)", value, self.num_replicas)
         return ops.reduce(op, value, axis)
 
     def gather(self, value: PyTree, axis: int = 0) -> PyTree:
@@ -485,6 +487,7 @@ class MirroredStrategy:
         """
         ops = self._cross_replica("gather(value)")
         explain_deleted("strategy.gather", {"value": value})
+        check_stacked("strategy.gather", value, self.num_replicas)
         return ops.gather(value, check_gather_axis(value, axis))
 
     def update(

@@ -292,6 +292,20 @@ def test_gather_along_an_axis_the_components_lack_names_it(strategy, n):
         strategy.gather(scalars, axis=1)
 
 
+def test_a_per_replica_list_of_numbers_is_refused_naming_the_fix(strategy, n):
+    # tf.distribute's one value per replica: each leaf here is a scalar, with no replica axis.
+    values = jm.PerReplica([float(i) for i in range(n)])
+    for call, name in (
+        (lambda: strategy.reduce("sum", values), r"strategy\.reduce\('sum', value\)"),
+        (lambda: strategy.gather(values), r"strategy\.gather"),
+        (lambda: strategy.local_results(values), r"strategy\.local_results"),
+    ):
+        with pytest.raises(ValueError, match=rf"{name}: the PerReplica leaf at \[0\] is a scalar"):
+            call()
+    stacked = jm.PerReplica(np.stack([float(i) for i in range(n)]))
+    assert float(strategy.reduce("sum", stacked)) == sum(range(n))
+
+
 def test_local_results(strategy, n):
     x = np.arange(n * 2.0).reshape(n, 2)
     parts = strategy.local_results({"a": jm.PerReplica(x), "b": 5})
