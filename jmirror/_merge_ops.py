@@ -8,12 +8,14 @@ holds. Placing is trivial there: each replica already holds its component.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.core
 import jax.numpy as jnp
+import numpy as np
 
 from jmirror._adapter import map_traced, map_traced_leaves
 from jmirror._context import (
@@ -96,8 +98,12 @@ class MergeOps(CrossReplica):
 
     def _all_reduce(self, op: ReduceOp, tree: PyTree, axis: int | None) -> PyTree:
         def one(x: PyTree) -> PyTree:
+            x = jnp.asarray(x)
             if axis is not None:
-                x = REDUCERS[op](jnp.asarray(x), axis=axis)
+                x = REDUCERS[op](x, axis=axis)
+            # In the dtype the host's reduce gives (a sum of int8 in int32, a mean of ints in
+            # float32: numpy's rule), not wrapping in the components' own.
+            x = x.astype(_host_dtype(op, x.dtype))
             return all_reduce_leaf(op, x, self.context.axis_name)
 
         return note_mirrored_in_merge(map_traced(one, tree))
@@ -175,3 +181,10 @@ class MergeOps(CrossReplica):
             is_leaf=lambda x: isinstance(x, PerReplica),
         )
         return fn(tree, *args, **kwargs)
+
+
+@functools.cache
+def _host_dtype(op: ReduceOp, dtype: np.dtype) -> np.dtype:
+    """Returns the dtype `strategy.reduce(op, ...)` on the host gives for components of `dtype`."""
+    stacked = jax.ShapeDtypeStruct((1,), dtype)
+    return jax.eval_shape(lambda v: REDUCERS[op](v, axis=0), stacked).dtype

@@ -192,3 +192,17 @@ def test_optimizer_pattern_equals_one_device(strategy, n, reduced, params):
     assert not any(isinstance(leaf, jm.PerReplica) for leaf in jax.tree.leaves(w))
     for got, want in zip(jax.tree.leaves(strategy.read(w)), jax.tree.leaves(ref)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+def test_reduce_inside_merge_fn_gives_the_hosts_dtype_and_value(strategy, n, op):
+    # int8 components that overflow int8 when summed: the host's reduce sums in int32 (numpy's
+    # rule) and so does the same reduce inside merge_fn, instead of wrapping.
+    x = jm.PerReplica(np.full((n, 2), 100, np.int8))
+    host = strategy.reduce(op, x)
+    step = jm.replicate(
+        lambda a: jm.merge_call(lambda s, v: s.reduce(op, v), args=(a,)), strategy=strategy
+    )
+    inside = step(x)
+    assert inside.dtype == host.dtype
+    np.testing.assert_array_equal(np.asarray(strategy.read(inside)), np.asarray(host))
