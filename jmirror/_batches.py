@@ -26,7 +26,7 @@ from jmirror._shim import put_rows
 from jmirror._source import Resume, Source
 from jmirror._source_state import SourceState
 from jmirror._topology import Topology
-from jmirror._values import PerReplica, PyTree
+from jmirror._values import PerReplica, PyTree, is_distributed
 
 DATASET_CALL = "strategy.distribute_dataset"
 FUNCTION_CALL = "strategy.distribute_datasets_from_function"
@@ -55,12 +55,18 @@ def _is_array_list(x: object) -> bool:
     return isinstance(x, list) and bool(x) and all(_is_array_item(v) for v in x)
 
 
+def _is_batch_leaf(x: object) -> bool:
+    """Returns whether `x` is one leaf of a batch: an array-like list, or a distributed value
+    (refused by `_as_array`: a batch is split by the dataset, not by its source)."""
+    return _is_array_list(x) or is_distributed(x)
+
+
 def _flatten(tree: PyTree) -> tuple[list[Any], Any]:
-    return jax.tree_util.tree_flatten(tree, is_leaf=_is_array_list)
+    return jax.tree_util.tree_flatten(tree, is_leaf=_is_batch_leaf)
 
 
 def _leaf_path(tree: PyTree, leaf_index: int, root: str = "batch") -> str:
-    path = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_array_list)[0][leaf_index][0]
+    path = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_batch_leaf)[0][leaf_index][0]
     return f"{root}{jax.tree_util.keystr(path)}"
 
 
@@ -69,6 +75,14 @@ def _as_array(call: str, where: str, tree: PyTree, leaf: PyTree, leaf_index: int
     fit."""
     if isinstance(leaf, jax.Array):
         return leaf
+    if is_distributed(leaf):
+        raise TypeError(
+            f"{call}: leaf {_leaf_path(tree, leaf_index, root)} of {where} is a jm."
+            f"{type(leaf).__name__}; a source yields global batches, which the dataset splits "
+            "over the replicas itself. Yield the global batch (the PerReplica's values "
+            "reshaped to (num_replicas * rows, ...)), or use distribute_datasets_from_function "
+            "for a pipeline per replica."
+        )
     try:
         array = np.asarray(leaf)
     except ValueError:

@@ -300,6 +300,19 @@ def test_non_numeric_leaf_is_a_type_error_naming_path_and_dtype(s, n, prefetch, 
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_per_replica_inside_a_batch_is_a_type_error_naming_it(s, n, prefetch):
+    # A source yields global batches: a PerReplica there would come back nested in one.
+    batch = {"x": jm.PerReplica(np.zeros((n, 2, 3), np.float32))}
+    with pytest.raises(TypeError, match=r"batch\['x'\] of batch 0 is a jm\.PerReplica"):
+        list(s.distribute_dataset([batch], prefetch=prefetch))
+    pipelines = s.distribute_datasets_from_function(
+        lambda ctx: [jm.PerReplica(np.zeros((1, 2), np.float32))] * n, prefetch=prefetch
+    )
+    with pytest.raises(TypeError, match=r"element of .* is a jm\.PerReplica"):
+        list(pipelines)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
 def test_a_list_of_numbers_is_one_array_like_leaf(s, n, prefetch):
     labels = list(range(2 * n))
     (batch,) = s.distribute_dataset(
