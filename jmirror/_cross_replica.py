@@ -40,6 +40,20 @@ REDUCERS = {
     ReduceOp.MIN: jnp.min,
 }
 
+
+def mean_over_replicas(x: jax.Array, axis: int = 0) -> jax.Array:
+    """Returns the mean of stacked components over their replica axis (0), exactly their value
+    where the components are equal (a `SyncOnRead` MEAN that was assigned a value: a float
+    sum of N equal values rounds)."""
+    mean = jnp.mean(x, axis=axis)
+    if axis != 0 or not jnp.issubdtype(x.dtype, jnp.inexact) or not x.shape or not x.shape[0]:
+        return mean
+    return jnp.where(jnp.all(x == x[0], axis=0), x[0], mean)
+
+
+# The reduction of each op over the replica axis alone (axis 0 of stacked components).
+REPLICA_REDUCERS = {**REDUCERS, ReduceOp.MEAN: mean_over_replicas}
+
 _READ_PER_REPLICA = (
     "strategy.read got a PerReplica{where}: its replicas may hold different values, so there "
     "is no single value to read. Use strategy.reduce(op, value) to combine them, "

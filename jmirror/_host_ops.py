@@ -22,7 +22,7 @@ import numpy as np
 from jmirror import _shard_jaxpr
 from jmirror._adapter import map_traced, map_traced_leaves, static_leaves
 from jmirror._components import replica_component, replica_copy
-from jmirror._cross_replica import REDUCERS, CrossReplica
+from jmirror._cross_replica import REDUCERS, REPLICA_REDUCERS, CrossReplica
 from jmirror._mirrored_state import UPDATE
 from jmirror._placement import split_error
 from jmirror._topology import Topology, declared_leaves
@@ -447,7 +447,7 @@ def pieces_span(topology: Topology) -> int:
 def reducer(op: ReduceOp, axis: int | None) -> Callable[[jax.Array], jax.Array]:
     """Reduces stacked components (leading replica axis), and axis `axis` of each component."""
     axes = 0 if axis is None else (0, axis + 1 if axis >= 0 else axis)
-    reduce = REDUCERS[op]
+    reduce = REPLICA_REDUCERS[op] if axis is None else REDUCERS[op]
     return lambda x: reduce(x, axis=axes)
 
 
@@ -459,7 +459,7 @@ def _reduce_fn(op: ReduceOp, axis: int | None) -> Callable[[jax.Array], jax.Arra
 @functools.cache
 def _reduce_many(ops: tuple[ReduceOp, ...]) -> Callable[[list[jax.Array]], list[jax.Array]]:
     """Reduces a list of stacked components over their replica axis, one op each."""
-    reducers = [REDUCERS[op] for op in ops]
+    reducers = [REPLICA_REDUCERS[op] for op in ops]
     return jax.jit(lambda xs: [r(x, axis=0) for r, x in zip(reducers, xs)])
 
 

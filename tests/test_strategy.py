@@ -306,6 +306,16 @@ def test_a_per_replica_list_of_numbers_is_refused_naming_the_fix(strategy, n):
     assert float(strategy.reduce("sum", stacked)) == sum(range(n))
 
 
+@pytest.mark.parametrize("value", [0.1, 1 / 3, 1e-7, -2.7])
+def test_a_mean_assigned_or_made_reads_back_exactly(strategy, value):
+    value = np.float32(value)
+    made = strategy.sync_on_read(value, "mean")
+    assigned = strategy.assign(strategy.sync_on_read(np.float32(0), "mean"), value)
+    for node in (made, assigned):
+        assert np.asarray(strategy.read(node)) == value
+        assert np.asarray(strategy.reduce("mean", jm.PerReplica(node.value))) == value
+
+
 def test_local_results(strategy, n):
     x = np.arange(n * 2.0).reshape(n, 2)
     parts = strategy.local_results({"a": jm.PerReplica(x), "b": 5})
