@@ -223,6 +223,9 @@ class HostOps(CrossReplica):
         out: list[Any] = []
         pending: list[tuple[int, Any, list[Any], list[bool]]] = []
         work: list[tuple[ReduceOp, Any]] = []
+        for node in nodes:
+            if isinstance(node, SyncOnRead):  # one component per replica (one process)
+                self._check_count(node.value, "read")
         for i, node in enumerate(nodes):
             if isinstance(node, SyncOnRead) and node.aggregation in _REDUCED:
                 leaves, inner = jax.tree_util.tree_flatten(node.value)

@@ -316,6 +316,25 @@ def test_a_mean_assigned_or_made_reads_back_exactly(strategy, value):
         assert np.asarray(strategy.reduce("mean", jm.PerReplica(node.value))) == value
 
 
+def test_reduce_of_a_sync_on_read_reduces_its_components(strategy, n):
+    # As tf.distribute reduces a sync-on-read variable: its per-replica components, by op.
+    components = np.arange(n * 2, dtype=np.float32).reshape(n, 2)
+    node = jm.SyncOnRead(components, "sum")
+    for op, expected in (("sum", components.sum(0)), ("mean", components.mean(0))):
+        np.testing.assert_allclose(np.asarray(strategy.reduce(op, node)), expected, rtol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(strategy.reduce(op, {"m": node})["m"]), expected, rtol=1e-6
+        )
+
+
+def test_read_refuses_a_sync_on_read_that_is_not_one_component_per_replica(strategy, n):
+    held = jm.SyncOnRead({"p": jm.PerReplica(np.zeros((n, 2), np.float32))}, "sum")
+    with pytest.raises(TypeError, match="whose value holds a PerReplica"):
+        strategy.read(held)
+    with pytest.raises(ValueError, match=rf"leading axis of size {n}"):
+        strategy.read(jm.SyncOnRead(np.ones((n + 2,), np.float32), "sum"))
+
+
 def test_local_results(strategy, n):
     x = np.arange(n * 2.0).reshape(n, 2)
     parts = strategy.local_results({"a": jm.PerReplica(x), "b": 5})
