@@ -282,6 +282,13 @@ class Replicated:
                 _dispatch.refuse_deleted(self, prepared)
             except ValueError as deleted:
                 raise deleted from e
+            abstract = _abstract_argument(prepared)
+            if abstract is not None:  # JAX names it by an internal path
+                raise TypeError(
+                    f"{self!r} got a jax.ShapeDtypeStruct at {abstract}: a call runs on values. "
+                    "Pass an array there (jnp.zeros(shape, dtype), or restored state), or lower "
+                    "the step for these shapes without running it: step.lower(...)."
+                ) from e
             # Name pmap leftovers and host batches before JAX's own error about them.
             self._warnings.of_arguments(*self._warning_args(strategy, prepared))
             raise
@@ -345,6 +352,19 @@ class Replicated:
         if self._strategy is not None:
             return self._strategy
         return _context.current_strategy()
+
+
+def _abstract_argument(prepared: Prepared) -> str | None:
+    """Returns the path of the first `jax.ShapeDtypeStruct` among a call's arguments, or None."""
+    leaves = [*prepared.donated, *prepared.others]
+    if not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+        return None
+    args, kwargs = prepared.plan.rebuild(prepared.donated, prepared.others)
+    for prefix, tree in (("args", args), ("kwargs", kwargs)):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if isinstance(leaf, jax.ShapeDtypeStruct):
+                return f"{prefix}{jax.tree_util.keystr(path)}"
+    return None
 
 
 def _function_name(fn: object) -> str:

@@ -321,6 +321,7 @@ class MirroredStrategy:
             True
         """
         explain_deleted("strategy.mirror", {"tree": tree})
+        _refuse_abstract("strategy.mirror", tree)
         return self._cross_replica("mirror(tree)").mirror(tree)
 
     def sync_on_read(self, tree: PyTree, aggregation: Aggregation | str = "sum") -> SyncOnRead:
@@ -645,6 +646,18 @@ class MirroredStrategy:
             start=start,
             stats=self._dispatch.stats,
         )
+
+
+def _refuse_abstract(call: str, tree: PyTree) -> None:
+    """Raises a `TypeError` naming the first `jax.ShapeDtypeStruct` in `tree` (no value to
+    place)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise TypeError(
+                f"{call} got a jax.ShapeDtypeStruct at {jax.tree_util.keystr(path) or '<root>'}: "
+                "there is no value to place. Pass arrays (jnp.zeros(shape, dtype), or state "
+                "restored with jmirror.checkpoint, which takes abstract targets)."
+            )
 
 
 def _check_axis_name(axis_name: object, argument: str = "axis_name", other: object = None) -> None:

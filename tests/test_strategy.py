@@ -335,6 +335,16 @@ def test_read_refuses_a_sync_on_read_that_is_not_one_component_per_replica(strat
         strategy.read(jm.SyncOnRead(np.ones((n + 2,), np.float32), "sum"))
 
 
+def test_abstract_shapes_are_refused_where_values_are_needed(strategy):
+    abstract = {"w": jax.ShapeDtypeStruct((3,), np.float32)}
+    with pytest.raises(TypeError, match=r"strategy\.mirror got a jax\.ShapeDtypeStruct at \['w'\]"):
+        strategy.mirror(abstract)
+    step = jm.replicate(lambda p: p["w"] * 2, strategy=strategy)
+    with pytest.raises(TypeError, match=r"ShapeDtypeStruct at args\[0\]\['w'\]: a call runs"):
+        step(abstract)
+    assert step.lower(abstract) is not None  # lowering for shapes stays open
+
+
 def test_local_results(strategy, n):
     x = np.arange(n * 2.0).reshape(n, 2)
     parts = strategy.local_results({"a": jm.PerReplica(x), "b": 5})
