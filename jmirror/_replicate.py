@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import re
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -282,6 +283,8 @@ class Replicated:
                 _dispatch.refuse_deleted(self, prepared)
             except ValueError as deleted:
                 raise deleted from e
+            if isinstance(e, jax.errors.ConcretizationTypeError):
+                _name_flat_argument(e, self, prepared)
             abstract = _abstract_argument(prepared)
             if abstract is not None:  # JAX names it by an internal path
                 raise TypeError(
@@ -352,6 +355,27 @@ class Replicated:
         if self._strategy is not None:
             return self._strategy
         return _context.current_strategy()
+
+
+def _name_flat_argument(error: Exception, call: object, prepared: Prepared) -> None:
+    """Adds to JAX's error about a traced value used as a Python one (`if x:`, `int(x)`) which
+    argument its `flat[i]` is, and the fix."""
+    found = re.search(r"flat\[(\d+)\]", str(error))
+    leaves = [*prepared.donated, *prepared.others]
+    if found is None or int(found.group(1)) >= len(leaves):
+        return
+    leaf = leaves[int(found.group(1))]
+    args, kwargs = prepared.plan.rebuild(prepared.donated, prepared.others)
+    for prefix, tree in (("args", args), ("kwargs", kwargs)):
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if x is leaf:
+                error.add_note(
+                    f"jmirror: {found.group(0)} is {prefix}{jax.tree_util.keystr(path)} of "
+                    f"{call!r}. A value the function uses in Python (an if, int(), range()) "
+                    "must be static: jm.replicate(fn, static_argnums=...) or "
+                    "static_argnames=...; or keep it traced with jax.lax.cond / jnp.where."
+                )
+                return
 
 
 def _abstract_argument(prepared: Prepared) -> str | None:

@@ -314,3 +314,19 @@ def test_batch_of_another_strategys_distribute_dataset_names_it(backend, n):
     assert flipped.gather(ids).tolist() == list(range(n))
     total = jm.replicate(lambda x: jm.all_reduce("sum", x.sum()), strategy=flipped)(batch)
     assert float(flipped.read(total)) == 2.0 * n
+
+
+def test_a_traced_argument_used_in_python_names_the_argument_and_static_argnums(strategy, n):
+    # JAX names it "flat[1]" of a function inside jmirror: the note says which argument.
+    step = jm.replicate(lambda a, training: a * (2 if training else 1), strategy=strategy)
+    with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+        step(jm.PerReplica(np.ones((n, 2), np.float32)), True)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "is args[1] of" in notes and "static_argnums" in notes, notes
+    fixed = jm.replicate(
+        lambda a, training: a * (2 if training else 1), static_argnums=(1,), strategy=strategy
+    )
+    np.testing.assert_allclose(
+        np.asarray(strategy.gather(fixed(jm.PerReplica(np.ones((n, 2), np.float32)), True))),
+        np.full((n * 2,), 2.0),
+    )
