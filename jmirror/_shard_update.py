@@ -163,9 +163,33 @@ def shard_update(
         # `updates`: this replica's own gradients (optax's name for the argument).
         if not _context.in_replica_context():
             raise RuntimeError(_OUTSIDE.format(name=name))
+        if params is not None:
+            _check_like_params(name, updates, params)
         return _update(inner, updates, state, params, _pieces(name), bucket_bytes, wire)
 
     return optax.GradientTransformation(init, update)
+
+
+def _check_like_params(name: str, updates: PyTree, params: PyTree) -> None:
+    """Raises a `ValueError` naming the path when the gradients are not shaped as the
+    parameters (optax's contract; the pieces are cut by the parameters' shapes)."""
+    found, wanted = jax.tree.structure(updates), jax.tree.structure(params)
+    if found != wanted:
+        raise ValueError(
+            f"jm.shard_update({name}).update got gradients of structure {found}, but the "
+            f"parameters have structure {wanted}. Pass gradients of the parameters "
+            "(jax.grad(loss)(params)), as tx.update(grads, opt_state, params)."
+        )
+    for (path, g), p in zip(
+        jax.tree_util.tree_flatten_with_path(updates)[0], jax.tree.leaves(params)
+    ):
+        if np.shape(g) != np.shape(p):
+            raise ValueError(
+                f"jm.shard_update({name}).update got a gradient of shape {tuple(np.shape(g))} "
+                f"at {jax.tree_util.keystr(path) or '<root>'}, where the parameter has shape "
+                f"{tuple(np.shape(p))}. Pass gradients of the parameters "
+                "(jax.grad(loss)(params)), each of its parameter's shape."
+            )
 
 
 def _name(inner: optax.GradientTransformation) -> str:

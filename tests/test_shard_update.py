@@ -615,3 +615,18 @@ def test_pieces_in_device_blocks_follow_the_layout_of_a_split_dimension():
     left, right = x[:, :3].ravel(), x[:, 3:].ravel()
     np.testing.assert_array_equal(pieces[0], np.concatenate([left[:6], right[:6]]))
     np.testing.assert_array_equal(pieces[1], np.concatenate([left[6:], right[6:]]))
+
+
+def test_gradients_not_shaped_as_the_parameters_are_named(strategy):
+    tx = jm.shard_update(optax.adam(1e-2))
+    params = strategy.mirror({"w": np.ones((9,), np.float32), "b": np.zeros((2,), np.float32)})
+    state = tx.init(params)
+
+    def update(grads):
+        return jm.replicate(lambda p, s: tx.update(grads, s, p)[0], strategy=strategy)
+
+    wrong_shape = {"w": jnp.ones((4,)), "b": jnp.ones((2,))}
+    with pytest.raises(ValueError, match=r"gradient of shape \(4,\) at \['w'\].*shape \(9,\)"):
+        update(wrong_shape)(params, state)
+    with pytest.raises(ValueError, match="gradients of structure"):
+        update({"w": jnp.ones((9,))})(params, state)
