@@ -309,28 +309,6 @@ def _check_components_axis(
             )
 
 
-def check_stacked(call: str, value: PyTree, n: int) -> None:
-    """Raises a `ValueError` when a leaf of a `PerReplica` in `value` has no leading axis (a
-    Python number, a 0-d array): tf.distribute's one-value-per-replica list is not one."""
-    nodes = jax.tree_util.tree_flatten_with_path(value, is_leaf=is_distributed)[0]
-    for node_path, node in nodes:
-        if not isinstance(node, PerReplica):
-            continue
-        static = static_leaves(node.values)
-        leaves = jax.tree_util.tree_flatten_with_path(node.values)[0]
-        for (path, leaf), is_static in zip(leaves, static):
-            if is_static or np.ndim(leaf):
-                continue
-            where = jax.tree_util.keystr(node_path) + jax.tree_util.keystr(path)
-            raise ValueError(
-                f"{call}: the PerReplica leaf at {where or '<root>'} is a scalar "
-                f"({type(leaf).__name__}); a PerReplica leaf holds one slice per replica along a "
-                f"leading axis of size {n}. For one value per replica (tf.distribute's list of "
-                "values), stack them: jm.PerReplica(np.stack(values)) or "
-                "strategy.distribute_values_from_function(lambda ctx: values[ctx.replica_id])."
-            )
-
-
 def _check_assigned(where: str, held: PyTree, dtype: Any, new: PyTree) -> None:
     """Raises when `new` cannot be a `SyncOnRead` leaf's value exactly: another shape than a
     replica's component, or a dtype that casting to the leaf's would change (a float into an

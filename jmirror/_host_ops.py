@@ -223,10 +223,9 @@ class HostOps(CrossReplica):
         out: list[Any] = []
         pending: list[tuple[int, Any, list[Any], list[bool]]] = []
         work: list[tuple[ReduceOp, Any]] = []
-        for node in nodes:
+        for i, node in enumerate(nodes):
             if isinstance(node, SyncOnRead):  # one component per replica (one process)
                 self._check_count(node.value, "read")
-        for i, node in enumerate(nodes):
             if isinstance(node, SyncOnRead) and node.aggregation in _REDUCED:
                 leaves, inner = jax.tree_util.tree_flatten(node.value)
                 static = static_leaves(node.value)  # an equinox module's functions: kept
@@ -310,10 +309,12 @@ class HostOps(CrossReplica):
         n = self.num_replicas
         if self.topology.process_count > 1:
             return  # there a PerReplica holds this process's components: checked on entry
+        if all(getattr(x, "shape", ())[:1] == (n,) for x in jax.tree.leaves(stacked)):
+            return  # the common case: no paths worked out
         flat = jax.tree_util.tree_flatten_with_path(stacked)[0]
         for (path, leaf), static in zip(flat, static_leaves(stacked)):
-            shape = getattr(leaf, "shape", None)
-            if static or shape is None or shape[:1] == (n,):
+            # A Python number has no replica axis either (tf.distribute's list of values).
+            if static or np.shape(leaf)[:1] == (n,):
                 continue
             where = jax.tree_util.keystr(path) or "<root>"
             raise split_error(f"strategy.{call}", self.topology, where, leaf)

@@ -312,6 +312,13 @@ def split_error(name: str, topology: Topology, path: str | None, leaf: PyTree) -
             "strategy that placed it: after creating the strategy again (as re-running a "
             "notebook cell does), call the new strategy's distribute_dataset again."
         )
+    if not shape:  # tf.distribute's one value per replica, as a list of scalars
+        return ValueError(
+            f"{found}; a PerReplica / SyncOnRead leaf holds one slice per replica along a "
+            f"leading axis of size {n}. For one value per replica, stack them: "
+            "jm.PerReplica(np.stack(values)), or "
+            "strategy.distribute_values_from_function(lambda ctx: values[ctx.replica_id])."
+        )
     return ValueError(
         f"{found}; a PerReplica / SyncOnRead leaf needs a leading axis of size {n} (the number "
         "of replicas), one slice per replica. Reshape the global batch to (num_replicas, "

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from jmirror import _context, _nnx, _nnx_metrics
 from jmirror._adapter import map_traced_leaves
 from jmirror._backends import BACKENDS, choose
-from jmirror._cross_replica import CrossReplica, check_gather_axis, check_stacked
+from jmirror._cross_replica import CrossReplica, check_gather_axis
 from jmirror._devices import Device, DeviceSpec, resolve_devices
 from jmirror._dispatch import Dispatch, explain_deleted
 from jmirror._host_ops import HostOps
@@ -439,7 +439,6 @@ class MirroredStrategy:
         """
         ops = self._cross_replica("local_results(value)")
         explain_deleted("strategy.local_results", {"value": value})
-        check_stacked("strategy.local_results", value, self.num_replicas)
         return ops.local_results(value)
 
     def reduce(self, op: ReduceOp | str, value: PyTree, axis: int | None = None) -> PyTree:
@@ -469,7 +468,6 @@ class MirroredStrategy:
         op = ReduceOp(op)
         ops = self._cross_replica("reduce(op, value)")
         explain_deleted("strategy.reduce", {"value": value})
-        check_stacked(f"strategy.reduce({op.value!r}, value)", value, self.num_replicas)
         return ops.reduce(op, value, axis)
 
     def gather(self, value: PyTree, axis: int = 0) -> PyTree:
@@ -488,7 +486,6 @@ class MirroredStrategy:
         """
         ops = self._cross_replica("gather(value)")
         explain_deleted("strategy.gather", {"value": value})
-        check_stacked("strategy.gather", value, self.num_replicas)
         return ops.gather(value, check_gather_axis(value, axis))
 
     def update(
@@ -651,6 +648,8 @@ class MirroredStrategy:
 def _refuse_abstract(call: str, tree: PyTree) -> None:
     """Raises a `TypeError` naming the first `jax.ShapeDtypeStruct` in `tree` (no value to
     place)."""
+    if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree)):
+        return  # the common case: no paths worked out
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if isinstance(leaf, jax.ShapeDtypeStruct):
             raise TypeError(
