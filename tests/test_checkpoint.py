@@ -22,9 +22,6 @@ from flax.training import train_state
 import jmirror as jm
 from jmirror.checkpoint import _integrity
 
-ONCE = os.environ.get("JMIRROR_TEST_DEVICES", "8") == "8"
-ONCE_REASON = "starts processes: runs in the suite's 8-device pass only"
-
 
 def is_mirrored(x, strategy):
     return (
@@ -462,7 +459,7 @@ def test_a_second_manager_on_an_open_directory_is_a_value_error_naming_it(tmp_pa
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["1"]  # no lock file left
 
 
-@pytest.mark.skipif(not ONCE, reason=ONCE_REASON)
+@pytest.mark.once
 def test_a_manager_open_in_another_process_is_a_value_error_naming_its_pid(tmp_path):
     code = """
         import sys, jmirror as jm
@@ -616,7 +613,7 @@ CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(not ONCE, reason=ONCE_REASON)
+@pytest.mark.once
 @pytest.mark.parametrize(
     "trigger, delay",
     # A save there takes about 0.1 s: the kills land in the copy, the write, the rename and the

@@ -30,8 +30,6 @@ from flax import nnx
 import jmirror as jm
 from jmirror.checkpoint import _integrity
 
-ONCE = os.environ.get("JMIRROR_TEST_DEVICES", "8") == "8"
-ONCE_REASON = "starts processes: runs in the suite's 8-device pass only"
 CHILD_TIMEOUT_S = 120
 
 
@@ -70,7 +68,7 @@ if how == "dropped":
 """
 
 
-@pytest.mark.skipif(not ONCE, reason=ONCE_REASON)
+@pytest.mark.once
 @pytest.mark.parametrize("how", ["end", "sys.exit", "exception", "dropped"])
 def test_a_pending_async_save_completes_at_every_interpreter_exit(tmp_path, how):
     # One run per exit path here (it ran 3 times per path, 16 in the hunt, while built).
@@ -108,7 +106,7 @@ print("saved", flush=True)
 """
 
 
-@pytest.mark.skipif(not ONCE, reason=ONCE_REASON)
+@pytest.mark.once
 def test_a_save_that_fails_at_exit_is_printed_and_the_exit_status_is_1(tmp_path):
     child = run_child(FAILING_EXIT_CHILD, tmp_path)
     assert child.returncode == 1, (child.stdout, child.stderr)
@@ -187,7 +185,7 @@ absl_logging.error("the program's own error")  # still shown
 """
 
 
-@pytest.mark.skipif(not ONCE, reason=ONCE_REASON)
+@pytest.mark.once
 @pytest.mark.parametrize("how", ["sync", "async"])
 def test_a_full_disk_is_an_oserror_naming_the_directory_and_leaves_no_partial_step(tmp_path, how):
     mount_point, wrap = _namespace_mount(tmp_path, "size=1m")
@@ -233,7 +231,7 @@ def test_only_orbax_errors_about_jmirror_s_own_writes_are_dropped_while_it_write
     assert not logging.getLogger("absl").filters
 
 
-@pytest.mark.skipif(not ONCE, reason=ONCE_REASON)
+@pytest.mark.once
 def test_a_read_only_directory_is_an_oserror_raised_by_the_call(tmp_path):
     mount_point, wrap = _namespace_mount(tmp_path, "ro,size=1m")
     child = run_child(DISK_CHILD, mount_point, "readonly", wrap=wrap)
@@ -272,7 +270,7 @@ except OSError as error:
 """
 
 
-@pytest.mark.skipif(not ONCE, reason=ONCE_REASON)
+@pytest.mark.once
 def test_a_caught_failed_save_never_keeps_the_process_from_exiting(tmp_path):
     # orbax's threads of the failed save may wait for signals that never come.
     mount_point, wrap = _namespace_mount(tmp_path, "size=512k")
@@ -864,6 +862,7 @@ def test_an_nnx_run_resumed_from_its_checkpoint_ends_bitwise_equal(strategy, tmp
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.once
 def test_the_suite_ignores_only_tensorstore_s_closed_loop_unraisable(tmp_path):
     # After a restore of a damaged file fails, tensorstore may finish a pending read on orbax's
     # closed event loop; pyproject.toml ignores that unraisable exception, and only that one.

@@ -34,6 +34,7 @@ def _run_demo(*flags: str) -> list[str]:
     return result.stdout.strip().splitlines()
 
 
+@pytest.mark.once
 def test_demo_default_config_reaches_95_percent():
     lines = _run_demo()
     assert "8 replicas (pmap)" in lines[0]
@@ -49,6 +50,7 @@ def test_demo_default_config_reaches_95_percent():
     assert abs(accuracy - one_device) < 0.005
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("backend", ["shard_map"])
 def test_demo_flags_and_output_to_a_file(backend, tmp_path):
     log = tmp_path / "demo.log"
@@ -85,6 +87,7 @@ def _screen(raw: str) -> list[str]:
     return lines
 
 
+@pytest.mark.once
 @pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
 def test_demo_on_a_terminal_draws_a_bar_then_the_same_lines():
     import pty
@@ -112,6 +115,7 @@ def test_demo_on_a_terminal_draws_a_bar_then_the_same_lines():
     assert LAST_LINE.fullmatch(lines[-1]), lines[-1]
 
 
+@pytest.mark.once
 def test_demo_rejects_batch_size_not_divisible_by_devices():
     result = subprocess.run(
         [sys.executable, "-m", "jmirror.demo", "--devices", "3", "--batch-size", "64"],
@@ -126,10 +130,6 @@ def test_demo_rejects_batch_size_not_divisible_by_devices():
 
 LAUNCH = [sys.executable, "-m", "jmirror.launch", "--processes", "2", "--devices-per-process"]
 LAUNCH += ["4", "-m", "jmirror.demo"]
-under_the_launcher = pytest.mark.skipif(
-    os.environ.get("JMIRROR_TEST_DEVICES", "8") != "8",
-    reason="starts processes: runs once, in the 8-device pass",
-)
 
 
 def _launch_demo(*flags: str) -> subprocess.CompletedProcess:
@@ -157,7 +157,7 @@ def _process_lines(output: str, index: int) -> list[str]:
 _GLOO_PIECE = re.compile(r"[\d\s:.]*")
 
 
-@under_the_launcher
+@pytest.mark.once
 def test_demo_under_the_launcher_matches_one_process_and_resumes(tmp_path):
     flags = ["--epochs", "2", "--checkpoint-dir", str(tmp_path)]
     first = _launch_demo(*flags)
@@ -179,7 +179,7 @@ def test_demo_under_the_launcher_matches_one_process_and_resumes(tmp_path):
     assert lines[-1] == one_process[-1]  # same test accuracy, same one-device figure
 
 
-@under_the_launcher
+@pytest.mark.once
 def test_demo_under_the_launcher_refuses_devices():
     result = _launch_demo("--devices", "8")
     assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]

@@ -185,6 +185,7 @@ except ValueError as e:
 """
 
 
+@pytest.mark.once
 def test_a_deleted_argument_never_ends_the_process():
     # jaxlib ends the process (SIGSEGV) on a deleted buffer given to a compiled program that
     # runs on several devices: in a process of its own, so that the suite survives if it does.
@@ -378,6 +379,7 @@ def test_integer_like_counts_and_device_specs_are_accepted(n):
         jmt.EmulatedStrategy(2, device="cpu:99")
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("count", ["0", "-3"])
 def test_pytest_plugin_device_count_is_a_usage_error(tmp_path, count):
     (tmp_path / "test_x.py").write_text("def test_x():\n    pass\n")

@@ -205,6 +205,7 @@ print("exiting at", time.time(), flush=True)
 """
 
 
+@pytest.mark.once
 @pytest.mark.parametrize("end", ["pass", "del it", "it.close()", "data.close()"])
 def test_interpreter_exit_does_not_wait_for_a_blocked_source(n, end):
     script = _EXIT_SCRIPT.format(n=n, prefetch=2, end=end)

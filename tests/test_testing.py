@@ -27,6 +27,7 @@ def run_python(code: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.once
 def test_set_host_device_count_before_and_after_jax_starts():
     result = run_python(
         """
@@ -52,6 +53,7 @@ def test_set_host_device_count_rejects_bad_counts():
         jmt.set_host_device_count(2.0)
 
 
+@pytest.mark.once
 def test_pytest_plugin_runs_a_suite_on_n_fake_devices(tmp_path):
     (tmp_path / "test_user.py").write_text(
         textwrap.dedent(

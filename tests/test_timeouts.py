@@ -6,7 +6,6 @@ processes, so they run once, in the 8-device pass. The argument checks run in bo
 """
 
 import math
-import os
 import re
 import sys
 import textwrap
@@ -23,10 +22,6 @@ from jmirror import _deadline
 sys.path.insert(0, str(Path(__file__).parent / "multiprocess"))
 import harness  # noqa: E402
 
-ONCE = pytest.mark.skipif(
-    os.environ.get("JMIRROR_TEST_DEVICES", "8") != "8",
-    reason="starts processes: runs once, in the 8-device pass",
-)
 TIMEOUT_S = 20
 STARTUP_S = 60  # two JAX processes starting on two busy cores
 SLACK_S = 30  # the watchdog's poll, naming the processes, the launcher stopping the others
@@ -173,7 +168,7 @@ def _python(tmp_path, code, name):
     return harness.Background([str(script)], tmp_path, name)
 
 
-@ONCE
+@pytest.mark.once
 def test_a_blocking_wait_past_its_bound_ends_the_process_naming_the_call(tmp_path):
     run = _python(
         tmp_path,
@@ -191,7 +186,7 @@ def test_a_blocking_wait_past_its_bound_ends_the_process_naming_the_call(tmp_pat
     assert "coordination service is not running" in run.err.read_text()
 
 
-@ONCE
+@pytest.mark.once
 def test_a_watched_call_past_its_bound_ends_the_process(tmp_path):
     run = _python(
         tmp_path,
@@ -209,7 +204,7 @@ def test_a_watched_call_past_its_bound_ends_the_process(tmp_path):
     assert "threads ['jmirror-deadline-waiter', 'jmirror-deadline-watchdog']" in run.output()
 
 
-@ONCE
+@pytest.mark.once
 def test_tracing_and_compiling_a_new_program_is_not_counted(tmp_path):
     # As jm.replicate's first call of a signature: its trace and compilation (seconds, for
     # this unrolled program) run inside the bound on its dispatch, which is 0.5 s.
@@ -232,7 +227,7 @@ def test_tracing_and_compiling_a_new_program_is_not_counted(tmp_path):
     assert "compiled and ran in" in run.output()
 
 
-@ONCE
+@pytest.mark.once
 def test_calls_queued_behind_others_count_from_when_they_are_waited_on(tmp_path):
     # 30 calls of d seconds each, dispatched at once, each needing the one before: 30 d from
     # dispatch to the last result, but each is waited on for about d only, within 10 d. The
@@ -258,7 +253,7 @@ def test_calls_queued_behind_others_count_from_when_they_are_waited_on(tmp_path)
     assert "s, threads 2" in run.output()
 
 
-@ONCE
+@pytest.mark.once
 def test_at_exit_the_waiter_ends_after_the_call_it_waits_for(tmp_path):
     # A program that ends with its last step still running: the waiter was left inside
     # block_until_ready when the interpreter finalized, and taking the GIL back there aborted
@@ -293,7 +288,7 @@ def _absent(text, call_pattern, process):
     return re.search(pattern, text)
 
 
-@ONCE
+@pytest.mark.once
 @pytest.mark.parametrize("mode", ["stuck", "stuck-input"])
 def test_a_stuck_peer_ends_the_run_within_the_timeout_naming_the_call_and_it(tmp_path, mode):
     # "stuck-input": process 0 waits in the input agreement of distribute_dataset, whose small
@@ -317,7 +312,7 @@ def test_a_stuck_peer_ends_the_run_within_the_timeout_naming_the_call_and_it(tmp
     assert "jmirror.launch: process 0 exited with code 1" in out
 
 
-@ONCE
+@pytest.mark.once
 @pytest.mark.parametrize("mode", ["skip-save", "skip-manager-save"])
 def test_a_save_that_one_process_skips_ends_the_run_naming_the_wait_and_it(tmp_path, mode):
     out = _timed_out(tmp_path, mode, r"process 0 saves", tmp_path / "checkpoint")
@@ -339,7 +334,7 @@ def test_a_save_that_one_process_skips_ends_the_run_naming_the_wait_and_it(tmp_p
     assert on_0 or on_1, out
 
 
-@ONCE
+@pytest.mark.once
 def test_a_process_that_never_calls_initialize_ends_the_run_naming_it(tmp_path):
     out = _timed_out(tmp_path, "no-init", r"process 1 never calls initialize")
     assert (
@@ -349,7 +344,7 @@ def test_a_process_that_never_calls_initialize_ends_the_run_naming_it(tmp_path):
     assert "[0] jmirror: processes that did not arrive: process 1 did not call " in out
 
 
-@ONCE
+@pytest.mark.once
 @pytest.mark.parametrize("timeout", [300, "none"])
 def test_a_peer_that_never_reaches_the_first_collective_is_named(tmp_path, timeout):
     # gloo gives up after 30 s with DEADLINE_EXCEEDED naming a key (its device ids and the
@@ -371,7 +366,7 @@ def test_a_peer_that_never_reaches_the_first_collective_is_named(tmp_path, timeo
     assert "[0] jmirror:   process 1: " in out
 
 
-@ONCE
+@pytest.mark.once
 def test_without_a_timeout_a_slow_peer_is_waited_for_and_no_thread_started(tmp_path):
     run = _launch(tmp_path, "slow", "none")
     try:
