@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jmirror import _shim
 from jmirror._proof import mark
 from jmirror._values import (
     Aggregation,
@@ -452,11 +453,22 @@ def all_reduce_leaf(
     op: ReduceOp, x: PyTree, axis_name: str, dtype: np.dtype | None = None
 ) -> PyTree:
     """Returns `psum` / `pmean` / `pmax` / `pmin` of one array over `axis_name`; a floating leaf of
-    another dtype than `dtype` (when given) is reduced in `dtype` and cast back."""
+    another dtype than `dtype` (when given) is reduced in `dtype` and cast back. A weakly typed
+    leaf gives a weakly typed result of its dtype, as elementwise operations do (JAX's
+    collectives alone drop the weak type: a weak parameter would come back strong from the first
+    step and the step compile again)."""
+    out = _reduce_leaf(op, x, axis_name, dtype)
+    given = jax.typeof(x)
+    if given.weak_type and jnp.result_type(out) == given.dtype:
+        return _shim.weakly_typed(out)
+    return out
+
+
+def _reduce_leaf(op: ReduceOp, x: PyTree, axis_name: str, dtype: np.dtype | None) -> PyTree:
     if dtype is not None:
         x = jnp.asarray(x)
         if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
-            return all_reduce_leaf(op, x.astype(dtype), axis_name).astype(x.dtype)
+            return _reduce_leaf(op, x.astype(dtype), axis_name, None).astype(x.dtype)
     if op is ReduceOp.SUM:
         return lax.psum(x, axis_name)
     if op is ReduceOp.MAX:

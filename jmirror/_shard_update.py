@@ -33,7 +33,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jmirror import _context, _shard_jaxpr
+from jmirror import _context, _shard_jaxpr, _shim
 from jmirror._shard_jaxpr import Layout, Piece, Pieces, run
 from jmirror._topology import Topology
 from jmirror._values import PyTree, Sharded
@@ -338,9 +338,22 @@ def _update(
     outs = run(closed, grads_in + state_in + param_leaves, pieces)
     updates_def, new_state_def = out_def[0].children()
     n_updates = updates_def.num_leaves
-    updates = updates_def.unflatten(_gather(outs[:n_updates], pieces, bucket_bytes))
+    outs[:n_updates] = _gather(outs[:n_updates], pieces, bucket_bytes)
+    outs = _weak_as_traced(outs, closed.out_avals)
+    updates = updates_def.unflatten(outs[:n_updates])
     new_state = _new_state(outs[n_updates:], new_state_def, state_nodes, state_def, pieces)
     return updates, new_state
+
+
+def _weak_as_traced(values: list[Any], avals: Sequence[Any]) -> list[Any]:
+    """Returns `values` with each whole array weakly typed where `inner.update`, traced on the
+    whole gradients, gives a weakly typed leaf (the collectives drop weak types, `_shim`)."""
+    return [
+        _shim.weakly_typed(x)
+        if isinstance(x, jax.Array) and aval.weak_type and x.dtype == aval.dtype
+        else x
+        for x, aval in zip(values, avals)
+    ]
 
 
 def _check_state(state: PyTree, pieces: Pieces) -> None:

@@ -5,6 +5,7 @@
    `distributed_configuration`: the coordinator, count and index it was started with.
 3. `write_cache_from_every_process`: JAX's persistent compilation cache written by every
    process of a run on XLA:CPU, not by process 0 alone.
+4. `weakly_typed`: a traced value made weakly typed again after a collective.
 
 **put_rows.**
 
@@ -41,6 +42,16 @@ that on XLA:CPU every process writes its own entries, with JAX's own threshold a
 handling; process 0, other backends (whose processes share keys) and programs with host
 callbacks keep JAX's behaviour. Where the internal is missing or its signature changed, it
 does nothing and returns False: the other processes compile again, as without it.
+
+**weakly_typed.** JAX's collectives (`psum`, `pmean`, `pmax`, `pmin`) return strongly typed
+values for weakly typed operands, where every other elementwise operation keeps the weak type.
+A weakly typed parameter (`eqx.nn.PReLU(0.2)`'s slope, any leaf made from a Python float) whose
+gradient is averaged across replicas would come back strongly typed from the first step:
+the step compiles a second time for the new input type, and the parameter then promotes
+differently from one device's (a strong float32 times bfloat16 gives float32, a weak one
+bfloat16). JAX's `convert_element_type` with `weak_type=True` is internal (the public
+`jax.lax.convert_element_type` always gives a strong type); with the dtype unchanged it lowers
+to an identity convert, which XLA removes. Where it is missing, values stay strongly typed.
 """
 
 from __future__ import annotations
@@ -213,3 +224,26 @@ def write_cache_from_every_process() -> bool:
     write_from_every_process._jmirror_every_process = True  # type: ignore[attr-defined]
     compiler._cache_write = write_from_every_process
     return True
+
+
+def _internal_convert() -> Any:
+    try:
+        from jax._src.lax.lax import _convert_element_type  # the internal, here only
+    except ImportError:
+        return None
+    try:
+        parameters = inspect.signature(_convert_element_type).parameters
+    except (TypeError, ValueError):
+        return None
+    return _convert_element_type if "weak_type" in parameters else None
+
+
+_convert_element_type = _internal_convert()
+
+
+def weakly_typed(x: jax.Array) -> jax.Array:
+    """Returns `x` (a traced or concrete array) weakly typed, with its dtype; `x` itself where
+    JAX's internal is missing."""
+    if _convert_element_type is None:
+        return x
+    return _convert_element_type(x, x.dtype, weak_type=True)

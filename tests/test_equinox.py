@@ -609,6 +609,72 @@ def test_shard_update_on_a_module(strategy, n):
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
 
 
+class _PReLUNet(eqx.Module):
+    linear: eqx.nn.Linear
+    act: eqx.nn.PReLU  # its slope, made from a Python float, is weakly typed
+
+    def __init__(self, key):
+        self.linear = eqx.nn.Linear(4, 2, key=key)
+        self.act = eqx.nn.PReLU(0.2)
+
+    def __call__(self, x):
+        return self.act(self.linear(x))
+
+
+@pytest.mark.parametrize("update", ["all_reduce", "shard_update"])
+def test_a_weakly_typed_parameter_stays_weak_and_the_step_compiles_once(strategy, n, update):
+    # eqx.filter_jit keeps the slope weakly typed step after step; JAX's collectives alone
+    # return strong types, which would compile the step again and change how the slope
+    # promotes against other dtypes.
+    model = _PReLUNet(jax.random.key(3))
+    assert model.act.negative_slope.aval.weak_type
+    tx = optax.sgd(0.1, momentum=0.9)  # (adam's update is strongly typed on one device too)
+    xs, ys = _data(n, 3)
+    want_model, want_losses = _one_device(
+        model, tx.init(eqx.filter(model, eqx.is_array)), tx, xs, ys
+    )
+    assert want_model.act.negative_slope.aval.weak_type
+    if update == "all_reduce":
+        step = jm.replicate(_usual_step(tx), strategy=strategy)
+        opt_state = strategy.mirror(tx.init(eqx.filter(model, eqx.is_array)))
+    else:
+        sharded = jm.shard_update(tx)
+
+        def sharded_step(model, opt_state, x, y):
+            loss, grads = eqx.filter_value_and_grad(_loss)(model, x, y)
+            updates, opt_state = sharded.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+            return eqx.apply_updates(model, updates), opt_state, jm.all_reduce("mean", loss)
+
+        step = jm.replicate(sharded_step, strategy=strategy)
+        params = eqx.filter(strategy.mirror(model), eqx.is_array)
+        opt_state = strategy.run(sharded.init, args=(params,))
+    got, losses = strategy.mirror(model), []
+    for x, y in zip(xs, ys):
+        got, opt_state, loss = step(got, opt_state, _split(n, x), _split(n, y))
+        losses.append(float(strategy.read(loss)))
+    assert step.num_compilations == 1
+    assert got.act.negative_slope.aval.weak_type
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for a, b in zip(_arrays(strategy.read(got)), _arrays(want_model)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_all_reduce_keeps_weak_types_of_every_op_and_dtype(strategy):
+    def reduce(x):
+        return {op: jm.all_reduce(op, x) for op in ("sum", "mean", "max", "min")}
+
+    out = jm.replicate(reduce, strategy=strategy)(0.5)  # a Python float: weakly typed
+    for op, value in out.items():
+        assert value.aval.weak_type, op
+    strong = jm.replicate(reduce, strategy=strategy)(jnp.float32(0.5))
+    for op, value in strong.items():
+        assert not value.aval.weak_type, op
+    # Reduced in another dtype, the result is the leaf's own dtype, weak as it was.
+    cast = jm.replicate(lambda x: jm.all_reduce("mean", x, dtype=jnp.bfloat16), strategy=strategy)
+    value = cast(jnp.asarray(0.5))
+    assert value.dtype == jnp.float32 and value.aval.weak_type
+
+
 def test_arrays_from_another_mesh_are_placed_as_the_same_value(strategy, n):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P

@@ -199,3 +199,25 @@ def test_a_changed_cache_write_is_left_alone(monkeypatch):
     monkeypatch.setattr(compiler, "_cache_write", _cache_write)
     assert not _shim.write_cache_from_every_process()
     assert compiler._cache_write is _cache_write
+
+
+# --- weakly_typed ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32])
+def test_weakly_typed_keeps_dtype_and_values_traced_or_not(dtype):
+    x = jnp.arange(3).astype(dtype)
+    assert not x.aval.weak_type
+    for out in (_shim.weakly_typed(x), jax.jit(_shim.weakly_typed)(x)):
+        assert out.aval.weak_type and out.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
+    # Weakly typed, it promotes as a Python scalar would: to the other operand's dtype.
+    assert (_shim.weakly_typed(jnp.float32(2.0)) * jnp.ones(2, jnp.bfloat16)).dtype == jnp.bfloat16
+    # An identity convert in the lowered program, which XLA removes: none in the compiled one.
+    assert "convert" not in jax.jit(_shim.weakly_typed).lower(x).compile().as_text()
+
+
+def test_without_the_internal_weakly_typed_returns_its_argument(monkeypatch):
+    monkeypatch.setattr(_shim, "_convert_element_type", None)
+    x = jnp.ones(3)
+    assert _shim.weakly_typed(x) is x
