@@ -138,19 +138,25 @@ class CrossReplica(abc.ABC):
                 raise TypeError(_READ_PER_REPLICA.format(where=where))
             if isinstance(node, SyncOnRead) and node.aggregation is Aggregation.NONE:
                 raise ValueError(_READ_NONE)
+        self.refuse_nested("strategy.read", tree)
+        return nodes, treedef
+
+    def refuse_nested(self, call: str, tree: PyTree) -> None:
+        """Raises a `TypeError` naming the path of a `SyncOnRead` whose value holds a
+        `PerReplica`."""
+        nodes = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_distributed)[0]
+        for path, node in nodes:
             if isinstance(node, SyncOnRead) and any(
                 isinstance(x, PerReplica)
                 for x in jax.tree_util.tree_leaves(node.value, is_leaf=is_distributed)
             ):
-                path = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_distributed)[0][i][0]
                 raise TypeError(
-                    f"strategy.read got a SyncOnRead{self.where} at path "
+                    f"{call} got a SyncOnRead{self.where} at path "
                     f"{jax.tree_util.keystr(path) or '<root>'!r} whose value holds a PerReplica: a "
                     "SyncOnRead's value is its stacked components themselves. Build it as "
                     "jm.SyncOnRead(components, aggregation) with the PerReplica's values, or "
                     "with strategy.sync_on_read(value, aggregation)."
                 )
-        return nodes, treedef
 
     def reduce(self, op: ReduceOp, value: PyTree, axis: int | None) -> PyTree:
         """Returns `strategy.reduce`: `PerReplica` nodes reduced, other values by the plain rule."""
@@ -158,6 +164,7 @@ class CrossReplica(abc.ABC):
             return 0
         # A SyncOnRead's components are per replica: reduced by `op` as a PerReplica's are
         # (as tf.distribute reduces a sync-on-read variable), whatever its own aggregation.
+        self.refuse_nested("strategy.reduce", value)
         value = jax.tree.map(
             lambda x: PerReplica(x.value) if isinstance(x, SyncOnRead) else x,
             value,

@@ -172,24 +172,30 @@ def shard_update(
 
 def _check_like_params(name: str, updates: PyTree, params: PyTree) -> None:
     """Raises a `ValueError` naming the path when the gradients are not shaped as the
-    parameters (optax's contract; the pieces are cut by the parameters' shapes)."""
-    found, wanted = jax.tree.structure(updates), jax.tree.structure(params)
-    if found != wanted:
+    parameters (optax's contract; the pieces are cut by the parameters' shapes). A `None`
+    gradient (a frozen parameter) stands for its parameter's subtree, as optax takes it."""
+    shapes: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+
+    def compare(path: tuple, g: Any, p: Any) -> None:
+        if g is not None and np.shape(g) != np.shape(p):
+            shapes.append((jax.tree_util.keystr(path), np.shape(g), np.shape(p)))
+
+    try:
+        jax.tree_util.tree_map_with_path(compare, updates, params, is_leaf=lambda x: x is None)
+    except ValueError:
         raise ValueError(
-            f"jm.shard_update({name}).update got gradients of structure {found}, but the "
-            f"parameters have structure {wanted}. Pass gradients of the parameters "
+            f"jm.shard_update({name}).update got gradients of structure "
+            f"{jax.tree.structure(updates)}, but the parameters have structure "
+            f"{jax.tree.structure(params)}. Pass gradients of the parameters "
             "(jax.grad(loss)(params)), as tx.update(grads, opt_state, params)."
+        ) from None
+    if shapes:
+        path, found, wanted = shapes[0]
+        raise ValueError(
+            f"jm.shard_update({name}).update got a gradient of shape {tuple(found)} "
+            f"at {path or '<root>'}, where the parameter has shape {tuple(wanted)}. Pass "
+            "gradients of the parameters (jax.grad(loss)(params)), each of its parameter's shape."
         )
-    for (path, g), p in zip(
-        jax.tree_util.tree_flatten_with_path(updates)[0], jax.tree.leaves(params)
-    ):
-        if np.shape(g) != np.shape(p):
-            raise ValueError(
-                f"jm.shard_update({name}).update got a gradient of shape {tuple(np.shape(g))} "
-                f"at {jax.tree_util.keystr(path) or '<root>'}, where the parameter has shape "
-                f"{tuple(np.shape(p))}. Pass gradients of the parameters "
-                "(jax.grad(loss)(params)), each of its parameter's shape."
-            )
 
 
 def _name(inner: optax.GradientTransformation) -> str:

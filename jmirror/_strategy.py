@@ -439,6 +439,7 @@ class MirroredStrategy:
         """
         ops = self._cross_replica("local_results(value)")
         explain_deleted("strategy.local_results", {"value": value})
+        ops.refuse_nested("strategy.local_results", value)
         return ops.local_results(value)
 
     def reduce(self, op: ReduceOp | str, value: PyTree, axis: int | None = None) -> PyTree:

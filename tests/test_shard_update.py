@@ -630,3 +630,26 @@ def test_gradients_not_shaped_as_the_parameters_are_named(strategy):
         update(wrong_shape)(params, state)
     with pytest.raises(ValueError, match="gradients of structure"):
         update({"w": jnp.ones((9,))})(params, state)
+
+
+def test_a_none_gradient_of_a_frozen_parameter_gives_the_inner_update(strategy, n):
+    # optax's stateless transformations take None for a gradient (their update is None
+    # there): the same as the inner transformation on the reduced gradients.
+    params = {"a": np.ones((16,), np.float32), "b": np.full((5, 3), 2.0, np.float32)}
+    grads = jm.PerReplica(np.linspace(0, 1, n * 16, dtype=np.float32).reshape(n, 16))
+    inner = optax.chain(optax.clip(1.0), optax.sgd(0.1))
+    results = []
+    for tx in (inner, jm.shard_update(inner)):
+        placed = strategy.mirror(params)
+        state = strategy.run(tx.init, args=(placed,))
+
+        def update(p, s, g, tx=tx):
+            g = {"a": g, "b": None}
+            if tx is inner:
+                g = jm.all_reduce("mean", g)
+            return tx.update(g, s, p)[0]
+
+        results.append(jm.replicate(update, strategy=strategy)(placed, state, grads))
+    want, got = results
+    assert got["b"] is None and want["b"] is None
+    np.testing.assert_allclose(strategy.read(got["a"]), strategy.read(want["a"]), rtol=1e-6)

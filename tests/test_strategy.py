@@ -334,6 +334,14 @@ def test_read_refuses_a_sync_on_read_that_is_not_one_component_per_replica(strat
     held = jm.SyncOnRead({"p": jm.PerReplica(np.zeros((n, 2), np.float32))}, "sum")
     with pytest.raises(TypeError, match="whose value holds a PerReplica"):
         strategy.read(held)
+    # Refused wherever the components are taken, never a PerReplica inside a PerReplica.
+    for call in ("reduce", "local_results"):
+        api = getattr(strategy, call)
+        args = ("sum", {"d": held}) if call == "reduce" else ({"d": held},)
+        with pytest.raises(
+            TypeError, match=rf"strategy\.{call} got .*\['d'\].* holds a PerReplica"
+        ):
+            api(*args)
     with pytest.raises(ValueError, match=rf"leading axis of size {n}"):
         strategy.read(jm.SyncOnRead(np.ones((n + 2,), np.float32), "sum"))
 
