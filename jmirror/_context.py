@@ -456,9 +456,12 @@ def all_reduce_leaf(
     another dtype than `dtype` (when given) is reduced in `dtype` and cast back. A weakly typed
     leaf gives a weakly typed result of its dtype, as elementwise operations do (JAX's
     collectives alone drop the weak type: a weak parameter would come back strong from the first
-    step and the step compile again)."""
-    out = _reduce_leaf(op, x, axis_name, dtype)
+    step and the step compile again). A `float0` leaf (the gradient of an integer) is returned
+    as it is."""
     given = jax.typeof(x)
+    if given.dtype == jax.dtypes.float0:
+        return x  # the gradient of an integer: no values, the same on every replica
+    out = _reduce_leaf(op, x, axis_name, dtype)
     if given.weak_type and jnp.result_type(out) == given.dtype:
         return _shim.weakly_typed(out)
     return out

@@ -47,6 +47,22 @@ def test_all_reduce_nested_tree_matches_numpy(strategy, n, op):
         np.testing.assert_allclose(strategy.read(got), np_op(x, axis=0), rtol=1e-6)
 
 
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min"])
+def test_all_reduce_of_integer_gradients_gives_their_float0_back(strategy, n, op):
+    # jax.grad(..., allow_int=True) gives float0 leaves for integer parameters: no values,
+    # nothing to reduce (JAX's own division refuses them).
+    params = {"w": np.ones(3, np.float32), "k": np.int32(2)}
+    x = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
+
+    def grads(p, x):
+        return jax.grad(lambda p: jnp.sum(p["w"] * x * p["k"]), allow_int=True)(p)
+
+    out = strategy.run(lambda p, x: jm.all_reduce(op, grads(p, x)), args=(params, jm.PerReplica(x)))
+    assert out["k"].dtype == jax.dtypes.float0 and out["k"].shape == ()
+    np_op = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}[op]
+    np.testing.assert_allclose(strategy.read(out["w"]), np_op(2 * x, axis=0), rtol=1e-6)
+
+
 @pytest.mark.parametrize("tiled", [False, True])
 def test_all_gather(strategy, n, tiled):
     x = np.arange(n * 2 * 3, dtype=np.float32).reshape(n, 2, 3)
