@@ -238,6 +238,41 @@ def test_flax_train_state_and_optax_state_round_trip_with_target(strategy, tmp_p
     )
 
 
+def test_a_resumed_step_compiles_no_more_than_an_uninterrupted_one(strategy, n, tmp_path):
+    # A TrainState's step (a Python 0, then `step + 1`) and a counter made from a Python int
+    # are weakly typed; restored strongly typed, the resumed step compiled once more (and, in
+    # a restarted process, missed the persistent compilation cache's entry for it).
+    tx = optax.sgd(0.1)
+
+    def fresh():
+        params = {"w": jnp.ones((4, 2))}
+        return train_state.TrainState.create(apply_fn=None, params=params, tx=tx), 0
+
+    def step(state, seen, x):
+        grads = jax.grad(lambda p: jnp.mean((x @ p["w"]) ** 2))(state.params)
+        return state.apply_gradients(grads=jm.all_reduce("mean", grads)), seen + 1
+
+    step = jm.replicate(step, strategy=strategy)
+    x = jm.PerReplica(np.linspace(-1, 1, n * 12, dtype=np.float32).reshape(n, 3, 4))
+    state = fresh()
+    for _ in range(2):
+        state = step(*state, x)
+
+    def weak(state, step, seen):
+        return [jax.typeof(x).weak_type for x in (step, state["params"]["w"], seen)]
+
+    assert weak(state[0].__dict__, state[0].step, state[1]) == [True, False, True]
+    jm.checkpoint.save(tmp_path / "c", state, strategy=strategy)
+    out = jm.checkpoint.restore(tmp_path / "c", strategy=strategy)  # dicts of the fields
+    assert weak(out[0], out[0]["step"], out[1]) == [True, False, True]
+    for target in (fresh(), jax.eval_shape(fresh)):
+        out = jm.checkpoint.restore(tmp_path / "c", target=target, strategy=strategy)
+        assert weak(out[0].__dict__, out[0].step, out[1]) == [True, False, True]
+        out = step(*out, x)
+        assert int(out[0].step) == 3 and int(out[1]) == 3
+    assert step.num_compilations == 1
+
+
 def test_without_target_other_classes_come_back_as_dicts_of_fields(strategy, tmp_path):
     state = _train_state(strategy)
     jm.checkpoint.save(tmp_path / "c", state, strategy=strategy)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from jmirror import _shim
 from jmirror._flax import is_variable
 from jmirror._nnx_metrics import MetricComponents
 from jmirror._values import Aggregation, PerReplica, PyTree, Sharded, SyncOnRead, is_distributed
@@ -56,6 +57,9 @@ class Leaf:
         if self.kind == "python" and self.python not in _format.PYTHON_TYPES:
             raise _format.corrupt(where, f"Python scalar type {self.python!r} is unknown")
         self.scalar = node.get("scalar") is True
+        self.weak = node.get("weak", False)
+        if not isinstance(self.weak, bool):
+            raise _format.corrupt(where, f"a leaf's weak type is {self.weak!r}, not true or false")
         self.sharded = self.kind == _sharded.KIND  # restored as a Sharded node
         # The array of a sync-on-read leaf's N components (absent in older version 2 checkpoints).
         self.components: str | None = node.get("components")
@@ -369,6 +373,15 @@ def place(
     likes = _target_leaves(target) if target is not None else _rebuilt_leaves(tree)
     as_saved = saved_n == strategy.num_replicas
     values = _place_leaves(leaves, likes, arrays, strategy, as_saved, call)
+    # Weak types as the target's leaves have them (a fresh `TrainState.create(step=0)`), else as
+    # saved: a restored step then compiles, and finds its cache entries, as the first run did.
+    weak = [_is_weak(like) for _, like in likes] if target is not None else [x.weak for x in leaves]
+    values = [
+        _shim.weakly_typed(x)
+        if w and isinstance(x, jax.Array) and not jax.typeof(x).weak_type and leaf.key_impl is None
+        else x
+        for x, w, leaf in zip(values, weak, leaves)
+    ]
     if target is not None:
         return jax.tree.unflatten(jax.tree.structure(target), values)
     return _rebuild(tree, iter(values))
@@ -446,6 +459,19 @@ def _target_leaves(target: PyTree) -> list[tuple[tuple, Any]]:
         else:
             out.extend((path + sub, node if len(inner) == 1 else x) for sub, x in inner)
     return out
+
+
+def _is_weak(like: Any) -> bool:
+    """Returns whether a target's leaf (a value, a `ShapeDtypeStruct`, or an NNX `Variable`
+    holding one) is weakly typed: a Python number, or an array made from one."""
+    if is_variable(like):
+        inner = jax.tree.leaves(like)
+        like = inner[0] if len(inner) == 1 else None
+    if isinstance(like, jax.ShapeDtypeStruct):
+        return bool(like.weak_type)
+    if isinstance(like, (jax.Array, int, float, complex)):
+        return bool(jax.typeof(like).weak_type)
+    return False
 
 
 def _rebuilt_leaves(tree: Tree, path: tuple = ()) -> list[tuple[tuple, Any]]:

@@ -351,6 +351,8 @@ def _leaf(kind: str, name: str, shape: tuple, x: PyTree) -> dict:
     }
     if jnp.issubdtype(dtype, jax.dtypes.prng_key):
         out["key_impl"] = str(jax.random.key_impl(x))
+    elif isinstance(x, jax.Array) and jax.typeof(x).weak_type:
+        out["weak"] = True  # restored weakly typed: a resumed step compiles as before
     return out
 
 
