@@ -398,6 +398,48 @@ def test_equinox_pair_step_equals_the_full_batch(strategy, n):
         )
 
 
+@pytest.mark.parametrize("backend", ["pmap"])
+def test_a_weakly_typed_equinox_parameter_stays_weak_and_the_step_compiles_once(strategy, n):
+    # eqx.nn.PReLU(0.2)'s slope is weakly typed; eqx.filter_jit keeps it so step after step
+    # (its gradient is weak too): cast back to its dtype strongly, it compiled the step again.
+    import equinox as eqx
+
+    class Model(eqx.Module):
+        linear: eqx.nn.Linear
+        act: eqx.nn.PReLU
+
+        def __call__(self, x):
+            return self.act(self.linear(x))
+
+    model = Model(eqx.nn.Linear(FEATURES, 2, key=jax.random.key(1)), eqx.nn.PReLU(0.2))
+    tx = optax.sgd(0.1)
+
+    def loss_fn(m, batch):
+        return jnp.mean((jax.vmap(m)(batch["x"]) - 1.0) ** 2)
+
+    @eqx.filter_jit
+    def one_device(m, o, batch):
+        grads = eqx.filter_grad(loss_fn)(m, batch)
+        updates, o = tx.update(grads, o, eqx.filter(m, eqx.is_array))
+        return eqx.apply_updates(m, updates), o
+
+    batches = [batch_of(4 * n, seed=seed) for seed in range(3)]
+    want = (model, tx.init(eqx.filter(model, eqx.is_array)))
+    for batch in batches:
+        want = one_device(*want, batch)
+    assert want[0].act.negative_slope.aval.weak_type
+    for k in (1, 2):
+        step = recipes.make_accumulating_train_step(loss_fn, k, tx=tx, strategy=strategy)
+        state = (strategy.mirror(model), strategy.mirror(want[1]))
+        for batch in batches:
+            state, _ = step(state, split(n, batch))
+        assert step.num_compilations == 1, k
+        assert state[0].act.negative_slope.aval.weak_type, k
+        assert_close(
+            strategy.read(eqx.filter(state[0], eqx.is_array)), eqx.filter(want[0], eqx.is_array)
+        )
+
+
 def test_equinox_pair_without_tx_is_a_type_error(strategy, n):
     eqx, model, loss_fn = eqx_setup()
     step = recipes.make_accumulating_train_step(loss_fn, 2, strategy=strategy)
