@@ -217,7 +217,10 @@ class ReplicaContext:
         is mirrored.
         """
         return self._identical(
-            jax.tree.map(lambda x: lax.all_gather(x, self.axis_name, axis=axis, tiled=tiled), tree)
+            jax.tree.map(
+                lambda x: keep_weak(x, lax.all_gather(x, self.axis_name, axis=axis, tiled=tiled)),
+                tree,
+            )
         )
 
     def sync(self, tree: PyTree, aggregation: Aggregation | str) -> PyTree:
@@ -274,7 +277,7 @@ class ReplicaContext:
         x = jnp.asarray(x)
         wide = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
         first = jnp.where(self.replica_id == 0, wide, jnp.zeros_like(wide))
-        return lax.psum(first, self.axis_name).astype(x.dtype)
+        return keep_weak(x, lax.psum(first, self.axis_name).astype(x.dtype))
 
     def _sync_key(self, aggregation: Aggregation, key: jax.Array, varying: bool) -> jax.Array:
         """Returns a typed PRNG key array synchronized through its key data
@@ -458,11 +461,15 @@ def all_reduce_leaf(
     collectives alone drop the weak type: a weak parameter would come back strong from the first
     step and the step compile again). A `float0` leaf (the gradient of an integer) is returned
     as it is."""
-    given = jax.typeof(x)
-    if given.dtype == jax.dtypes.float0:
+    if jax.typeof(x).dtype == jax.dtypes.float0:
         return x  # the gradient of an integer: no values, the same on every replica
-    out = _reduce_leaf(op, x, axis_name, dtype)
-    if given.weak_type and jnp.result_type(out) == given.dtype:
+    return keep_weak(x, _reduce_leaf(op, x, axis_name, dtype))
+
+
+def keep_weak(given: Any, out: jax.Array) -> jax.Array:
+    """Returns a collective's result `out` weakly typed when its operand `given` was and the
+    dtype is the same (JAX's collectives drop the weak type, elementwise operations keep it)."""
+    if jax.typeof(given).weak_type and jnp.result_type(out) == jnp.result_type(given):
         return _shim.weakly_typed(out)
     return out
 

@@ -22,6 +22,7 @@ from jmirror._context import (
     ReplicaContext,
     all_reduce_leaf,
     is_mirrored_in_merge,
+    keep_weak,
     merge_per_replica,
     note_mirrored_in_merge,
 )
@@ -98,13 +99,13 @@ class MergeOps(CrossReplica):
 
     def _all_reduce(self, op: ReduceOp, tree: PyTree, axis: int | None) -> PyTree:
         def one(x: PyTree) -> PyTree:
-            x = jnp.asarray(x)
+            x = given = jnp.asarray(x)
             if axis is not None:
                 x = REDUCERS[op](x, axis=axis)
             # In the dtype the host's reduce gives (a sum of int8 in int32, a mean of ints in
             # float32: numpy's rule), not wrapping in the components' own.
             x = x.astype(_host_dtype(op, x.dtype))
-            return all_reduce_leaf(op, x, self.context.axis_name)
+            return keep_weak(given, all_reduce_leaf(op, x, self.context.axis_name))
 
         return note_mirrored_in_merge(map_traced(one, tree))
 

@@ -63,6 +63,25 @@ def test_all_reduce_of_integer_gradients_gives_their_float0_back(strategy, n, op
     np.testing.assert_allclose(strategy.read(out["w"]), np_op(2 * x, axis=0), rtol=1e-6)
 
 
+def test_collectives_keep_weak_types(strategy):
+    # JAX's collectives return strong types; elementwise operations (and one device) keep a
+    # weak operand's type: a weak parameter updated through a collective would come back
+    # strong and the step compile again.
+    def collect(x):
+        out = {op: jm.all_reduce(op, x) for op in ("sum", "mean", "max", "min")}
+        out["gather"] = jm.all_gather(x)
+        out["first"] = jm.sync(x * jm.replica_id(), "only_first_replica")
+        out["merge"] = jm.merge_call(lambda s, v: s.reduce("mean", v), args=(x,))
+        out["float32"] = jm.all_reduce("mean", x, dtype=jnp.bfloat16)  # cast back, weak
+        return out
+
+    step = jm.replicate(collect, strategy=strategy)
+    for name, value in step(0.5).items():  # a Python float: weakly typed
+        assert value.aval.weak_type and value.dtype == jnp.float32, name
+    for name, value in step(jnp.float32(0.5)).items():
+        assert not value.aval.weak_type, name
+
+
 @pytest.mark.parametrize("tiled", [False, True])
 def test_all_gather(strategy, n, tiled):
     x = np.arange(n * 2 * 3, dtype=np.float32).reshape(n, 2, 3)

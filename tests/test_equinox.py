@@ -659,22 +659,6 @@ def test_a_weakly_typed_parameter_stays_weak_and_the_step_compiles_once(strategy
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_all_reduce_keeps_weak_types_of_every_op_and_dtype(strategy):
-    def reduce(x):
-        return {op: jm.all_reduce(op, x) for op in ("sum", "mean", "max", "min")}
-
-    out = jm.replicate(reduce, strategy=strategy)(0.5)  # a Python float: weakly typed
-    for op, value in out.items():
-        assert value.aval.weak_type, op
-    strong = jm.replicate(reduce, strategy=strategy)(jnp.float32(0.5))
-    for op, value in strong.items():
-        assert not value.aval.weak_type, op
-    # Reduced in another dtype, the result is the leaf's own dtype, weak as it was.
-    cast = jm.replicate(lambda x: jm.all_reduce("mean", x, dtype=jnp.bfloat16), strategy=strategy)
-    value = cast(jnp.asarray(0.5))
-    assert value.dtype == jnp.float32 and value.aval.weak_type
-
-
 def test_arrays_from_another_mesh_are_placed_as_the_same_value(strategy, n):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
