@@ -63,14 +63,16 @@ def test_a_directory_given_wins_and_off_disables_it(tmp_path):
 
 
 def _first_calls(
-    tmp_path, cache: str, processes: int = 1
+    tmp_path, cache: str, processes: int = 1, resume: bool = False
 ) -> dict[tuple[str, str], tuple[int, int]]:
     """The programs compiled and found in the cache during the first call, by (restart,
-    process) (`("0", "1")`: the cold start's process 1), of a run with `cache`."""
+    process) (`("0", "1")`: the cold start's process 1), of a run with `cache` (`resume`: the
+    restart's state restored from the cold start's checkpoint)."""
+    checkpoint = [str(tmp_path / "checkpoint")] if resume else []
     run = harness.launch(
         [
             *("--processes", str(processes), "--devices-per-process", str(2 // processes)),
-            *("--max-restarts", "1", "--compilation-cache", cache, str(WORKER)),
+            *("--max-restarts", "1", "--compilation-cache", cache, str(WORKER), *checkpoint),
         ],
         tmp_path,
         f"cache-{os.path.basename(cache)}",
@@ -90,7 +92,10 @@ def _first_calls(
 
 @starts_processes
 def test_a_restart_finds_its_steps_compiled(tmp_path):
-    first = _first_calls(tmp_path, str(tmp_path / "cache"))
+    # Resumed from the cold start's checkpoint, as a training run resumes: the restored
+    # TrainState must give the programs the cold start compiled.
+    first = _first_calls(tmp_path, str(tmp_path / "cache"), resume=True)
+    assert (tmp_path / "checkpoint").is_dir()
     assert any((tmp_path / "cache").iterdir())  # the steps, written by the cold start
     compiled, found = first["0", "0"]
     assert compiled >= 1 and found == 0, first
@@ -99,7 +104,7 @@ def test_a_restart_finds_its_steps_compiled(tmp_path):
 
 @starts_processes
 def test_every_process_of_a_restart_finds_its_steps_compiled(tmp_path):
-    first = _first_calls(tmp_path, str(tmp_path / "cache"), processes=2)
+    first = _first_calls(tmp_path, str(tmp_path / "cache"), processes=2, resume=True)
     for process in "01":
         compiled, found = first["0", process]
         assert compiled >= 1 and found == 0, (process, first)

@@ -373,14 +373,13 @@ def place(
     likes = _target_leaves(target) if target is not None else _rebuilt_leaves(tree)
     as_saved = saved_n == strategy.num_replicas
     values = _place_leaves(leaves, likes, arrays, strategy, as_saved, call)
-    # Weak types as the target's leaves have them (a fresh `TrainState.create(step=0)`), else as
-    # saved: a restored step then compiles, and finds its cache entries, as the first run did.
-    weak = [_is_weak(like) for _, like in likes] if target is not None else [x.weak for x in leaves]
+    # Weakly typed as saved (a `TrainState`'s step, made from a Python 0): the resumed step
+    # compiles, and finds its persistent cache entries, as the uninterrupted run's did.
     values = [
         _shim.weakly_typed(x)
-        if w and isinstance(x, jax.Array) and not jax.typeof(x).weak_type and leaf.key_impl is None
+        if leaf.weak and isinstance(x, jax.Array) and not jax.typeof(x).weak_type
         else x
-        for x, w, leaf in zip(values, weak, leaves)
+        for x, leaf in zip(values, leaves)
     ]
     if target is not None:
         return jax.tree.unflatten(jax.tree.structure(target), values)
@@ -459,19 +458,6 @@ def _target_leaves(target: PyTree) -> list[tuple[tuple, Any]]:
         else:
             out.extend((path + sub, node if len(inner) == 1 else x) for sub, x in inner)
     return out
-
-
-def _is_weak(like: Any) -> bool:
-    """Returns whether a target's leaf (a value, a `ShapeDtypeStruct`, or an NNX `Variable`
-    holding one) is weakly typed: a Python number, or an array made from one."""
-    if is_variable(like):
-        inner = jax.tree.leaves(like)
-        like = inner[0] if len(inner) == 1 else None
-    if isinstance(like, jax.ShapeDtypeStruct):
-        return bool(like.weak_type)
-    if isinstance(like, (jax.Array, int, float, complex)):
-        return bool(jax.typeof(like).weak_type)
-    return False
 
 
 def _rebuilt_leaves(tree: Tree, path: tuple = ()) -> list[tuple[tuple, Any]]:

@@ -34,9 +34,8 @@ where ENTRY is `["attr", name]`, `["key", str_or_int]`, `["index", int]` or `["f
     "stacked"    a leaf of a `PerReplica` (or a `SyncOnRead` with aggregation NONE), N components.
 `shape` and `dtype` describe the value as the user held it (one component for "aggregated" and
 "stacked"); a PRNG key leaf adds `"key_impl"` and is stored as its `jax.random.key_data`; a
-weakly typed array (made from a Python scalar) adds `"weak": true` and is restored weakly typed
-(without a target; with one, the target's leaf says), so the resumed step compiles as the
-uninterrupted one.
+weakly typed array (made from a Python scalar) adds `"weak": true` and is restored weakly typed,
+so that the resumed step compiles as the uninterrupted one did.
 An "aggregated" leaf may add `"components": "4"`, the array of its N
 components (`num_replicas` of them, stacked, of the leaf's dtype): a restore on the same replica
 count places them back as they were (a resumed run continues bitwise), on another count it
