@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
+from jmirror import _shim
 from jmirror._topology import Topology, names_axis
 
 
@@ -46,7 +47,9 @@ def replica_copy(topology: Topology, x: jax.Array, replica: int) -> jax.Array | 
             sharding = NamedSharding(Mesh(np.array(order), sharding.mesh.axis_names), sharding.spec)
             devices = order
     parts = [by_device[d].data for d in devices]
-    return jax.make_array_from_single_device_arrays(x.shape, sharding, parts)
+    copy = jax.make_array_from_single_device_arrays(x.shape, sharding, parts)
+    # Assembled from its shards, strongly typed: typed again as the value was.
+    return _shim.weakly_typed(copy) if jax.typeof(x).weak_type else copy
 
 
 def _order_by_part(devices: Sequence[Any], held: dict, wanted: list) -> list | None:

@@ -53,6 +53,19 @@ def test_replicas_span_k_devices(k):
     assert f"devices_per_replica={k}" in repr(strategy)
 
 
+@pytest.mark.parametrize("k", SPANS)
+def test_read_and_local_results_keep_weak_types(k):
+    # A replica's copy is assembled from its shards (strongly typed by JAX): typed again as
+    # the value was, as with one device per replica.
+    strategy = _spanning(k)
+    mirrored = strategy.mirror({"slope": jnp.asarray(0.5), "count": 3, "w": jnp.ones((k, 2))})
+    for got in (strategy.read(mirrored), strategy.local_results(mirrored)[-1]):
+        assert got["slope"].aval.weak_type and got["count"].aval.weak_type
+        assert not got["w"].aval.weak_type
+        assert float(got["slope"]) == 0.5 and int(got["count"]) == 3
+    assert set(strategy.read(mirrored)["slope"].devices()) == set(strategy.replica_devices(0))
+
+
 def test_replicas_keep_the_callers_device_order():
     devices = list(reversed(jax.devices()))
     strategy = jm.MirroredStrategy(
