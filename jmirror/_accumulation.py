@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jmirror import _nnx_recipes, _shim
-from jmirror._context import all_reduce
+from jmirror import _nnx_recipes
+from jmirror._context import all_reduce, keep_weak
 from jmirror._replicate import Replicated, replicate
 from jmirror._strategy import MirroredStrategy
 from jmirror._values import PyTree, ReduceOp, Sharded, SyncOnRead
@@ -353,11 +353,7 @@ def _own_dtypes(grads: PyTree, like: PyTree) -> PyTree:
     """Returns `grads` in the dtypes of the differentiated leaves they belong to, weakly typed
     where those are (as `jax.grad` gives them: a weak parameter stays weak after its update)."""
 
-    def own(g: jax.Array, p: PyTree) -> jax.Array:
-        g = g.astype(jnp.result_type(p))
-        return _shim.weakly_typed(g) if jax.typeof(p).weak_type else g
-
-    return jax.tree.map(own, grads, like)
+    return jax.tree.map(lambda g, p: keep_weak(p, g.astype(jnp.result_type(p))), grads, like)
 
 
 def _plain_micro_loss(loss_fn: LossFn, args: tuple) -> MicroLoss:

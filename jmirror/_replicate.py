@@ -365,17 +365,13 @@ def _name_flat_argument(error: Exception, call: object, prepared: Prepared) -> N
     if found is None or int(found.group(1)) >= len(leaves):
         return
     leaf = leaves[int(found.group(1))]
-    args, kwargs = prepared.plan.rebuild(prepared.donated, prepared.others)
-    for prefix, tree in (("args", args), ("kwargs", kwargs)):
-        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            if x is leaf:
-                error.add_note(
-                    f"jmirror: {found.group(0)} is {prefix}{jax.tree_util.keystr(path)} of "
-                    f"{call!r}. A value the function uses in Python (an if, int(), range()) "
-                    "must be static: jm.replicate(fn, static_argnums=...) or "
-                    "static_argnames=...; or keep it traced with jax.lax.cond / jnp.where."
-                )
-                return
+    where = _argument_path(prepared, lambda x: x is leaf)
+    if where is not None:
+        error.add_note(
+            f"jmirror: {found.group(0)} is {where} of {call!r}. A value the function uses in "
+            "Python (an if, int(), range()) must be static: jm.replicate(fn, static_argnums=...) "
+            "or static_argnames=...; or keep it traced with jax.lax.cond / jnp.where."
+        )
 
 
 def _abstract_argument(prepared: Prepared) -> str | None:
@@ -383,10 +379,16 @@ def _abstract_argument(prepared: Prepared) -> str | None:
     leaves = [*prepared.donated, *prepared.others]
     if not any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
         return None
+    return _argument_path(prepared, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def _argument_path(prepared: Prepared, match: Callable[[Any], bool]) -> str | None:
+    """Returns the path (`args[1]['w']`, `kwargs['x']`) of the first traced argument leaf that
+    `match` takes, or None."""
     args, kwargs = prepared.plan.rebuild(prepared.donated, prepared.others)
     for prefix, tree in (("args", args), ("kwargs", kwargs)):
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            if isinstance(leaf, jax.ShapeDtypeStruct):
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if match(x):
                 return f"{prefix}{jax.tree_util.keystr(path)}"
     return None
 

@@ -227,6 +227,7 @@ def write_cache_from_every_process() -> bool:
 
 
 def _internal_convert() -> Any:
+    """Returns JAX's internal `_convert_element_type` where it takes `weak_type`, else None."""
     try:
         from jax._src.lax.lax import _convert_element_type  # the internal, here only
     except ImportError:

@@ -401,7 +401,7 @@ def test_equinox_pair_step_equals_the_full_batch(strategy, n):
 @pytest.mark.parametrize("backend", ["pmap"])
 def test_a_weakly_typed_equinox_parameter_stays_weak_and_the_step_compiles_once(strategy, n):
     # eqx.nn.PReLU(0.2)'s slope is weakly typed; eqx.filter_jit keeps it so step after step
-    # (its gradient is weak too): cast back to its dtype strongly, it compiled the step again.
+    # (its gradient is weak too); cast back to its dtype strongly, it would compile again.
     import equinox as eqx
 
     class Model(eqx.Module):

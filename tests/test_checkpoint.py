@@ -240,8 +240,8 @@ def test_flax_train_state_and_optax_state_round_trip_with_target(strategy, tmp_p
 
 def test_a_resumed_step_compiles_no_more_than_an_uninterrupted_one(strategy, n, tmp_path):
     # A TrainState's step (a Python 0, then `step + 1`) and a counter made from a Python int
-    # are weakly typed; restored strongly typed, the resumed step compiled once more (and, in
-    # a restarted process, missed the persistent compilation cache's entry for it).
+    # are weakly typed; restored strongly typed, the resumed step would compile once more (and,
+    # in a restarted process, miss the persistent compilation cache's entry for it).
     tx = optax.sgd(0.1)
 
     def fresh():
