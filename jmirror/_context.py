@@ -468,7 +468,11 @@ def all_reduce_leaf(
 
 def keep_weak(given: Any, out: jax.Array) -> jax.Array:
     """Returns a collective's result `out` weakly typed when its operand `given` was and the
-    dtype is the same (JAX's collectives drop the weak type, elementwise operations keep it)."""
+    dtype is the same (JAX's collectives drop the weak type, elementwise operations keep it).
+    A Python number `out` (JAX's sum of a constant: the constant times the axis size) is
+    returned as it is."""
+    if not isinstance(out, jax.Array):
+        return out
     if jax.typeof(given).weak_type and jnp.result_type(out) == jnp.result_type(given):
         return _shim.weakly_typed(out)
     return out

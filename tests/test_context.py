@@ -82,6 +82,24 @@ def test_collectives_keep_weak_types(strategy):
         assert not value.aval.weak_type, name
 
 
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min"])
+def test_all_reduce_of_python_numbers_equals_the_collective(strategy, n, op):
+    # Counting with all_reduce("sum", 1): a Python number inside the replica function, which
+    # JAX's own collective takes too (its sum of a constant is the constant times the axis size).
+    def count():
+        given = {"count": 1, "x": 2.5, "array": jnp.ones(2)}
+        return jm.all_reduce(op, given), jax.tree.map(lambda v: oracle(v), given)
+
+    def oracle(v):
+        name = strategy.axis_name
+        return {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}.get(op, lax.pmean)(v, name)
+
+    out, expected = strategy.run(count)
+    expected = jax.tree.map(np.asarray, strategy.read(expected))
+    np.testing.assert_equal(jax.tree.map(np.asarray, strategy.read(out)), expected)
+    assert float(strategy.read(out)["count"]) == (n if op == "sum" else 1)
+
+
 @pytest.mark.parametrize("tiled", [False, True])
 def test_all_gather(strategy, n, tiled):
     x = np.arange(n * 2 * 3, dtype=np.float32).reshape(n, 2, 3)
