@@ -10,8 +10,10 @@ element it belongs to, so a position never holds the state of a batch only prefe
 frozen at once as text: JSON for a JSON-serializable state, base64 for `bytes` (a
 `grain.DataLoader` iterator's state), so that later changes to a state object the iterator
 keeps and reuses cannot reach it, and a position stays JSON-serializable. A state that is
-neither is kept as it is and refused (`TypeError`, naming its type) only when a position is
-read: iterating never fails for it.
+neither, or that JSON would give back changed (a dict key that is not a string: `set_state`
+would get `"0"` for `0`), is kept as it is and refused (`TypeError`, naming the path and type
+of what JSON cannot hold) only when a position is read: iterating never fails for it. Tuples
+come back as lists, as JSON has them.
 
 Another process count: a process-local source's state says where this process's share
 stands, which another number of processes cannot continue from, unless the source is made
@@ -54,29 +56,32 @@ class SourceState:
     """A source iterator's state, frozen as text.
 
     `text` is the state's JSON, or the base64 of a `bytes` state (`is_bytes`); None when the
-    state is neither (`kind` names its type for the error).
+    state is neither (`problem` says what JSON cannot hold, and where, for the error).
     """
 
     text: str | None
     is_bytes: bool = False
-    kind: str = ""
+    problem: str = ""
 
     def public(self, call: str) -> dict[str, Any]:
         """Returns the state as a position holds it: `{"json": value}` or `{"bytes": base64
         text}`."""
         if self.text is None:
             raise TypeError(
-                f"{call}: the source iterator's get_state() returned a {self.kind}, which is "
-                "neither JSON-serializable nor bytes, so this position cannot be saved (a "
-                "checkpoint's data is JSON). Make get_state() return JSON-able values (dicts, "
-                "lists, str, int, float, bool, None) or bytes, e.g. json.dumps(state).encode()."
+                f"{call}: the source iterator's get_state() returned a state holding "
+                f"{self.problem}, so the "
+                "state is neither JSON that set_state gets back unchanged nor bytes, and this "
+                "position cannot be saved (a checkpoint's data is JSON). Make get_state() "
+                "return JSON-able values (dicts with string keys, lists, str, int, float, "
+                "bool, None: e.g. int(x) for a numpy integer) or bytes, e.g. "
+                "json.dumps(state).encode()."
             )
         return {"bytes": self.text} if self.is_bytes else {"json": json.loads(self.text)}
 
     def value(self) -> Any:
         """Returns the state to give `set_state`: the JSON value, or the bytes."""
         if self.text is None:
-            raise TypeError(f"a source state of type {self.kind} has no saved form")
+            raise TypeError(f"a source state holding {self.problem} has no saved form")
         return base64.b64decode(self.text) if self.is_bytes else json.loads(self.text)
 
 
@@ -86,10 +91,38 @@ def take(iterator: Any) -> SourceState:
     state = iterator.get_state()
     if isinstance(state, bytes | bytearray | memoryview):
         return SourceState(base64.b64encode(bytes(state)).decode("ascii"), is_bytes=True)
-    try:
-        return SourceState(json.dumps(state))
-    except (TypeError, ValueError):
-        return SourceState(None, kind=type(state).__qualname__)
+    problem = _not_json(state, "")
+    if problem is None:
+        try:
+            return SourceState(json.dumps(state))
+        except (TypeError, ValueError) as e:  # a cycle: what JSON says about it
+            problem = f"a {type(state).__qualname__} JSON cannot encode ({e})"
+    return SourceState(None, problem=problem)
+
+
+def _not_json(value: object, path: str) -> str | None:
+    """Returns what in `value` JSON cannot hold as it is, with its path (`['key'][0]`), or None."""
+    if value is None or isinstance(value, str | int | float):  # bool is an int
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return (
+                    f"a dict key {key!r} of type {type(key).__qualname__} at {path or 'the top'} "
+                    "(JSON keys are strings: set_state would get it back as a string)"
+                )
+            found = _not_json(item, f"{path}[{key!r}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            found = _not_json(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+        return None
+    where = f" at {path}" if path else ""
+    return f"a {type(value).__module__}.{type(value).__qualname__}{where}"
 
 
 def read_public(call: str, entry: object) -> SourceState:

@@ -150,6 +150,10 @@ class Stateful:
     def get_state(self):
         if self.kind == "object":
             return {"at": self.i, "when": object()}
+        if self.kind == "numpy":
+            return {"at": np.int64(self.i)}
+        if self.kind == "int key":
+            return {"at": self.i, "shards": {0: self.i}}
         return {"at": self.i}
 
     def set_state(self, state):
@@ -176,10 +180,19 @@ def test_any_iterator_with_get_state_and_set_state_is_positioned_by_set_state(s,
     assert again.made == [4, 5]
 
 
-def test_a_state_that_is_neither_json_nor_bytes_is_a_type_error_when_read(s, n):
-    it = iter(s.distribute_dataset(Stateful(_numpy_batches(n, 3), "object"), remainder="drop"))
+@pytest.mark.parametrize(
+    "kind, named",
+    [
+        ("object", r"builtins\.object at \['when'\]"),
+        ("numpy", r"numpy\.int64 at \['at'\]"),
+        # JSON would give set_state the key "0" for 0: a state that does not come back as it was.
+        ("int key", r"dict key 0 of type int at \['shards'\]"),
+    ],
+)
+def test_a_state_that_json_cannot_hold_is_a_type_error_naming_where_when_read(s, n, kind, named):
+    it = iter(s.distribute_dataset(Stateful(_numpy_batches(n, 3), kind), remainder="drop"))
     assert len(list(it)) == 3  # iterating never fails for it
-    with pytest.raises(TypeError, match=r"get_state\(\) returned a dict.*JSON"):
+    with pytest.raises(TypeError, match=rf"get_state\(\) returned a state holding a {named}.*JSON"):
         it.position  # noqa: B018
 
 
