@@ -568,8 +568,13 @@ class MirroredStrategy:
             >>> strategy.step_stats().rows
             []
         """
+        if not isinstance(reset, bool | np.bool_):
+            raise TypeError(
+                f"strategy.step_stats(reset=...) expects True or False; got {reset!r} "
+                f"({type(reset).__name__}). Pass reset=True to read and start counting again."
+            )
         several = self._topology.process_count > 1
-        return self._dispatch.stats.stats(reset, self._topology.process_index if several else None)
+        return self._dispatch.stats.stats(bool(reset), self._topology.process_index if several else None)
 
     # --- input ---------------------------------------------------------------------------------
 

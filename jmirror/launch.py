@@ -246,14 +246,60 @@ def _parse(argv: list[str]) -> _Options | int:
     """Split options from the program; a usage error prints and returns 2."""
     split = _program_start(argv)
     parser = argparse.ArgumentParser(
-        prog="python -m jmirror.launch", usage=USAGE, add_help=True, allow_abbrev=False
+        prog="python -m jmirror.launch",
+        usage=USAGE,
+        add_help=True,
+        allow_abbrev=False,
+        description=(
+            "Runs script.py (or -m module) as P local processes joined into one run: each "
+            "calls jm.distributed.initialize() first, which reads what the launcher sets in "
+            "its environment. Every word after the program belongs to it."
+        ),
+        epilog=(
+            "Each start tells the program how many restarts came before it in "
+            "JMIRROR_RESTART ('0' the first time). SIGTERM is forwarded to every process, "
+            "which has --grace-period seconds to save and exit. The module's docstring "
+            "(python -c 'import jmirror.launch; help(jmirror.launch)') says the rest."
+        ),
     )
-    parser.add_argument("--processes", type=int, metavar="P")
-    parser.add_argument("--min-processes", type=int, metavar="M")
-    parser.add_argument("--devices-per-process", type=int, default=1, metavar="D")
-    parser.add_argument("--max-restarts", type=int, default=0, metavar="K")
-    parser.add_argument("--grace-period", type=float, default=GRACE_PERIOD_S, metavar="S")
-    parser.add_argument("--compilation-cache", metavar="DIR|off")
+    parser.add_argument(
+        "--processes", type=int, metavar="P", help="how many processes to start (required)"
+    )
+    parser.add_argument(
+        "--min-processes",
+        type=int,
+        metavar="M",
+        help="restart on one process fewer for each lost one, never fewer than M (default: P)",
+    )
+    parser.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=1,
+        metavar="D",
+        help="XLA:CPU host devices of each process on the CPU backend (default: 1)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="when a process fails, stop all and start them again, at most K times (default: 0)",
+    )
+    parser.add_argument(
+        "--grace-period",
+        type=float,
+        default=GRACE_PERIOD_S,
+        metavar="S",
+        help=f"seconds processes have to exit after a forwarded SIGTERM (default: "
+        f"{GRACE_PERIOD_S:g})",
+    )
+    parser.add_argument(
+        "--compilation-cache",
+        metavar="DIR|off",
+        help="JAX's persistent compilation cache for the processes, every step included "
+        "(default: a JAX_COMPILATION_CACHE_DIR already set, else jmirror/compilation under "
+        "$XDG_CACHE_HOME or ~/.cache); 'off' disables it",
+    )
     try:
         options = parser.parse_args(argv[:split])
     except SystemExit as exit:  # argparse printed the usage error or the help

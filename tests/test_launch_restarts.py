@@ -305,3 +305,18 @@ def test_sigterm_is_forwarded_to_the_children_of_the_processes_too(tmp_path):
     assert code == 128 + signal.SIGTERM, run.output()  # killed by it: not 0
     assert stop_s < 10  # SIGTERM ended them: no waiting for the grace period
     assert _gone_within(pids, 5)
+
+
+def test_help_says_what_each_option_does(capsys):
+    assert launch._parse(["--help"]) == 0
+    out = capsys.readouterr().out
+    for option, says in [
+        ("--processes P", "how many processes"),
+        ("--max-restarts K", "at most K times"),
+        ("--grace-period S", "SIGTERM"),
+        ("--compilation-cache DIR|off", "'off' disables it"),
+        ("--devices-per-process D", "host devices"),
+        ("--min-processes M", "never fewer than M"),
+    ]:
+        assert option in out and says in " ".join(out.split()), option
+    assert "JMIRROR_RESTART" in out

@@ -85,6 +85,15 @@ def test_reset_reads_then_counts_from_zero(strategy, n):
     assert [row["calls"] for row in strategy.step_stats().rows] == [1]
 
 
+@pytest.mark.parametrize("reset", ["no", 1, None])
+def test_reset_must_be_a_bool(strategy, n, reset):
+    step = _cheap_step(strategy)
+    step(strategy.mirror(jnp.zeros(())), jm.PerReplica(np.ones((n, 2), np.float32)))
+    with pytest.raises(TypeError, match=r"reset=\.\.\.\) expects True or False; got"):
+        strategy.step_stats(reset=reset)
+    assert [row["calls"] for row in strategy.step_stats().rows] == [1]  # nothing was reset
+
+
 def test_a_source_slower_than_the_steps_is_input_bound(strategy, n):
     step = _cheap_step(strategy)
     w = strategy.mirror(jnp.zeros(()))
