@@ -573,9 +573,9 @@ def replicate(
     if not callable(fn):
         raise TypeError(f"jm.replicate expects a callable, got {fn!r}.")
     donate = _argnums("donate_argnums", donate_argnums)
-    static, names = _infer_static(
-        fn, _argnums("static_argnums", static_argnums), _argnames(static_argnames)
-    )
+    static = _argnums("static_argnums", static_argnums)
+    _check_against_signature(fn, donate, static, _argnames(static_argnames))
+    static, names = _infer_static(fn, static, _argnames(static_argnames))
     if set(static) & set(donate):
         raise ValueError(
             f"jm.replicate got argument(s) {sorted(set(static) & set(donate))} both static "
@@ -583,6 +583,44 @@ def replicate(
             "no buffer to donate."
         )
     return Replicated(fn, strategy, donate, static, names, per_replica)
+
+
+def _check_against_signature(
+    fn: Callable[..., Any], donate: tuple[int, ...], static: tuple[int, ...], names: tuple[str, ...]
+) -> None:
+    """Refuses argument numbers and names `fn` does not take, as `jax.jit` does (a function
+    with `*args` takes any number, one with `**kwargs` any name)."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (some builtins)
+        return
+    kinds = inspect.Parameter
+    positional = [
+        p.name for p in parameters if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
+    ]
+    if not any(p.kind is kinds.VAR_POSITIONAL for p in parameters):
+        for option, argnums in (("donate_argnums", donate), ("static_argnums", static)):
+            beyond = [i for i in argnums if i >= len(positional)]
+            if beyond:
+                raise ValueError(
+                    f"jm.replicate({_function_name(fn)}) got {option}={argnums}, but the "
+                    f"function takes {len(positional)} positional argument(s) "
+                    f"{tuple(positional)}: index {beyond[0]} names none of them. Give the "
+                    "indices of its arguments (from 0)."
+                )
+    if not any(p.kind is kinds.VAR_KEYWORD for p in parameters):
+        keywords = {
+            p.name
+            for p in parameters
+            if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)
+        }
+        unknown = [name for name in names if name not in keywords]
+        if unknown:
+            raise ValueError(
+                f"jm.replicate({_function_name(fn)}) got static_argnames={names}, but the "
+                f"function takes no keyword argument {unknown[0]!r} (it takes "
+                f"{sorted(keywords)}). Give the names of its parameters."
+            )
 
 
 def _infer_static(

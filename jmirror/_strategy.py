@@ -533,6 +533,17 @@ class MirroredStrategy:
                 "strategy.run was called inside a merge_call's merge_fn; replicated functions "
                 "do not nest. Compute in merge_fn directly, or return to the replica function."
             )
+        if not isinstance(args, tuple | list):
+            raise TypeError(
+                f"strategy.run(fn, args=...) expects a tuple or list of fn's arguments; got a "
+                f"{type(args).__name__}. For one argument pass args=(x,)."
+            )
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise TypeError(
+                f"strategy.run(fn, kwargs=...) expects a dict of fn's keyword arguments; got a "
+                f"{type(kwargs).__name__}. Pass kwargs={{'name': value}}, or positional "
+                "arguments as args=(...)."
+            )
         key = fn if per_replica is None else (fn, per_replica)
         replicated = self._run_cache.get(key)
         if replicated is None:
@@ -574,7 +585,9 @@ class MirroredStrategy:
                 f"({type(reset).__name__}). Pass reset=True to read and start counting again."
             )
         several = self._topology.process_count > 1
-        return self._dispatch.stats.stats(bool(reset), self._topology.process_index if several else None)
+        return self._dispatch.stats.stats(
+            bool(reset), self._topology.process_index if several else None
+        )
 
     # --- input ---------------------------------------------------------------------------------
 

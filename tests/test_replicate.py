@@ -266,6 +266,31 @@ def test_bad_argnums(strategy):
         jm.replicate(3)
 
 
+def test_argument_numbers_and_names_the_function_does_not_take_are_refused(n):
+    # jax.jit refuses them too; ignored, a donation or a static argument would silently not be.
+    def step(params, x):
+        return params + x
+
+    for options, named in [
+        ({"donate_argnums": (0, 3)}, r"donate_argnums=\(0, 3\).*2 positional.*index 3"),
+        ({"static_argnums": 2}, r"static_argnums=\(2,\).*\('params', 'x'\)"),
+        ({"static_argnames": "lr"}, r"static_argnames=\('lr',\).*no keyword argument 'lr'"),
+    ]:
+        with pytest.raises(ValueError, match=named):
+            jm.replicate(step, **options)
+    # *args and **kwargs take any number and any name; a method counts `self`.
+    jm.replicate(lambda *args: args[0], donate_argnums=4)
+    jm.replicate(lambda x, **options: x, static_argnames="lr")
+
+    class Model:
+        @jm.replicate(static_argnums=2)
+        def apply(self, x, scale):
+            return x * scale
+
+    out = Model().apply(jm.PerReplica(np.ones((n, 2), np.float32)), 3.0)
+    np.testing.assert_array_equal(jm.MirroredStrategy().gather(out, axis=0), np.full(2 * n, 3))
+
+
 def test_both_backends_give_identical_results(n):
     rng = np.random.default_rng(3)
     x = rng.normal(size=(n, 5)).astype(np.float32)

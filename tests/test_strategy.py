@@ -95,6 +95,21 @@ def test_scope_is_reentrant_and_get_strategy_defaults_once():
 # --- create_state / mirror / sync_on_read ----------------------------------------------------
 
 
+def test_run_takes_args_as_a_tuple_or_list_and_kwargs_as_a_mapping(strategy, n):
+    x = jm.PerReplica(np.arange(n, dtype=np.float32))
+    double = lambda x, scale=2.0: x * scale  # noqa: E731
+    for args in [(x,), [x]]:
+        np.testing.assert_array_equal(strategy.gather(strategy.run(double, args)), 2 * np.arange(n))
+    out = strategy.run(double, (x,), {"scale": 3.0})
+    np.testing.assert_array_equal(strategy.gather(out), 3 * np.arange(n))
+    with pytest.raises(
+        TypeError, match=r"args=\.\.\.\) expects a tuple or list.*PerReplica.*args=\(x,\)"
+    ):
+        strategy.run(double, args=x)
+    with pytest.raises(TypeError, match=r"kwargs=\.\.\.\) expects a dict.*got a list"):
+        strategy.run(double, (x,), kwargs=[1])
+
+
 def test_create_state(strategy, n):
     tree = {"w": np.arange(3.0), "b": 1.0}
     for sync in ["auto", "on_write", jm.Synchronization.ON_WRITE]:

@@ -176,3 +176,6 @@ def test_assertions_compare_whole_values_at_two_devices_per_replica():
     jmt.assert_mirrored(strategy.mirror(np.ones(3, np.float32)), strategy)
     with pytest.raises(AssertionError, match=r"replica 0 and replica 2 \(its device"):
         jmt.assert_mirrored({"w": odd}, strategy)
+    counts = rf"strategy's {n} replica\(s\) \({2 * n} device\(s\)\); found ndarray"
+    with pytest.raises(AssertionError, match=counts):
+        jmt.assert_mirrored(np.ones(3), strategy)

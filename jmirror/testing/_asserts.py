@@ -48,8 +48,9 @@ def assert_mirrored(tree: PyTree, strategy: MirroredStrategy | None = None) -> N
             if isinstance(leaf, jax.Array):
                 found = f"jax.Array with sharding {leaf.sharding}"
             raise AssertionError(
-                f"assert_mirrored: leaf {path} is not mirrored over the {strategy.num_replicas} "
-                f"device(s) of the strategy; found {found}."
+                f"assert_mirrored: leaf {path} is not mirrored over the strategy's "
+                f"{strategy.num_replicas} replica(s) ({strategy.topology.num_devices} "
+                f"device(s)); found {found}. Place it with strategy.mirror(...)."
             )
         _check_every_device(path, leaf, strategy)
 
