@@ -216,12 +216,23 @@ class ReplicaContext:
         With `tiled=True` the components are concatenated along `axis` instead. The result
         is mirrored.
         """
-        return self._identical(
-            jax.tree.map(
-                lambda x: keep_weak(x, lax.all_gather(x, self.axis_name, axis=axis, tiled=tiled)),
-                tree,
-            )
-        )
+
+        def gather(path: tuple, x: Any) -> Any:
+            rank = jnp.ndim(x)
+            within = rank if tiled else rank + 1  # a new axis may go after the last one
+            if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
+                raise TypeError(f"jm.all_gather(tree, axis=...) expects an int; got {axis!r}.")
+            if not -within <= axis < within:
+                new = " (tiled=False stacks on a new axis, which may also come last)"
+                raise ValueError(
+                    f"jm.all_gather(tree, axis={axis}, tiled={tiled}): the leaf at "
+                    f"{jax.tree_util.keystr(path) or '<root>'} has {rank} dimension(s), so "
+                    f"axis must be {-within} to {within - 1}{'' if tiled else new}. Pass an "
+                    "axis the leaf has."
+                )
+            return keep_weak(x, lax.all_gather(x, self.axis_name, axis=axis, tiled=tiled))
+
+        return self._identical(jax.tree_util.tree_map_with_path(gather, tree))
 
     def sync(self, tree: PyTree, aggregation: Aggregation | str) -> PyTree:
         """Makes `tree` mirrored: the functional form of writing a mirrored variable.

@@ -396,7 +396,19 @@ class MirroredStrategy:
             >>> keys.values.shape == (strategy.num_replicas,)
             True
         """
-        return self._cross_replica("split_key(key)").split_key(key)
+        cross_replica = self._cross_replica("split_key(key)")
+        typed = isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+        raw = isinstance(key, jax.Array | np.ndarray) and key.dtype == np.uint32 and key.ndim == 1
+        if not (typed or raw):
+            found = f"{type(key).__name__} {key!r}"[:80]
+            if isinstance(key, jax.Array | np.ndarray):
+                found = f"an array of shape {key.shape} and dtype {key.dtype}"
+            raise TypeError(
+                f"strategy.split_key(key) expects a PRNG key (jax.random.key(seed), or the raw "
+                f"uint32 key of jax.random.PRNGKey(seed)); got {found}. Make one from a seed: "
+                "strategy.split_key(jax.random.key(seed))."
+            )
+        return cross_replica.split_key(key)
 
     def read(self, tree: PyTree) -> PyTree:
         """Returns the value of mirrored and sync-on-read state, in cross-replica context.

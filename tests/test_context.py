@@ -109,6 +109,18 @@ def test_all_gather(strategy, n, tiled):
     np.testing.assert_array_equal(strategy.read(out), expected)
 
 
+def test_all_gather_names_the_leaf_whose_axis_is_out_of_range(strategy, n):
+    x = jm.PerReplica(np.zeros((n, 2, 3), np.float32))
+    gathered = strategy.run(lambda x: jm.all_gather(x, axis=-1), args=(x,))  # a new last axis
+    assert gathered.shape == (2, 3, n)
+    with pytest.raises(
+        ValueError, match=r"axis=5, tiled=False\): the leaf at \['w'\] has 2 .*-3 to 2"
+    ):
+        strategy.run(lambda x: jm.all_gather({"w": x}, axis=5), args=(x,))
+    with pytest.raises(ValueError, match=r"axis=2, tiled=True\).*-2 to 1"):
+        strategy.run(lambda x: jm.all_gather(x, axis=2, tiled=True), args=(x,))
+
+
 def test_sync_aggregations(strategy, n):
     def fn():
         x = 7.0 * (jm.replica_id() + 1)

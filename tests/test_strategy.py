@@ -401,6 +401,15 @@ def test_split_key_gives_independent_keys(strategy, n):
     assert isinstance(draws, jm.PerReplica)
     values = np.asarray(strategy.gather(draws)).reshape(n, 4)
     assert len({tuple(row) for row in values.round(6)}) == n
+    raw = strategy.split_key(jax.random.PRNGKey(0))  # the raw uint32 form
+    oracle = jax.random.split(jax.random.PRNGKey(0), n)
+    np.testing.assert_array_equal(np.asarray(strategy.gather(raw)).reshape(n, 2), oracle)
+
+
+@pytest.mark.parametrize("key", [3, np.float32(1.0), np.zeros((2, 2), np.uint32)])
+def test_split_key_of_what_is_not_a_key_is_a_type_error(strategy, key):
+    with pytest.raises(TypeError, match=r"split_key\(key\) expects a PRNG key.*got.*random\.key"):
+        strategy.split_key(key)
 
 
 def test_update_applies_fn_to_each_copy(strategy, n):
