@@ -281,7 +281,10 @@ def trace_and_prove(call: ReplicaCall, avals: Sequence[jax.ShapeDtypeStruct]) ->
             closed = jax.make_jaxpr(jitted, axis_env=axis_env)(*avals)
         except NameError as e:
             raise _unbound_axis(call, e) from e
-        out_split, proof = prove(closed, call.split, strategy.axis_name)
+        try:
+            out_split, proof = prove(closed, call.split, strategy.axis_name)
+        except ValueError as e:  # a collective under a branch that differs: name the call
+            raise ValueError(f"{call.name}: {e}") from None
         return closed, out_split, proof, round_
 
     oracle: dict[int, tuple[bool, ...]] = {}

@@ -268,7 +268,8 @@ def test_collective_under_a_varying_predicate_is_a_value_error(strategy, n):
         return lax.while_loop(lambda c: c < x, lambda c: c + jm.all_reduce("max", c) + 1, 0.0)
 
     for fn in (in_cond, in_while):
-        with pytest.raises(ValueError, match="wait on each other forever"):
+        named = rf"jm.replicate\(.*{fn.__name__}\)>: A .* wait on each other forever"
+        with pytest.raises(ValueError, match=named):
             strategy.run(fn, args=(jm.PerReplica(np.arange(n, dtype=np.float32)),))
 
 
