@@ -97,10 +97,11 @@ class Diverged:
 
 _FIXES = {
     GRADIENTS: (
-        "The parameters are updated from gradients that were not reduced across replicas, so "
-        "every replica trains its own copy: reduce them first, grads = "
-        'jm.all_reduce("mean", grads), before optimizer.update(model, grads) or '
-        "state.apply_gradients(grads=grads)."
+        "Parameters that come back different on each replica are most often updated from "
+        "gradients that were not reduced across replicas, so that every replica trains its own "
+        'copy: reduce them first, grads = jm.all_reduce("mean", grads), before '
+        "optimizer.update(model, grads) or state.apply_gradients(grads=grads). Otherwise reduce "
+        "whatever else they are computed from (jm.all_reduce, jm.sync)."
     ),
 }
 _OTHERWISE = (
