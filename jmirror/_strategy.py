@@ -397,17 +397,7 @@ class MirroredStrategy:
             True
         """
         cross_replica = self._cross_replica("split_key(key)")
-        typed = isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
-        raw = isinstance(key, jax.Array | np.ndarray) and key.dtype == np.uint32 and key.ndim == 1
-        if not (typed or raw):
-            found = f"{type(key).__name__} {key!r}"[:80]
-            if isinstance(key, jax.Array | np.ndarray):
-                found = f"an array of shape {key.shape} and dtype {key.dtype}"
-            raise TypeError(
-                f"strategy.split_key(key) expects a PRNG key (jax.random.key(seed), or the raw "
-                f"uint32 key of jax.random.PRNGKey(seed)); got {found}. Make one from a seed: "
-                "strategy.split_key(jax.random.key(seed))."
-            )
+        _check_key(key)
         return cross_replica.split_key(key)
 
     def read(self, tree: PyTree) -> PyTree:
@@ -545,17 +535,7 @@ class MirroredStrategy:
                 "strategy.run was called inside a merge_call's merge_fn; replicated functions "
                 "do not nest. Compute in merge_fn directly, or return to the replica function."
             )
-        if not isinstance(args, tuple | list):
-            raise TypeError(
-                f"strategy.run(fn, args=...) expects a tuple or list of fn's arguments; got a "
-                f"{type(args).__name__}. For one argument pass args=(x,)."
-            )
-        if kwargs is not None and not isinstance(kwargs, Mapping):
-            raise TypeError(
-                f"strategy.run(fn, kwargs=...) expects a dict of fn's keyword arguments; got a "
-                f"{type(kwargs).__name__}. Pass kwargs={{'name': value}}, or positional "
-                "arguments as args=(...)."
-            )
+        _check_run_arguments(args, kwargs)
         key = fn if per_replica is None else (fn, per_replica)
         replicated = self._run_cache.get(key)
         if replicated is None:
@@ -592,10 +572,7 @@ class MirroredStrategy:
             []
         """
         if not isinstance(reset, bool | np.bool_):
-            raise TypeError(
-                f"strategy.step_stats(reset=...) expects True or False; got {reset!r} "
-                f"({type(reset).__name__}). Pass reset=True to read and start counting again."
-            )
+            raise TypeError(f"strategy.step_stats(reset=...) expects True or False; got {reset!r}.")
         several = self._topology.process_count > 1
         return self._dispatch.stats.stats(
             bool(reset), self._topology.process_index if several else None
@@ -724,3 +701,34 @@ def _strongly_typed(x: Any) -> Any:
     if type(x) in PYTHON_NUMBERS:
         return np.asarray(x, dtype=jax.dtypes.canonicalize_dtype(jnp.result_type(x)))
     return x
+
+
+def _check_key(key: object) -> None:
+    """Refuses what is not a PRNG key: a typed key, or a raw uint32 one."""
+    typed = isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    raw = isinstance(key, jax.Array | np.ndarray) and key.dtype == np.uint32 and key.ndim == 1
+    if typed or raw:
+        return
+    found = f"{type(key).__name__} {key!r}"[:80]
+    if isinstance(key, jax.Array | np.ndarray):
+        found = f"an array of shape {key.shape} and dtype {key.dtype}"
+    raise TypeError(
+        f"strategy.split_key(key) expects a PRNG key (jax.random.key(seed), or the raw uint32 "
+        f"key of jax.random.PRNGKey(seed)); got {found}. Make one from a seed: "
+        "strategy.split_key(jax.random.key(seed))."
+    )
+
+
+def _check_run_arguments(args: object, kwargs: object) -> None:
+    """Refuses `strategy.run` arguments that are not a tuple or list, keywords not a mapping."""
+    if not isinstance(args, tuple | list):
+        raise TypeError(
+            f"strategy.run(fn, args=...) expects a tuple or list of fn's arguments; got a "
+            f"{type(args).__name__}. For one argument pass args=(x,)."
+        )
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(
+            f"strategy.run(fn, kwargs=...) expects a dict of fn's keyword arguments; got a "
+            f"{type(kwargs).__name__}. Pass kwargs={{'name': value}}, or positional arguments "
+            "as args=(...)."
+        )
