@@ -705,7 +705,7 @@ def _strongly_typed(x: Any) -> Any:
 
 def _check_key(key: object) -> None:
     """Refuses what is not a PRNG key: a typed key, or a raw uint32 one."""
-    typed = isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    typed = isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
     raw = isinstance(key, jax.Array | np.ndarray) and key.dtype == np.uint32 and key.ndim == 1
     if typed or raw:
         return
