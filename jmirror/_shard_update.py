@@ -38,6 +38,9 @@ from jmirror._shard_jaxpr import Layout, Piece, Pieces, run
 from jmirror._topology import Topology
 from jmirror._values import PyTree, Sharded
 
+# Parameter leaves traced into `inner.update`: arrays and numbers (the rest is passed as it is).
+_ARRAYS = (jax.Array, np.ndarray, np.generic, int, float, complex)
+
 # The default `bucket_bytes`: measured best on 8 XLA:CPU host devices (the largest Adam model
 # in a per-device budget 1.99x the mirrored one's, at the same step time;
 # benchmarks/RESULTS.md). One buffer per dtype keeps a packed copy of every gradient alive.
@@ -317,6 +320,10 @@ def _update(
     state_nodes, state_def = jax.tree.flatten(state, is_leaf=lambda x: isinstance(x, Sharded))
     _check_state(state, pieces)
     param_leaves, param_def = jax.tree.flatten(params)
+    # Only the parameters' arrays are traced: a whole equinox module passed as `params` also
+    # holds functions and flags, which `inner.update` sees as they are (as optax does).
+    traced_at = [i for i, p in enumerate(param_leaves) if isinstance(p, _ARRAYS)]
+    param_arrays = [param_leaves[i] for i in traced_at]
 
     grads_in = _scatter_mean(grad_leaves, pieces, bucket_bytes, reduce_dtype)
     state_in = [
@@ -328,20 +335,23 @@ def _update(
         for x in state_nodes
     ]
     avals = [jax.typeof(g) for g in grad_leaves] + full_state
-    avals += [jax.typeof(p) for p in param_leaves]
+    avals += [jax.typeof(p) for p in param_arrays]
     sizes = (len(grad_leaves), len(state_nodes))
     out_def: list[Any] = []
 
     def flat_update(*flat: PyTree) -> list[Any]:
         g = grad_def.unflatten(flat[: sizes[0]])
         s = state_def.unflatten(flat[sizes[0] : sizes[0] + sizes[1]])
-        p = param_def.unflatten(flat[sizes[0] + sizes[1] :])
+        leaves = list(param_leaves)
+        for i, traced in zip(traced_at, flat[sizes[0] + sizes[1] :]):
+            leaves[i] = traced
+        p = param_def.unflatten(leaves)
         out, tree = jax.tree.flatten(inner.update(g, s, p))
         out_def.append(tree)
         return out
 
     closed = jax.make_jaxpr(flat_update)(*avals)
-    outs = run(closed, grads_in + state_in + param_leaves, pieces)
+    outs = run(closed, grads_in + state_in + param_arrays, pieces)
     updates_def, new_state_def = out_def[0].children()
     n_updates = updates_def.num_leaves
     outs[:n_updates] = _gather(outs[:n_updates], pieces, bucket_bytes)

@@ -587,8 +587,11 @@ def test_checkpoint_of_a_module_restores_into_a_target(strategy, tmp_path):
         np.testing.assert_array_equal(np.asarray(strategy.read(a)), np.asarray(b))
 
 
-def test_shard_update_on_a_module(strategy, n):
-    tx = optax.adam(1e-2)
+@pytest.mark.parametrize("whole", [False, True], ids=["filtered", "whole module"])
+def test_shard_update_on_a_module(strategy, n, whole):
+    # adamw reads the parameters (weight decay). equinox's own examples pass the whole model
+    # as `params`, functions and all, which optax takes as it is.
+    tx = optax.adamw(1e-2, weight_decay=0.1)
     sharded = jm.shard_update(tx)
     model = _mlp()
     params = eqx.filter(model, eqx.is_array)
@@ -596,7 +599,8 @@ def test_shard_update_on_a_module(strategy, n):
 
     def step(model, opt_state, x, y):
         loss, grads = eqx.filter_value_and_grad(_loss)(model, x, y)
-        updates, opt_state = sharded.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        params = model if whole else eqx.filter(model, eqx.is_array)
+        updates, opt_state = sharded.update(grads, opt_state, params)
         return eqx.apply_updates(model, updates), opt_state, jm.all_reduce("mean", loss)
 
     step = jm.replicate(step, strategy=strategy)
@@ -607,6 +611,8 @@ def test_shard_update_on_a_module(strategy, n):
         m, o, loss = step(m, o, _split(n, x), _split(n, y))
         losses.append(float(strategy.read(loss)))
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for got, want in zip(_arrays(strategy.read(m)), _arrays(want_model)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 class _PReLUNet(eqx.Module):
