@@ -587,6 +587,24 @@ def test_checkpoint_of_a_module_restores_into_a_target(strategy, tmp_path):
         np.testing.assert_array_equal(np.asarray(strategy.read(a)), np.asarray(b))
 
 
+class _Tagged(eqx.Module):
+    weight: jax.Array
+    tag: object  # static: not written; a target's own value comes back, whatever its shape
+
+
+@pytest.mark.parametrize(
+    "saved, wanted",
+    [("a", ("a",)), (("a",), "a"), (("a",), ("a", "b")), (None, "a"), (jnp.add, None)],
+)
+def test_a_target_whose_static_fields_differ_from_the_saved_ones(strategy, tmp_path, saved, wanted):
+    jm.checkpoint.save(tmp_path / "ckpt", strategy.mirror(_Tagged(jnp.arange(3.0), saved)))
+    restored = jm.checkpoint.restore(tmp_path / "ckpt", target=_Tagged(jnp.zeros(3), wanted))
+    assert restored.tag == wanted
+    np.testing.assert_array_equal(np.asarray(strategy.read(restored.weight)), [0.0, 1.0, 2.0])
+    with pytest.raises(ValueError, match=r"\.weight"):  # arrays still have to match
+        jm.checkpoint.restore(tmp_path / "ckpt", target=_Tagged(jnp.zeros(4), wanted))
+
+
 @pytest.mark.parametrize("whole", [False, True], ids=["filtered", "whole module"])
 def test_shard_update_on_a_module(strategy, n, whole):
     # adamw reads the parameters (weight decay). equinox's own examples pass the whole model
