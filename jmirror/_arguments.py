@@ -125,6 +125,35 @@ class Layout:
         )
 
 
+def _per_replica_at_leaves(treedef: Any) -> Any:
+    """Returns `treedef` with every `PerReplica` of a subtree pushed down to its leaves (the
+    same leaves in the same order); `treedef` itself when it has none."""
+    if not _has_per_replica_subtree(treedef):
+        return treedef
+
+    def push(node: Any) -> Any:
+        if isinstance(node, PerReplica) and not node.is_component:
+            return jax.tree.map(PerReplica, node.values)
+        return node
+
+    try:
+        placeholders = treedef.unflatten(range(treedef.num_leaves))
+        pushed = jax.tree.map(push, placeholders, is_leaf=lambda x: isinstance(x, PerReplica))
+    except Exception:  # a node whose unflatten checks its children: keep it as it is
+        return treedef
+    return jax.tree.structure(pushed)
+
+
+def _has_per_replica_subtree(treedef: Any) -> bool:
+    data = treedef.node_data()
+    if data is None:
+        return False
+    children = treedef.children()
+    if data[0] is PerReplica and data[1] is None and children[0].node_data() is not None:
+        return True
+    return any(_has_per_replica_subtree(child) for child in children)
+
+
 def leaf_policies(treedef: Any, policy_of: LeafPolicy) -> list[Callable[[Any], bool] | None]:
     """Returns, per leaf of `treedef`, the predicate of the nearest policed node above it."""
     split: list[bool] = []
@@ -454,10 +483,19 @@ class Arguments:
         return prepared, leaves, types
 
     def _layout(self, treedef: Any) -> Layout:
-        """Returns the `Layout` of an arguments' structure (made once per structure)."""
+        """Returns the `Layout` of an arguments' structure (made once per structure).
+
+        A `PerReplica` of a tree and the tree of `PerReplica` leaves a step returns for it
+        are one layout (the same leaves, each split): passing a step's per-replica output
+        back does not compile the step again.
+        """
         layout = self._layouts.get(treedef)
         if layout is None:
-            layout = self._layouts[treedef] = Layout.of(treedef, self._policy_of)
+            canonical = _per_replica_at_leaves(treedef)
+            layout = self._layouts.get(canonical)
+            if layout is None:
+                layout = self._layouts[canonical] = Layout.of(canonical, self._policy_of)
+            self._layouts[treedef] = layout
         return layout
 
     def _joined(

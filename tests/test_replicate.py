@@ -163,6 +163,23 @@ def test_compiles_once_per_signature(strategy, n):
     np.testing.assert_array_equal(strategy.read(w), [3.0, 3.0])
 
 
+def test_per_replica_state_passed_back_as_returned_compiles_once(strategy, n):
+    # In: one PerReplica of a dict (distribute_values_from_function's form); out: the dict of
+    # PerReplica leaves. Both are the same leaves, each split over the replicas.
+    @jm.replicate(strategy=strategy)
+    def step(state, x):
+        return {"w": state["w"] + x, "count": state["count"] + 1}
+
+    state = jm.PerReplica({"w": np.zeros((n, 3), np.float32), "count": np.zeros(n, np.int32)})
+    x = jm.PerReplica(np.arange(3 * n, dtype=np.float32).reshape(n, 3))
+    for _ in range(3):
+        state = step(state, x)
+    assert step.num_compilations == 1
+    assert isinstance(state["w"], jm.PerReplica)
+    np.testing.assert_array_equal(strategy.gather(state["w"]), 3 * np.asarray(x.values).ravel())
+    np.testing.assert_array_equal(strategy.gather(state["count"]), np.full(n, 3))
+
+
 def test_static_argnums_and_decorator_forms(strategy, n):
     @functools.partial(jm.replicate, static_argnums=(1,), strategy=strategy)
     def scale(x, k):
