@@ -463,12 +463,41 @@ def _first_component(topology: Topology, value: PyTree) -> jax.Array:
     return jax.device_put(stacked, topology.stacked)
 
 
-def _argnums(name: str, value: int | Sequence[int]) -> tuple[int, ...]:
+def _argnums(name: str, value: int | Sequence[int], fn: Callable[..., Any]) -> tuple[int, ...]:
+    """Returns the argument numbers `value` (negative ones counted from the end of `fn`'s
+    positional parameters, as `jax.jit` counts them)."""
     values = (value,) if isinstance(value, int) else tuple(value)
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise TypeError(f"jm.replicate({name}=...) expects non-negative ints, got {value!r}.")
-    return values
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"jm.replicate({name}=...) expects ints, got {value!r}.")
+    if all(v >= 0 for v in values):
+        return values
+    count = _positional_count(fn)
+    if count is None:
+        raise TypeError(
+            f"jm.replicate({name}={value!r}): a negative argument number counts from the end "
+            f"of the function's positional parameters, and {_function_name(fn)} has no fixed "
+            "number of them (*args, or no signature). Give the numbers from 0."
+        )
+    if any(v < -count for v in values):
+        raise ValueError(
+            f"jm.replicate({_function_name(fn)}) got {name}={value!r}, but the function takes "
+            f"{count} positional argument(s): {min(values)} names none of them. Give the "
+            "indices of its arguments (from 0, or from -1 for the last)."
+        )
+    return tuple(sorted({v + count if v < 0 else v for v in values}))
+
+
+def _positional_count(fn: Callable[..., Any]) -> int | None:
+    """Returns how many positional parameters `fn` has (None: *args, or no signature)."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    kinds = inspect.Parameter
+    if any(p.kind is kinds.VAR_POSITIONAL for p in parameters):
+        return None
+    return sum(p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD) for p in parameters)
 
 
 def _argnames(value: str | Sequence[str]) -> tuple[str, ...]:
@@ -572,8 +601,8 @@ def replicate(
         )
     if not callable(fn):
         raise TypeError(f"jm.replicate expects a callable, got {fn!r}.")
-    donate = _argnums("donate_argnums", donate_argnums)
-    static = _argnums("static_argnums", static_argnums)
+    donate = _argnums("donate_argnums", donate_argnums, fn)
+    static = _argnums("static_argnums", static_argnums, fn)
     _check_against_signature(fn, donate, static, _argnames(static_argnames))
     static, names = _infer_static(fn, static, _argnames(static_argnames))
     if set(static) & set(donate):

@@ -295,6 +295,17 @@ def test_argument_numbers_and_names_the_function_does_not_take_are_refused(n):
     ]:
         with pytest.raises(ValueError, match=named):
             jm.replicate(step, **options)
+    # Negative numbers count from the last positional parameter, as in jax.jit.
+    last = jm.replicate(lambda params, scale: params * scale, static_argnums=-1)
+    out = last(jm.PerReplica(np.ones((n, 2), np.float32)), 2.0)
+    assert last.num_compilations == 1
+    last(jm.PerReplica(np.ones((n, 2), np.float32)), 3.0)  # a new static value
+    assert last.num_compilations == 2
+    np.testing.assert_array_equal(jm.MirroredStrategy().gather(out, axis=0), np.full(2 * n, 2))
+    with pytest.raises(ValueError, match=r"static_argnums=-3.*2 positional"):
+        jm.replicate(step, static_argnums=-3)
+    with pytest.raises(TypeError, match=r"no fixed number"):
+        jm.replicate(lambda *args: args[0], static_argnums=-1)
     # *args and **kwargs take any number and any name; a method counts `self`.
     jm.replicate(lambda *args: args[0], donate_argnums=4)
     jm.replicate(lambda x, **options: x, static_argnames="lr")
