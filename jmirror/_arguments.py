@@ -212,12 +212,17 @@ class Plan:
         named = [(f"args[{i}]", value) for i, value in zip(at, self.static_args)]
         return named + [(f"kwargs[{k!r}]", value) for k, value in self.static_kwargs]
 
-    def rebuild(self, donated: Sequence[Any], others: Sequence[Any]) -> tuple[tuple, dict]:
-        """Returns the call's `(args, kwargs)` from its traced leaves."""
+    def rebuild(
+        self, donated: Sequence[Any], others: Sequence[Any], treedef: Any = None
+    ) -> tuple[tuple, dict]:
+        """Returns the call's `(args, kwargs)` from its traced leaves (in `treedef`, the
+        structure of a call's `(donated args, other args, kwargs)` with these leaves, when
+        given: its own `PerReplica` nodes where the layout's have them at the leaves)."""
         leaves = [*donated, *others]
         for i, value in self.statics:
             leaves.insert(i, value)
-        donated_args, other_args, kwargs = self.layout.treedef.unflatten(leaves)
+        treedef = self.layout.treedef if treedef is None else treedef
+        donated_args, other_args, kwargs = treedef.unflatten(leaves)
         if self.static_kwargs:
             kwargs = dict(kwargs, **dict(self.static_kwargs))
         groups = (iter(donated_args), iter(other_args), iter(self.static_args))
@@ -375,6 +380,16 @@ class Prepared(NamedTuple):
     others: tuple
     tree: tuple
     given: tuple
+
+    def arguments(self) -> tuple[tuple, dict]:
+        """Returns the call's `(args, kwargs)` as the caller structured them (for messages:
+        paths as the caller wrote them)."""
+        given = jax.tree.structure(self.given)
+        count = len(self.donated) + len(self.others) + len(self.plan.statics)
+        # An adapter's arguments (NNX objects) flatten by its own rules: their layout's then.
+        return self.plan.rebuild(
+            self.donated, self.others, given if given.num_leaves == count else None
+        )
 
     def with_leaves(self, leaves: list[Any]) -> Prepared:
         """Returns the same call with these flat leaves (statics included) instead."""

@@ -221,7 +221,7 @@ class CrossReplica(abc.ABC):
         news = treedef.flatten_up_to(value)
         paths = [jax.tree_util.keystr(q) for q, _ in jax.tree_util.tree_flatten_with_path(value)[0]]
         for i, dtype in dtypes.items():
-            _check_assigned(paths[i], held[i], dtype, news[i])
+            _check_assigned(paths[i], held[i], dtype, news[i], n if is_sum else None)
 
         def spread(
             dtype: jax.typing.DTypeLike,
@@ -233,9 +233,11 @@ class CrossReplica(abc.ABC):
         ) -> jax.Array:
             new = jnp.asarray(new)
             if spread(dtype):
-                new = new.astype(dtype)
-                extra = (replica < jnp.remainder(new, n)).astype(dtype)
-                return jnp.floor_divide(new, n) + extra
+                # Divided before the cast: the sum may be beyond the dtype, its shares not.
+                wide = jnp.promote_types(dtype, jnp.int32)
+                new = new.astype(wide)
+                extra = (replica < jnp.remainder(new, n)).astype(wide)
+                return (jnp.floor_divide(new, n) + extra).astype(dtype)
             return (new / n if is_sum else new).astype(dtype)
 
         aggregation = sync_on_read.aggregation
@@ -316,10 +318,10 @@ def _check_components_axis(
             )
 
 
-def _check_assigned(where: str, held: PyTree, dtype: Any, new: PyTree) -> None:
+def _check_assigned(where: str, held: PyTree, dtype: Any, new: PyTree, n: int | None) -> None:
     """Raises when `new` cannot be a `SyncOnRead` leaf's value exactly: another shape than a
-    replica's component, or a dtype that casting to the leaf's would change (a float into an
-    integer leaf)."""
+    replica's component, a dtype that casting to the leaf's would change (a float into an
+    integer leaf), or an integer SUM over `n` replicas whose shares the dtype cannot hold."""
     where = where or "<root>"
     component = tuple(np.shape(held)[1:])
     if tuple(np.shape(new)) != component:
@@ -336,3 +338,14 @@ def _check_assigned(where: str, held: PyTree, dtype: Any, new: PyTree) -> None:
             "value. Pass a value whose dtype casts to it unchanged (round it first, for "
             "example), or make the SyncOnRead with the dtype you mean to assign."
         )
+    if n is not None and jnp.issubdtype(dtype, jnp.integer):
+        info = np.iinfo(dtype)
+        value = np.asarray(new, np.int64)
+        low, high = np.floor_divide(value, n), -np.floor_divide(-value, n)  # the shares
+        if np.size(value) and (low.min() < info.min or high.max() > info.max):
+            raise ValueError(
+                f"strategy.assign: the value at {where} sums over {n} replicas to shares from "
+                f"{int(low.min())} to {int(high.max())}, beyond what the SyncOnRead's dtype "
+                f"{np.dtype(dtype).name} holds ({info.min} to {info.max}). "
+                "Make the SyncOnRead with a wider dtype."
+            )

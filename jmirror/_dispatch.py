@@ -280,7 +280,7 @@ class Donation:
         if not _safe_flat(donated, concrete, prepared.others):
             if shared and not (concrete and any(map(_IS_DELETED, donated))):
                 return False  # one buffer twice cannot be donated; nothing is deleted
-            args, kwargs = prepared.plan.rebuild(prepared.donated, prepared.others)
+            args, kwargs = prepared.arguments()
             _explain_donated(call, args, kwargs, self.argnums)
         return True
 
@@ -402,7 +402,7 @@ def refuse_deleted(call: object, prepared: PyTree) -> None:
         caller), naming its path and the fix.
     """
     if _any_deleted(prepared.others) or _any_deleted(prepared.donated):
-        args, kwargs = prepared.plan.rebuild(prepared.donated, prepared.others)
+        args, kwargs = prepared.arguments()
         explain_deleted(call, {"args": args, "kwargs": kwargs})
 
 

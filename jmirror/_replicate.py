@@ -385,7 +385,7 @@ def _abstract_argument(prepared: Prepared) -> str | None:
 def _argument_path(prepared: Prepared, match: Callable[[Any], bool]) -> str | None:
     """Returns the path (`args[1]['w']`, `kwargs['x']`) of the first traced argument leaf that
     `match` takes, or None."""
-    args, kwargs = prepared.plan.rebuild(prepared.donated, prepared.others)
+    args, kwargs = prepared.arguments()
     for prefix, tree in (("args", args), ("kwargs", kwargs)):
         for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
             if match(x):

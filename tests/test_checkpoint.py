@@ -328,6 +328,46 @@ def test_sync_on_read_target_from_another_replica_count(n, tmp_path):
     assert float(one.read(out["loss"])) == 2.0 * n
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn, np.float16])
+@pytest.mark.parametrize("aggregation", ["sum", "mean"])
+def test_a_low_precision_sync_on_read_restores_onto_another_replica_count(
+    n, tmp_path, dtype, aggregation
+):
+    # numpy does not count bfloat16 and the float8 types as floating: they were divided as
+    # integers (a SUM) or rounded to integers (a MEAN).
+    strategy = jm.MirroredStrategy()
+    value = np.array([2.5, -10.0, 60.0], dtype)
+    saved = strategy.assign(strategy.sync_on_read(np.zeros(3, dtype), aggregation), value)
+    jm.checkpoint.save(tmp_path / "c", {"s": saved}, strategy=strategy)
+    three = jm.MirroredStrategy(num_devices=min(3, n))
+    target = {"s": three.sync_on_read(np.zeros(3, dtype), aggregation)}
+    out = jm.checkpoint.restore(tmp_path / "c", target=target, strategy=three)
+    # Up to the dtype's rounding of value / N (its mantissa: 7 bits, 3 bits, 10 bits).
+    rtol = {jnp.bfloat16: 2**-7, jnp.float8_e4m3fn: 2**-3, np.float16: 2**-10}[dtype]
+    read = np.asarray(strategy.read(saved), np.float32)
+    np.testing.assert_allclose(np.asarray(three.read(out["s"]), np.float32), read, rtol=rtol)
+    assert np.all(np.sign(read) == np.sign(value.astype(np.float32)))
+
+
+@pytest.mark.parametrize("component", [np.int8(100), np.bool_(True)])
+def test_an_integer_sum_the_replica_count_cannot_hold_is_refused_at_restore(n, tmp_path, component):
+    if n < 4:
+        pytest.skip("restores a sum of 4 or more components onto 3 replicas")
+    strategy = jm.MirroredStrategy()
+    saved = strategy.sync_on_read(
+        component, "sum"
+    )  # every replica's component: the sum is n of them
+    jm.checkpoint.save(tmp_path / "c", {"s": saved}, strategy=strategy)
+    three = jm.MirroredStrategy(num_devices=3)
+    target = {"s": three.sync_on_read(np.zeros((), component.dtype), "sum")}
+    if component.dtype == np.int8 and n < 8:  # 100 n / 3 fits an int8: restored exactly
+        out = jm.checkpoint.restore(tmp_path / "c", target=target, strategy=three)
+        assert int(three.read(out["s"])) == 100 * n
+        return
+    with pytest.raises(ValueError, match=r"at \['s'\].* reads .*3 replicas cannot hold"):
+        jm.checkpoint.restore(tmp_path / "c", target=target, strategy=three)
+
+
 # --- files -------------------------------------------------------------------------------------
 
 

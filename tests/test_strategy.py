@@ -191,6 +191,15 @@ def test_assign_integer_sum_spreads_the_remainder(strategy, n, value):
     assert int(strategy.read(v)) == value
 
 
+def test_assign_of_an_integer_sum_beyond_the_dtype_divides_before_casting(strategy, n):
+    # The sum may be beyond an int8; each replica's share of it has to fit.
+    value = 100 * n
+    v = strategy.assign(strategy.sync_on_read(np.int8(0), "sum"), value)
+    assert v.value.dtype == np.int8 and int(strategy.read(v)) == value
+    with pytest.raises(ValueError, match=r"shares from .* beyond what the SyncOnRead's dtype int8"):
+        strategy.assign(strategy.sync_on_read(np.int8(0), "sum"), 128 * n + 1)
+
+
 def test_read_sync_on_read_aggregations(strategy, n):
     components = np.arange(n, dtype=np.float32) + 1
     ids = strategy.distribute_values_from_function(lambda ctx: components[ctx.replica_id])

@@ -16,6 +16,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jmirror import _shim
@@ -438,7 +439,7 @@ def _place_leaves(
             if leaf.components is not None and as_saved:  # as they were: bitwise resume
                 out[i] = arrays[leaf.components]
             elif leaf.kind == "aggregated":
-                out[i] = _components(leaf, host, n)
+                out[i] = _components(leaf, host, n, call)
             else:
                 out[i] = host
     if placed:
@@ -496,10 +497,16 @@ def _rebuilt_leaves(tree: Tree, path: tuple = ()) -> list[tuple[tuple, Any]]:
     return out
 
 
-def _components(leaf: Leaf, value: np.ndarray, n: int) -> np.ndarray:
-    """Returns N components whose aggregation is `value`, as `strategy.assign` places them."""
-    dtype = leaf.dtype
+def _components(leaf: Leaf, value: np.ndarray, n: int, call: str) -> np.ndarray:
+    """Returns N components whose aggregation is `value`, as `strategy.assign` places them.
+
+    Raises:
+      ValueError: an integer or bool SUM whose share per replica does not fit the dtype.
+    """
+    dtype = np.asarray(value).dtype if leaf.dtype is None else leaf.dtype
     aggregation = leaf.aggregation
+    # jnp's, not np's: numpy does not count bfloat16 and the float8 types as floating.
+    floating = bool(jnp.issubdtype(dtype, jnp.inexact))
     if aggregation is Aggregation.SUM and leaf.metric:
         # As `MetricComponents` takes a value: replica 0's component, zero elsewhere (the
         # sum is then exact for floats too).
@@ -507,14 +514,26 @@ def _components(leaf: Leaf, value: np.ndarray, n: int) -> np.ndarray:
         out[0] = value
         return out
     if aggregation is Aggregation.SUM:
-        if np.issubdtype(dtype, np.inexact):
-            each = (value / n).astype(dtype)
+        if floating:
+            each = (np.asarray(value, np.float64) / n).astype(dtype)
             return np.broadcast_to(each, (n,) + each.shape).copy()
-        # Integers: value // N each, the remainder spread one unit over the first replicas.
-        quotient, remainder = np.divmod(value, n)
+        # Integers and bools: value // N each, the remainder spread one unit over the first
+        # replicas (a bool SUM of v <= N: v replicas hold True).
+        quotient, remainder = np.divmod(np.asarray(value, np.int64), n)
         ids = np.arange(n).reshape((n,) + (1,) * np.ndim(value))
-        return (quotient[None] + (ids < remainder[None])).astype(dtype)
-    if aggregation is Aggregation.MEAN and not np.issubdtype(dtype, np.inexact):
+        parts = quotient[None] + (ids < remainder[None])
+        low, high = (0, 1) if dtype == np.bool_ else (np.iinfo(dtype).min, np.iinfo(dtype).max)
+        if parts.size and (parts.min() < low or parts.max() > high):
+            where = jax.tree_util.keystr(leaf.path) or "<root>"
+            read = np.asarray(value).max() if parts.max() > high else np.asarray(value).min()
+            raise ValueError(
+                f"{call}: the SyncOnRead (SUM) at {where} reads {read}, which {n} replicas "
+                "cannot hold in components of dtype "
+                f"{_format.dtype_name(dtype)} ({low} to {high} each). Restore onto the replica "
+                "count that saved it, or save the SyncOnRead with a wider dtype."
+            )
+        return parts.astype(dtype)
+    if aggregation is Aggregation.MEAN and not floating:
         value = np.rint(value)  # an integer MEAN reads as a float: nearest, ties to even
     each = np.asarray(value).astype(dtype)
     return np.broadcast_to(each, (n,) + each.shape).copy()
