@@ -23,9 +23,10 @@ caller's objects after the step. An *adapter* owns one such kind. For each call 
   - `flat` (optional): the arguments as the adapter already flattened them, per argument,
     so that the call does not flatten them again (NNX objects flatten in Python).
 
-- `Adapter.check_plain(name, in_treedef)`, once per input signature of a call it did not
-  adapt: refuses what it would have had to adapt but could not see (an NNX object nested
-  deeper than `adapt` looks).
+- `Adapter.deep(in_treedef)`, once per argument structure of a call no adapter took:
+  whether arguments of that structure hold its kind where `adapt`'s quick look (which runs
+  on every call) does not reach (an NNX object two containers deep); the call is then
+  adapted with `adapt(..., deep=True)`, which takes it without the quick look.
 
 A variant's replica function may also return, as the last item of a tuple result, an
 `OutputLayout`: a static value (it leaves the trace as a Python object, with no array) whose
@@ -105,12 +106,16 @@ class Adapter(Protocol):
     """One kind of argument that a replicated call runs through a variant of its function,
     or whose nodes it polices."""
 
-    def adapt(self, args: tuple, kwargs: dict, static_argnums: tuple[int, ...]) -> Adapted | None:
-        """Returns the call's `Adapted`, or None when it holds nothing of this kind."""
+    def adapt(
+        self, args: tuple, kwargs: dict, static_argnums: tuple[int, ...], deep: bool = False
+    ) -> Adapted | None:
+        """Returns the call's `Adapted`, or None when it holds nothing of this kind (`deep`:
+        `deep(...)` found its kind in the arguments: take the call without looking)."""
         ...
 
-    def check_plain(self, name: str, in_treedef: Any) -> None:
-        """Refuses, at trace time, a call that holds this kind where `adapt` did not look."""
+    def deep(self, in_treedef: Any) -> bool:
+        """Returns whether arguments of this structure hold this kind beyond `adapt`'s quick
+        look."""
         ...
 
     def leaf_policy(self, node_type: type) -> Callable[[Any], bool] | None:
@@ -129,19 +134,22 @@ def register(adapter: Adapter) -> None:
         _POLICIES.clear()
 
 
-def adapt(args: tuple, kwargs: dict, static_argnums: tuple[int, ...]) -> Adapted | None:
-    """Returns the `Adapted` of the first adapter that takes the call, or None."""
+def adapt(
+    args: tuple, kwargs: dict, static_argnums: tuple[int, ...], deep: bool = False
+) -> Adapted | None:
+    """Returns the `Adapted` of the first adapter that takes the call, or None (`deep`: the
+    adapters whose `deep` finds their kind in the arguments take it without their quick look)."""
     for adapter in ADAPTERS:
-        adapted = adapter.adapt(args, kwargs, static_argnums)
+        adapted = adapter.adapt(args, kwargs, static_argnums, deep)
         if adapted is not None:
             return adapted
     return None
 
 
-def check_plain(name: str, in_treedef: Any) -> None:
-    """Refuses, at trace time, a call no adapter took that holds what one must see."""
-    for adapter in ADAPTERS:
-        adapter.check_plain(name, in_treedef)
+def deep(in_treedef: Any) -> bool:
+    """Returns whether a call of this argument structure, which no adapter took, holds what
+    one must take (beyond its quick look)."""
+    return any(adapter.deep(in_treedef) for adapter in ADAPTERS)
 
 
 def leaf_policy(node_type: type) -> Callable[[Any], bool] | None:

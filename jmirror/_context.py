@@ -137,6 +137,14 @@ class TraceRound:
         return marked, known, answered
 
 
+# tf.distribute.ReplicaContext's names with another name in jmirror.
+_TF_REPLICA_CONTEXT_NAMES = {
+    "replica_id_in_sync_group": "replica_context.replica_id (or jm.replica_id())",
+    "num_replicas_in_sync": "replica_context.num_replicas (or jm.num_replicas())",
+    "devices": "strategy.replica_devices(i), outside the replica function",
+}
+
+
 class ReplicaContext:
     """The context of one replica, inside a function run by `jm.replicate` / `strategy.run`.
 
@@ -152,6 +160,12 @@ class ReplicaContext:
         >>> float(strategy.read(strategy.run(step))) == strategy.num_replicas
         True
     """
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names the class lacks: tf.distribute's names point to jmirror's.
+        ours = _TF_REPLICA_CONTEXT_NAMES.get(name)
+        hint = f"; tf.distribute's {name} is jmirror's {ours}" if ours else ""
+        raise AttributeError(f"'ReplicaContext' object has no attribute {name!r}{hint}")
 
     def __init__(self, strategy: Runner, trace: TraceRound):
         self._strategy = strategy
@@ -586,7 +600,12 @@ def pop_strategy() -> None:
 
 
 def current_strategy() -> Strategy:
-    """Returns the innermost strategy in scope, else the default one (created once)."""
+    """Returns the strategy running the replica function (or `merge_fn`) the caller is in, as
+    in tf.distribute; else the innermost strategy in scope, else the default one (created
+    once)."""
+    if _STACK.frames:
+        frame = _STACK.frames[-1]
+        return (frame.context if isinstance(frame, _MergeFrame) else frame).strategy
     if _STACK.strategies:
         return _STACK.strategies[-1]
     if not _DEFAULT:

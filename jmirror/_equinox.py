@@ -39,12 +39,15 @@ def is_module(x: Any) -> bool:
 class EquinoxAdapter:
     """The `jmirror._adapter.Adapter` of equinox modules: their non-array leaves are static."""
 
-    def adapt(self, args: tuple, kwargs: dict, static_argnums: tuple[int, ...]) -> Adapted | None:
+    def adapt(
+        self, args: tuple, kwargs: dict, static_argnums: tuple[int, ...], deep: bool = False
+    ) -> Adapted | None:
         """Returns None: an equinox module runs through the user's own function."""
         return None
 
-    def check_plain(self, name: str, in_treedef: Any) -> None:
-        """Refuses nothing: equinox modules need no variant."""
+    def deep(self, in_treedef: Any) -> bool:
+        """Returns False: equinox modules need no variant."""
+        return False
 
     def leaf_policy(self, node_type: type) -> Any:
         """Returns `is_array` for `eqx.Module` subclasses (their other leaves are static)."""

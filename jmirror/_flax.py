@@ -26,9 +26,10 @@ from jmirror._values import PyTree
 
 BATCH_NORM = (
     "An nnx.BatchNorm without axis_name computes its statistics over one replica's batch, and "
-    "they drift apart per replica: call jm.sync_batch_norm(model) once before training (the "
-    "model definition stays as it is), or build it as nnx.BatchNorm(..., "
-    "axis_name=strategy.axis_name); the statistics are then over the global batch."
+    "they drift apart per replica: call jm.sync_batch_norm(model, strategy) once before "
+    "training, with the strategy that runs the step (the model definition stays as it is), "
+    "or build it as nnx.BatchNorm(..., axis_name=strategy.axis_name); the statistics are then "
+    "over the global batch."
 )
 LINEN_BATCH_NORM = (
     "A linen nn.BatchNorm without axis_name computes its batch_stats over one replica's batch: "

@@ -49,8 +49,8 @@ from jmirror._values import PyTree, Sharded, SyncOnRead, is_distributed
 if TYPE_CHECKING:
     from flax.nnx import Variable
 
-# Items of a container argument looked at by `_has_nodes`; NNX objects deeper in the
-# arguments are refused once per input signature by `_check_nested`.
+# Items of a container argument looked at by `_has_nodes` on every call; NNX objects deeper
+# in the arguments, or past these, are found once per argument structure (`NnxAdapter.deep`).
 _SCAN_ITEMS = 16
 # The rng stream that draws identically on every replica.
 PARAMS_STREAM = "params"
@@ -138,32 +138,17 @@ def _holds(a: object) -> bool:
     return any(_is_graph(x) for _, x in zip(range(_SCAN_ITEMS), a.values()))
 
 
-def _check_nested(name: str, treedef: Any) -> None:
-    """Refuses NNX objects that `_has_nodes` did not see (traced calls only, once each)."""
-    nnx = _flax()
-    if nnx is None:
-        return
-    # Variables alone pass: an `nnx.State` (what `nnx.split` returns) holds Variables, and
-    # is threaded through a step functionally.
-    found = _find_type(treedef, (nnx.Pytree,))
-    if found is not None:
-        raise TypeError(
-            f"{name} got an NNX object ({found.__name__}) nested deeper than one "
-            "container in its arguments, where jm.replicate cannot write its changes back as "
-            "nnx.jit does. Pass NNX objects as arguments, or as items of a tuple, list, "
-            "NamedTuple or dict argument (at most the first 16 items are looked at)."
-        )
-
-
-def _find_type(treedef: Any, kinds: tuple[type, ...]) -> type | None:
+def _finds_graph(treedef: Any, nnx: types.ModuleType) -> bool:
+    """Returns whether `treedef` has an NNX object node (`nnx.Pytree`, or an `nnx.Variable`
+    outside an `nnx.State`)."""
     data = treedef.node_data()
-    if data is not None and isinstance(data[0], type) and issubclass(data[0], kinds):
-        return data[0]
-    for child in treedef.children():
-        found = _find_type(child, kinds)
-        if found is not None:
-            return found
-    return None
+    if data is None or not isinstance(data[0], type):
+        return False
+    if issubclass(data[0], nnx.State):
+        return False
+    if issubclass(data[0], (nnx.Pytree, nnx.Variable)):
+        return True
+    return any(_finds_graph(child, nnx) for child in treedef.children())
 
 
 # --- one call --------------------------------------------------------------------------------
@@ -174,8 +159,10 @@ class NnxAdapter:
     variant of the replica function (one per sharing pattern of the arguments' `Variable`s
     and objects), and its changes are written back into the caller's `Variable`s."""
 
-    def adapt(self, args: tuple, kwargs: dict, static_argnums: tuple[int, ...]) -> Adapted | None:
-        if not _has_nodes(args, kwargs, static_argnums):
+    def adapt(
+        self, args: tuple, kwargs: dict, static_argnums: tuple[int, ...], deep: bool = False
+    ) -> Adapted | None:
+        if not (deep or _has_nodes(args, kwargs, static_argnums)):
             return None
         dynamic = _dynamic(args, kwargs, static_argnums)
         variables, flat = _flat_arguments(args, kwargs, static_argnums)
@@ -202,8 +189,12 @@ class NnxAdapter:
 
         return Adapted(variant, make, finish, check, settle, flat, shared=bool(aliases))
 
-    def check_plain(self, name: str, in_treedef: Any) -> None:
-        _check_nested(name, in_treedef)
+    def deep(self, in_treedef: Any) -> bool:
+        """Returns whether arguments of this structure hold NNX objects `_has_nodes` does not
+        look at (deeper than one container, or past its first items): `Variable`s outside an
+        `nnx.State` (what `nnx.split` gives is threaded through a step functionally)."""
+        nnx = _flax()
+        return nnx is not None and _finds_graph(in_treedef, nnx)
 
     def leaf_policy(self, node_type: type) -> None:
         """Returns None: an NNX object's leaves follow `jax.jit`'s rule."""

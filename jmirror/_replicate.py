@@ -117,6 +117,8 @@ class Replicated:
         self._own = self._compile(fn, None)
         # The variants of `fn` that adapters ask for (`jmirror._adapter`), by key.
         self._variants: dict[Hashable, _Step] = {}
+        # Per argument layout of calls no adapter took: whether one must take them after all.
+        self._deep: dict[Any, bool] = {}
         self._calls = 0  # the calls so far: a call's number in a profiler trace is one less
         functools.update_wrapper(self, fn)
         name = getattr(fn, "__name__", None)  # the name of its row and its profiler steps
@@ -169,21 +171,37 @@ class Replicated:
         # in vain, and an NNX object is never left half written back.
         with HELD:
             strategy = self._check_call(args)
-            step, adapted = self._adapt(args, kwargs)
-            flat = None
-            if adapted is not None:
-                flat = adapted.flat
-                if not step.settled:
-                    adapted.settle(functools.partial(_first_component, strategy.topology))
-                    flat = None  # settling may have changed the state's leaves
-            shared = adapted is not None and adapted.shared
-            prepared, donate, traced = self._prepare(strategy, args, kwargs, flat, shared)
+            step, adapted, (prepared, donate, traced) = self._adapt_and_prepare(
+                strategy, args, kwargs, settle=True
+            )
             result = self._run(strategy, step, prepared, donate, traced)
             return result if adapted is None else adapted.finish(result)
 
-    def _adapt(self, args: tuple, kwargs: dict) -> tuple[_Step, Adapted | None]:
-        """Returns the step that runs this call, and the adapter's `Adapted` when one took it."""
-        adapted = _adapter.adapt(args, kwargs, self._arguments.static_argnums)
+    def _adapt_and_prepare(
+        self, strategy: Runner, args: tuple, kwargs: dict, settle: bool
+    ) -> tuple[_Step, Adapted | None, tuple[Prepared, bool, bool]]:
+        """Returns the step that runs this call, the adapter's `Adapted` when one took it,
+        and the call prepared (`_prepare`). An adapter's kind found deeper in the arguments
+        than its quick look reaches (an NNX object two containers deep) is adapted then."""
+        deep = False
+        while True:
+            step, adapted = self._adapt(args, kwargs, deep)
+            flat = None
+            if adapted is not None:
+                flat = adapted.flat
+                if settle and not step.settled:
+                    adapted.settle(functools.partial(_first_component, strategy.topology))
+                    flat = None  # settling may have changed the state's leaves
+            shared = adapted is not None and adapted.shared
+            prepared = self._prepare(strategy, args, kwargs, flat, shared, adapted is None)
+            if prepared is not None:
+                return step, adapted, prepared
+            deep = True
+
+    def _adapt(self, args: tuple, kwargs: dict, deep: bool = False) -> tuple[_Step, Adapted | None]:
+        """Returns the step that runs this call, and the adapter's `Adapted` when one took it
+        (`deep`: an adapter's kind is in the arguments, beyond its quick look)."""
+        adapted = _adapter.adapt(args, kwargs, self._arguments.static_argnums, deep)
         if adapted is None:
             return self._own, None
         step = self._variants.get(adapted.variant)
@@ -199,17 +217,26 @@ class Replicated:
         kwargs: dict,
         flat: dict | None = None,
         shared: bool = False,
-    ) -> tuple[Prepared, bool, bool]:
+        plain: bool = False,
+    ) -> tuple[Prepared, bool, bool] | None:
         """Splits, places and checks a call's arguments (`flat`: already flattened by an
         adapter; `shared`: they reach a leaf twice through one holder, `Adapted.shared`);
         returns them, whether the call donates and whether it is inside the caller's own
-        transformation (holds tracers)."""
+        transformation (holds tracers). Returns None for a call no adapter took (`plain`)
+        whose arguments hold an adapter's kind after all (`_adapter.deep`)."""
         topology = strategy.topology
         several = topology.process_count > 1
         if several:
             args, kwargs = self._globalize(topology, args, kwargs)
             flat = None  # globalizing replaced this process's components
         prepared, leaves, types = self._arguments.prepare(strategy, args, kwargs, flat)
+        if plain:
+            layout = prepared.plan.layout
+            deep = self._deep.get(layout)
+            if deep is None:
+                deep = self._deep[layout] = _adapter.deep(layout.treedef)
+            if deep:
+                return None
         placement = self._placement
         if placement is None or placement.topology is not topology:
             placement = self._placement = Placement(topology)
@@ -326,8 +353,7 @@ class Replicated:
             True
         """
         strategy = self._check_call(args)
-        step, _ = self._adapt(args, kwargs)
-        prepared = self._prepare(strategy, args, kwargs)[0]
+        step, _, (prepared, _, _) = self._adapt_and_prepare(strategy, args, kwargs, settle=False)
         donates = self._donation_on(strategy).donates(args)
         lowerable = step.with_options(_backends.compiler_options(strategy.topology))[1]
         with strategy.topology.mesh_scope():
@@ -335,8 +361,10 @@ class Replicated:
 
         def prepare(args: tuple, kwargs: dict) -> tuple[Prepared, Adapted | None]:
             # An adapter's call (NNX objects) is finished as a call is: written back.
-            adapted = self._adapt(args, kwargs)[1]
-            return self._prepare(strategy, args, kwargs)[0], adapted
+            _, adapted, (prepared, _, _) = self._adapt_and_prepare(
+                strategy, args, kwargs, settle=False
+            )
+            return prepared, adapted
 
         return _Lowered.of(lowered, prepare)
 
@@ -518,6 +546,7 @@ def replicate(
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
     per_replica: PyTree = None,
+    **unknown: object,
 ) -> Any:
     """Compiles a replica function to run on every device of a strategy.
 
@@ -590,6 +619,14 @@ def replicate(
         >>> float(strategy.read(counter[...]))
         2.0
     """
+    if unknown:
+        name = next(iter(unknown))
+        hint = _PMAP_OPTIONS.get(name, "")
+        raise TypeError(
+            f"jm.replicate() got an unexpected keyword argument {name!r}"
+            f"{f'; {hint}' if hint else ''}. It takes strategy, donate_argnums, static_argnums, "
+            "static_argnames and per_replica."
+        )
     if fn is None:
         return functools.partial(
             replicate,
@@ -612,6 +649,21 @@ def replicate(
             "no buffer to donate."
         )
     return Replicated(fn, strategy, donate, static, names, per_replica)
+
+
+# What jax.pmap and jax.jit users pass, and where jmirror has it.
+_PMAP_OPTIONS = {
+    "axis_name": "the axis name is the strategy's: jm.MirroredStrategy(axis_name=...)",
+    "in_axes": "arguments are split by kind, not by in_axes: a jm.PerReplica is split over "
+    "the replicas (leading axis), every other argument is mirrored",
+    "out_axes": "outputs come back by what they are, not by out_axes: mirrored when proven "
+    "identical on every replica, else a jm.PerReplica",
+    "static_broadcasted_argnums": "jmirror's is static_argnums",
+    "devices": "the devices are the strategy's: jm.MirroredStrategy(devices=...)",
+    "backend": "the backend is the strategy's: jm.MirroredStrategy(backend=...)",
+    "axis_size": "the axis size is the strategy's num_replicas",
+    "donate_argnames": "jmirror donates by position: donate_argnums",
+}
 
 
 def _check_against_signature(

@@ -77,8 +77,6 @@ class Body:
         top, treedef = jax.tree_util.tree_flatten(
             _open_static_holders((dynamic, kwargs)), is_leaf=is_distributed
         )
-        if self.check is None:  # what no adapter took: refuse what one would have had to
-            _adapter.check_plain(self.name, treedef)
         # Inside the trace every traced leaf is a tracer: what is not is a static value.
         static = [not (is_distributed(x) or isinstance(x, jax.core.Tracer)) for x in top]
         flat, slots = flatten_slots(top, inputs=True, static=static)

@@ -122,7 +122,10 @@ class MirroredStrategy:
         devices_per_replica: int = 1,
         model_axis_name: str = "model",
         layout: LayoutRules = None,
+        **unknown: object,
     ):
+        if unknown:
+            _refuse_options(type(self).__name__, unknown)
         resolved = resolve_devices(devices, num_devices)
         if backend is not None and backend not in _PUBLIC_BACKENDS:
             raise ValueError(
@@ -680,16 +683,18 @@ def _check_axis_name(axis_name: object, argument: str = "axis_name", other: obje
 
 
 def get_strategy() -> MirroredStrategy:
-    """Returns the innermost current strategy, else a default one over all local devices.
+    """Returns the current strategy, else a default one over all local devices.
 
-    The default `MirroredStrategy()` is created once, on first use.
+    Inside a replica function (or a `merge_fn`) the current strategy is the one running it,
+    as in tf.distribute; elsewhere it is the innermost `strategy.scope()`. The default
+    `MirroredStrategy()` is created once, on first use.
 
     Example:
         >>> import jmirror as jm
         >>> jm.get_strategy() is jm.get_strategy()
         True
     """
-    # The stack holds what `scope` and the default factory put there: strategies of this class.
+    # What runs a replica function, `scope` and the default factory give: strategies.
     return cast(MirroredStrategy, _context.current_strategy())
 
 
@@ -732,3 +737,20 @@ def _check_run_arguments(args: object, kwargs: object) -> None:
             f"{type(kwargs).__name__}. Pass kwargs={{'name': value}}, or positional arguments "
             "as args=(...)."
         )
+
+
+# tf.distribute.MirroredStrategy's arguments that jmirror has no counterpart of.
+_TF_OPTIONS = {
+    "cross_device_ops": "jmirror reduces with XLA's collectives (jm.all_reduce), so there is "
+    "no cross-device ops object to choose; drop the argument",
+}
+
+
+def _refuse_options(name: str, unknown: dict[str, object]) -> None:
+    option = next(iter(unknown))
+    hint = _TF_OPTIONS.get(option)
+    raise TypeError(
+        f"{name}() got an unexpected keyword argument {option!r}{f'; {hint}' if hint else ''}."
+        " It takes devices, num_devices, axis_name, backend, max_in_flight, donation, "
+        "devices_per_replica, model_axis_name and layout."
+    )

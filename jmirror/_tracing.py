@@ -391,10 +391,17 @@ def _unbound_axis(call: ReplicaCall, error: NameError) -> Exception:
     if match is None:
         return error
     name, axis_name = match.group(1), call.strategy.axis_name
-    return NameError(
+    return UnboundAxisError(
         f"{call.name} runs a collective over the axis name {name!r}, but the strategy's axis "
         f"name is {axis_name!r}, so {name!r} is not bound. Models written for jax.pmap often "
         f"hard-code it (flax's BatchNorm(axis_name={name!r})): create the strategy with "
         f"jm.MirroredStrategy(axis_name={name!r}), or use the strategy's axis name "
-        "(jm.replica_context().axis_name) in the model."
+        "(jm.replica_context().axis_name) in the model. A BatchNorm converted by "
+        "jm.sync_batch_norm(model) took the axis name of the current strategy then: pass the "
+        "strategy that runs the step, jm.sync_batch_norm(model, strategy)."
     )
+
+
+class UnboundAxisError(NameError, ValueError):
+    """A collective over an axis name the strategy does not bind: a `NameError` as JAX raises
+    it, and a `ValueError` as jmirror's errors about what the user passed are."""

@@ -251,6 +251,42 @@ def test_merge_call_inside_scan_fori_and_cond(strategy, n):
     assert float(strategy.read(conditioned)) == pytest.approx(x[:, 1].mean())
 
 
+def test_get_strategy_inside_a_replica_function_is_the_strategy_running_it(n):
+    # As tf.distribute.get_strategy(): a loss scaled by get_strategy().num_replicas inside a
+    # step of a strategy over some devices used the default strategy's count.
+    strategy = jm.MirroredStrategy(num_devices=max(1, n // 2), axis_name="batch")
+    seen = []
+
+    def fn():
+        seen.append(jm.get_strategy())
+        jm.merge_call(lambda s: seen.append(jm.get_strategy()))
+        return jnp.float32(jm.get_strategy().num_replicas)
+
+    out = strategy.run(fn)
+    assert seen == [strategy, strategy]
+    assert float(strategy.read(out)) == strategy.num_replicas
+    assert jm.get_strategy() is not strategy  # outside: the scope's, else the default
+    with strategy.scope():
+        assert jm.get_strategy() is strategy
+
+
+def test_tf_replica_context_names_point_to_jmirrors(strategy):
+    def fn():
+        context = jm.replica_context()
+        for name, ours in [
+            ("replica_id_in_sync_group", "replica_id"),
+            ("num_replicas_in_sync", "num_replicas"),
+            ("devices", "replica_devices"),
+        ]:
+            with pytest.raises(AttributeError, match=rf"tf\.distribute's {name} is .*{ours}"):
+                getattr(context, name)
+        with pytest.raises(AttributeError, match=r"no attribute 'nothing'$"):
+            context.nothing  # noqa: B018
+        return jm.replica_id()
+
+    strategy.run(fn)
+
+
 def test_merge_call_exceptions_keep_their_type(strategy):
     def merge_fn(s):
         raise KeyError("from merge_fn")

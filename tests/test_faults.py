@@ -302,8 +302,10 @@ def test_collective_over_another_axis_name_names_the_fix(strategy, n):
     f = jm.replicate(lambda x: lax.psum(x, "batch"), strategy=strategy)
     with pytest.raises(
         NameError, match=r"'batch'.*'replica'.*MirroredStrategy\(axis_name='batch'\)"
-    ):
+    ) as info:
         f(jm.PerReplica(np.ones(n, np.float32)))
+    assert isinstance(info.value, ValueError)  # as jmirror's errors about what was passed
+    assert "jm.sync_batch_norm(model, strategy)" in str(info.value)
     batch = jm.MirroredStrategy(backend=strategy.backend, axis_name="batch")
     out = jm.replicate(lambda x: lax.psum(x, "batch"), strategy=batch)(
         jm.PerReplica(np.ones(n, np.float32))

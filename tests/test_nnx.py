@@ -4,6 +4,7 @@ Oracles: one device's `nnx.jit` step on the global batch, NumPy, and `nnx.Dropou
 one device with the key each replica is documented to draw from.
 """
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import nnx_data
@@ -342,15 +343,52 @@ def test_keyword_arguments_and_an_exception_leave_the_objects_unchanged(strategy
     np.testing.assert_allclose(strategy.read(layer.bias[...]), np.ones(3))
 
 
-def test_nnx_object_nested_too_deep_is_refused(strategy):
-    layer = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+def _bump(counter):
+    counter[...] = counter[...] + 1.0
 
-    @jm.replicate(strategy=strategy)
+
+@pytest.mark.parametrize(
+    "where",
+    ["two dicts deep", "list item 20", "tuple in a tuple", "struct field", "module in a dict"],
+)
+def test_nnx_objects_at_any_depth_are_written_back_as_nnx_jit_does(strategy, where):
+    # Oracle: nnx.jit on the same structure. Before, a Variable two containers deep (or past
+    # a container's first items) was traced as a plain pytree and its change silently lost.
+    @flax.struct.dataclass
+    class Holder:
+        counter: nnx.Variable
+
+    def make():
+        counter = nnx.Variable(jnp.zeros(()))
+        layer = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+        tree = {
+            "two dicts deep": {"a": {"b": counter}},
+            "list item 20": [jnp.ones(())] * 20 + [counter],
+            "tuple in a tuple": ((counter,),),
+            "struct field": Holder(counter),
+            "module in a dict": {"a": {"b": layer}},
+        }[where]
+        return tree, counter, layer
+
     def step(tree):
-        return tree["a"]["b"].bias[...]
+        if where == "module in a dict":
+            tree["a"]["b"].bias[...] = tree["a"]["b"].bias[...] + 1.0
+        else:
+            _bump(jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))[-1])
+        return jnp.zeros(())
 
-    with pytest.raises(TypeError, match="nested deeper"):
-        step({"a": {"b": layer}})
+    replicated = jm.replicate(step, strategy=strategy)
+    tree, counter, layer = make()
+    for _ in range(2):
+        replicated(tree)
+    want_tree, want_counter, want_layer = make()
+    for _ in range(2):
+        nnx.jit(step)(want_tree)
+    got = (counter[...], layer.bias[...])
+    want = (want_counter[...], want_layer.bias[...])
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(strategy.read(g)), np.asarray(w))
+    assert replicated.num_compilations == 1
 
 
 def test_structure_change_inside_is_refused(strategy):

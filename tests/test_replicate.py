@@ -283,6 +283,23 @@ def test_bad_argnums(strategy):
         jm.replicate(3)
 
 
+@pytest.mark.parametrize(
+    "option, points_to",
+    [
+        ("axis_name", r"MirroredStrategy\(axis_name=\.\.\.\)"),
+        ("in_axes", r"jm\.PerReplica"),
+        ("out_axes", r"mirrored when proven"),
+        ("static_broadcasted_argnums", r"static_argnums"),
+        ("devices", r"MirroredStrategy\(devices=\.\.\.\)"),
+    ],
+)
+def test_jax_pmap_options_point_to_where_jmirror_has_them(option, points_to):
+    with pytest.raises(TypeError, match=rf"unexpected keyword argument '{option}'; .*{points_to}"):
+        jm.replicate(lambda x: x, **{option: 0})
+    with pytest.raises(TypeError, match=r"'learning_rate'\. It takes strategy, donate_argnums"):
+        jm.replicate(lambda x: x, learning_rate=0.1)
+
+
 def test_argument_numbers_and_names_the_function_does_not_take_are_refused(n):
     # jax.jit refuses them too; ignored, a donation or a static argument would silently not be.
     def step(params, x):

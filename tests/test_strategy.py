@@ -68,6 +68,13 @@ def test_bad_strategy_arguments_raise_value_error(kwargs, words):
         assert word in str(info.value)
 
 
+def test_tf_constructor_options_point_to_jmirrors():
+    with pytest.raises(TypeError, match=r"'cross_device_ops'; jmirror reduces with XLA's"):
+        jm.MirroredStrategy(cross_device_ops=None)
+    with pytest.raises(TypeError, match=r"'devcies'\. It takes devices, num_devices"):
+        jm.MirroredStrategy(devcies=None)
+
+
 @pytest.mark.parametrize("bad", [True, 2.0, "2"])
 def test_max_in_flight_must_be_an_int(bad):
     with pytest.raises(TypeError):
