@@ -502,6 +502,45 @@ def test_manager_keeps_max_to_keep_and_interval(tmp_path, async_save):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["4", "6"]
 
 
+def test_a_directory_named_by_a_step_that_holds_no_checkpoint_is_not_a_step(tmp_path):
+    # The user's own `1/` (notes, a log) beside the checkpoints: latest_step names the newest
+    # complete checkpoint, restore() finds it, and max_to_keep leaves the directory alone.
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "notes.txt").write_text("mine")
+    (tmp_path / "9").mkdir()
+    with jm.checkpoint.CheckpointManager(tmp_path, max_to_keep=1) as manager:
+        assert manager.latest_step() is None and manager.all_steps() == []
+        for step in (2, 3):
+            manager.save(step, {"s": np.full(2, step)})
+        assert manager.all_steps() == [3] and manager.restore()["s"].tolist() == [3, 3]
+    assert (tmp_path / "1" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "3", "9"]
+
+
+@pytest.mark.parametrize("name", ["int4", "int2", "float4_e2m1fn", "float8_e8m0fnu", "float8_e3m4"])
+def test_narrow_dtypes_round_trip_bitwise(strategy, n, tmp_path, name):
+    dtype = jnp.dtype(getattr(jnp, name))
+    if jnp.issubdtype(dtype, jnp.integer):
+        x = (np.arange(6) % 2).astype(dtype)
+    else:
+        x = np.array([1, 2, 4, 0.5, 1, 2], np.float32).astype(dtype)
+    state = {"m": strategy.mirror(jnp.asarray(x)), "n": x, "p": jm.PerReplica(np.stack([x] * n))}
+    jm.checkpoint.save(tmp_path / "c", state, strategy=strategy)
+    out = jm.checkpoint.restore(tmp_path / "c", strategy=strategy)
+    for got in (strategy.read(out["m"]), out["n"], *strategy.local_results(out["p"])):
+        assert np.asarray(got).dtype == dtype
+        assert np.asarray(got).tobytes() == x.tobytes()
+
+
+def test_save_with_force_replaces_a_file_at_the_path(tmp_path):
+    (tmp_path / "c").write_text("not a checkpoint")
+    with pytest.raises(ValueError, match="force=True"):
+        jm.checkpoint.save(tmp_path / "c", {"v": np.ones(2)})
+    jm.checkpoint.save(tmp_path / "c", {"v": np.ones(2)}, force=True)
+    assert jm.checkpoint.restore(tmp_path / "c")["v"].tolist() == [1.0, 1.0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # nothing hidden left
+
+
 def test_manager_refuses_an_existing_step_unless_force(tmp_path):
     with jm.checkpoint.CheckpointManager(tmp_path) as manager:
         manager.save(1, {"v": np.zeros(2)}, data={"pos": 1})

@@ -72,6 +72,8 @@ _DTYPES = frozenset(
     ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
     + ["float16", "bfloat16", "float32", "float64", "complex64", "complex128"]
     + ["float8_e4m3fn", "float8_e5m2", "float8_e4m3b11fnuz", "float8_e4m3fnuz", "float8_e5m2fnuz"]
+    # What orbax stores too among JAX's narrower types (uint4 and float8_e4m3 it refuses).
+    + ["int4", "int2", "float4_e2m1fn", "float8_e8m0fnu", "float8_e3m4"]
 )
 
 

@@ -221,7 +221,10 @@ def remove(path: pathlib.Path) -> None:
     """Deletes a checkpoint: renamed out of sight first, so it never shows half-deleted."""
     hidden = path.parent / f".{path.name}{_DELETING}{uuid.uuid4().hex}"
     os.rename(path, hidden)
-    shutil.rmtree(hidden)
+    if hidden.is_dir() and not hidden.is_symlink():
+        shutil.rmtree(hidden)
+    else:  # what `force=True` replaced was a file
+        hidden.unlink()
 
 
 def clean(root: pathlib.Path) -> None:
@@ -229,14 +232,23 @@ def clean(root: pathlib.Path) -> None:
     for entry in root.iterdir():
         name = entry.name
         if _DELETING in name or _NEW in name or _ORBAX_TMP in name:
-            shutil.rmtree(entry, ignore_errors=True)
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
 
 def steps(root: pathlib.Path) -> list[int]:
-    """Returns the steps with a complete checkpoint under `root`, ascending."""
+    """Returns the steps with a complete checkpoint under `root`, ascending: directories
+    named by a step that hold a checkpoint's metadata (a directory `3/` of the user's own is
+    not one, and `max_to_keep` never deletes it)."""
     if not root.is_dir():
         return []
-    found = [int(p.name) for p in root.iterdir() if _STEP.fullmatch(p.name) and p.is_dir()]
+    found = [
+        int(p.name)
+        for p in root.iterdir()
+        if _STEP.fullmatch(p.name) and (p / _format.METADATA_ITEM).is_dir()
+    ]
     return sorted(found)
 
 
