@@ -532,6 +532,15 @@ def test_narrow_dtypes_round_trip_bitwise(strategy, n, tmp_path, name):
         assert np.asarray(got).tobytes() == x.tobytes()
 
 
+def test_a_state_nested_too_deeply_for_json_is_refused_before_writing(tmp_path):
+    state = np.ones(2)
+    for _ in range(400):  # JAX's pytrees take it; JSON's recursive encoder would fail
+        state = {"a": state}
+    with pytest.raises(ValueError, match=r"nested too deeply .* nothing was written"):
+        jm.checkpoint.save(tmp_path / "c", state)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_save_with_force_replaces_a_file_at_the_path(tmp_path):
     (tmp_path / "c").write_text("not a checkpoint")
     with pytest.raises(ValueError, match="force=True"):

@@ -107,6 +107,7 @@ def write(
         raise (_integrity.os_error(error, path.parent, call) or error) from error
     if path.exists() and not force:
         raise ValueError(f"{path} exists")  # the callers check first, with their own message
+    _check_depth(doc, call)
     new = path.parent / f".{path.name}{_NEW}{uuid.uuid4().hex}"
     try:
         # The checksums are computed while orbax writes (crc32c and TensorStore release the
@@ -135,7 +136,27 @@ def write(
     if path.exists():
         os.rename(path, aside)
     os.rename(new, path)
-    shutil.rmtree(aside, ignore_errors=True)
+    _delete(aside)
+
+
+def _check_depth(doc: dict, call: str) -> None:
+    """Refuses metadata nested deeper than Python's JSON encoder, which recurses, can write
+    (before orbax's save starts: its threads would fail midway)."""
+    limit = sys.getrecursionlimit() - 100
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            raise ValueError(
+                f"{call}: the state is nested too deeply for the checkpoint's metadata (JSON, "
+                "which Python writes and reads recursively); nothing was written. Keep its "
+                "nesting under a few hundred levels (a list of layers, not layers inside "
+                "layers)."
+            )
+        children = (
+            node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        )
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
 
 
 def _orbax_save(path: pathlib.Path, arrays: dict[str, np.ndarray], doc: dict) -> None:
@@ -221,10 +242,15 @@ def remove(path: pathlib.Path) -> None:
     """Deletes a checkpoint: renamed out of sight first, so it never shows half-deleted."""
     hidden = path.parent / f".{path.name}{_DELETING}{uuid.uuid4().hex}"
     os.rename(path, hidden)
-    if hidden.is_dir() and not hidden.is_symlink():
-        shutil.rmtree(hidden)
-    else:  # what `force=True` replaced was a file
-        hidden.unlink()
+    _delete(hidden)
+
+
+def _delete(path: pathlib.Path) -> None:
+    """Deletes a directory tree, or a file (what `force=True` replaced may be one)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def clean(root: pathlib.Path) -> None:
@@ -232,10 +258,7 @@ def clean(root: pathlib.Path) -> None:
     for entry in root.iterdir():
         name = entry.name
         if _DELETING in name or _NEW in name or _ORBAX_TMP in name:
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
+            _delete(entry)
 
 
 def steps(root: pathlib.Path) -> list[int]:
