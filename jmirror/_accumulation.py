@@ -202,7 +202,12 @@ def _count(num_micro_batches: int, call: str = "recipes.accumulate_gradients") -
             count = operator.index(num_micro_batches)
         except TypeError:
             pass
-    if count is None or count < 1:
+    if count is None:
+        raise TypeError(
+            f"{call}(num_micro_batches={num_micro_batches!r}) expects a positive int, got a "
+            f"{type(num_micro_batches).__name__}."
+        )
+    if count < 1:
         raise ValueError(f"{call}(num_micro_batches={num_micro_batches!r}) expects a positive int.")
     return count
 

@@ -157,7 +157,9 @@ class AxisNames(tuple):
 
 def sync_batch_norm(model: Any, axis: str) -> Any:
     """Returns a new equinox model whose every `eqx.nn.BatchNorm` has `axis` added to its
-    `axis_name` (its own axis, the `vmap` one, is kept first)."""
+    `axis_name` (its own axis, the `vmap` one, is kept first). One name becomes one leaf
+    (`AxisNames`): the model's structure is kept. A tuple or list of names gains a name, and
+    the structure a leaf: nothing can keep it (a nested tuple is not several axes to JAX)."""
     eqx = _equinox()
     norm = eqx.nn.BatchNorm
 
