@@ -133,10 +133,11 @@ def accumulate_gradients(
       `(loss, grads)`, the mean loss and gradients; with `state`, `(loss, grads, state)`.
 
     Raises:
-      ValueError: when `num_micro_batches` is not a positive int, or a batch leaf's leading
-        size is not divisible by it.
-      TypeError: when the loss returns a tuple without `state` given, or with `state` given
-        returns anything but `(loss, new_state)` with `new_state` shaped as `state`.
+      ValueError: when `num_micro_batches` is below 1, or a batch leaf's leading size is not
+        divisible by it.
+      TypeError: when `num_micro_batches` is not an int; when the loss returns a tuple
+        without `state` given, or with `state` given returns anything but
+        `(loss, new_state)` with `new_state` shaped as `state`.
 
     Example:
         >>> import jax, jax.numpy as jnp, numpy as np, jmirror as jm
@@ -432,9 +433,10 @@ def make_accumulating_train_step(
       strategy: passed to `jm.replicate`.
 
     Raises:
-      ValueError: when `num_micro_batches` is not a positive int (the batch's divisibility
-        is checked when the step is traced).
-      TypeError: when the step is called with a `state` of none of the kinds above.
+      ValueError: when `num_micro_batches` is below 1 (the batch's divisibility is checked
+        when the step is traced).
+      TypeError: when `num_micro_batches` is not an int; when the step is called with a
+        `state` of none of the kinds above.
 
     Example:
         >>> import jax.numpy as jnp, numpy as np, optax, jmirror as jm

@@ -225,8 +225,8 @@ class CrossReplica(abc.ABC):
 
         def spread(
             dtype: jax.typing.DTypeLike,
-        ) -> bool:  # an integer SUM: components differ by the remainder
-            return is_sum and bool(jnp.issubdtype(dtype, jnp.integer))
+        ) -> bool:  # an integer or bool SUM: components differ by the remainder
+            return is_sum and bool(jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_)
 
         def component(
             dtype: jax.typing.DTypeLike, new: PyTree, replica: jax.Array | int

@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import jax.core
+import numpy as np
 
 from jmirror import (  # noqa: F401 (_flax registers what it knows)
     _adapter,
@@ -494,10 +495,11 @@ def _first_component(topology: Topology, value: PyTree) -> jax.Array:
 def _argnums(name: str, value: int | Sequence[int], fn: Callable[..., Any]) -> tuple[int, ...]:
     """Returns the argument numbers `value` (negative ones counted from the end of `fn`'s
     positional parameters, as `jax.jit` counts them)."""
-    values = (value,) if isinstance(value, int) else tuple(value)
+    values = (value,) if isinstance(value, int | np.integer) else tuple(value)
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer):
             raise TypeError(f"jm.replicate({name}=...) expects ints, got {value!r}.")
+    values = tuple(int(v) for v in values)
     if all(v >= 0 for v in values):
         return values
     count = _positional_count(fn)
@@ -517,15 +519,18 @@ def _argnums(name: str, value: int | Sequence[int], fn: Callable[..., Any]) -> t
 
 
 def _positional_count(fn: Callable[..., Any]) -> int | None:
-    """Returns how many positional parameters `fn` has (None: *args, or no signature)."""
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return None
+    """Returns how many positional parameters `fn` has, or what a `*args` wrapper of it wraps
+    has (None: *args there too, or no signature)."""
     kinds = inspect.Parameter
-    if any(p.kind is kinds.VAR_POSITIONAL for p in parameters):
-        return None
-    return sum(p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD) for p in parameters)
+    for follow in (False, True):
+        try:
+            parameters = inspect.signature(fn, follow_wrapped=follow).parameters.values()
+        except (TypeError, ValueError):
+            return None
+        if not any(p.kind is kinds.VAR_POSITIONAL for p in parameters):
+            positional = (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
+            return sum(p.kind in positional for p in parameters)
+    return None
 
 
 def _argnames(value: str | Sequence[str]) -> tuple[str, ...]:
@@ -670,11 +675,31 @@ def _check_against_signature(
     fn: Callable[..., Any], donate: tuple[int, ...], static: tuple[int, ...], names: tuple[str, ...]
 ) -> None:
     """Refuses argument numbers and names `fn` does not take, as `jax.jit` does (a function
-    with `*args` takes any number, one with `**kwargs` any name)."""
+    with `*args` takes any number, one with `**kwargs` any name). A wrapper made with
+    `functools.wraps` is read both as itself and as what it wraps: either may take them."""
     try:
-        parameters = list(inspect.signature(fn).parameters.values())
+        own = inspect.signature(fn, follow_wrapped=False)
     except (TypeError, ValueError):  # no signature to read (some builtins)
         return
+    kinds = inspect.Parameter
+    if any(p.kind in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD) for p in own.parameters.values()):
+        # A pass-through wrapper (`*args, **kwargs`): what it wraps says what it takes.
+        try:
+            _check_parameters(fn, inspect.signature(fn), donate, static, names)
+            return
+        except ValueError:
+            pass
+    _check_parameters(fn, own, donate, static, names)
+
+
+def _check_parameters(
+    fn: Callable[..., Any],
+    signature: inspect.Signature,
+    donate: tuple[int, ...],
+    static: tuple[int, ...],
+    names: tuple[str, ...],
+) -> None:
+    parameters = list(signature.parameters.values())
     kinds = inspect.Parameter
     positional = [
         p.name for p in parameters if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
@@ -696,6 +721,13 @@ def _check_against_signature(
             if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)
         }
         unknown = [name for name in names if name not in keywords]
+        only = [p.name for p in parameters if p.kind is kinds.POSITIONAL_ONLY]
+        if unknown and unknown[0] in only:
+            raise ValueError(
+                f"jm.replicate({_function_name(fn)}) got static_argnames={names}, but "
+                f"{unknown[0]!r} is positional-only: name it by number, static_argnums="
+                f"{only.index(unknown[0])}."
+            )
         if unknown:
             raise ValueError(
                 f"jm.replicate({_function_name(fn)}) got static_argnames={names}, but the "

@@ -728,14 +728,14 @@ def _check_run_arguments(args: object, kwargs: object) -> None:
     """Refuses `strategy.run` arguments that are not a tuple or list, keywords not a mapping."""
     if not isinstance(args, tuple | list):
         raise TypeError(
-            f"strategy.run(fn, args=...) expects a tuple or list of fn's arguments; got a "
-            f"{type(args).__name__}. For one argument pass args=(x,)."
+            f"strategy.run(fn, args=...) expects a tuple or list of fn's arguments; got an "
+            f"object of type {type(args).__name__}. For one argument pass args=(x,)."
         )
     if kwargs is not None and not isinstance(kwargs, Mapping):
         raise TypeError(
-            f"strategy.run(fn, kwargs=...) expects a dict of fn's keyword arguments; got a "
-            f"{type(kwargs).__name__}. Pass kwargs={{'name': value}}, or positional arguments "
-            "as args=(...)."
+            f"strategy.run(fn, kwargs=...) expects a dict of fn's keyword arguments; got an "
+            f"object of type {type(kwargs).__name__}. Pass kwargs={{'name': value}}, or "
+            "positional arguments as args=(...)."
         )
 
 

@@ -239,9 +239,9 @@ def test_a_batch_leaf_that_cannot_be_cut_names_it_and_args(strategy, n):
         step(strategy.mirror(jnp.ones(())), batch)
 
 
-@pytest.mark.parametrize("k", [0, True, 1.5])
-def test_a_step_with_a_bad_count_of_micro_batches_is_refused_when_made(strategy, k):
-    with pytest.raises(ValueError, match=r"make_accumulating_train_step\(num_micro_batches="):
+@pytest.mark.parametrize("k, error", [(0, ValueError), (True, TypeError), (1.5, TypeError)])
+def test_a_step_with_a_bad_count_of_micro_batches_is_refused_when_made(strategy, k, error):
+    with pytest.raises(error, match=r"make_accumulating_train_step\(num_micro_batches="):
         recipes.make_accumulating_train_step(lambda p, x: jnp.sum(x), k, strategy=strategy)
 
 

@@ -323,6 +323,27 @@ def test_argument_numbers_and_names_the_function_does_not_take_are_refused(n):
         jm.replicate(step, static_argnums=-3)
     with pytest.raises(TypeError, match=r"no fixed number"):
         jm.replicate(lambda *args: args[0], static_argnums=-1)
+    # numpy integers count as ints; a positional-only name points to its number.
+    assert jm.replicate(step, static_argnums=np.int64(1)) is not None
+
+    def only(params, scale, /):
+        return params * scale
+
+    with pytest.raises(ValueError, match=r"'scale' is positional-only.*static_argnums=1"):
+        jm.replicate(only, static_argnames="scale")
+
+    # A functools.wraps wrapper that takes more than it wraps (*args, a keyword of its own):
+    # either signature may take the options.
+    def with_training(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, training=False, **kwargs):
+            return fn(*args, **kwargs) * (2.0 if training else 1.0)
+
+        return wrapper
+
+    wrapped = jm.replicate(with_training(lambda x: x + 1.0), static_argnames="training")
+    out = wrapped(jm.PerReplica(np.ones((n, 2), np.float32)), training=True)
+    np.testing.assert_array_equal(jm.MirroredStrategy().gather(out, axis=0), np.full(2 * n, 4))
     # *args and **kwargs take any number and any name; a method counts `self`.
     jm.replicate(lambda *args: args[0], donate_argnums=4)
     jm.replicate(lambda x, **options: x, static_argnames="lr")

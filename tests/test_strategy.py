@@ -113,7 +113,7 @@ def test_run_takes_args_as_a_tuple_or_list_and_kwargs_as_a_mapping(strategy, n):
         TypeError, match=r"args=\.\.\.\) expects a tuple or list.*PerReplica.*args=\(x,\)"
     ):
         strategy.run(double, args=x)
-    with pytest.raises(TypeError, match=r"kwargs=\.\.\.\) expects a dict.*got a list"):
+    with pytest.raises(TypeError, match=r"kwargs=\.\.\.\) expects a dict.*of type list"):
         strategy.run(double, (x,), kwargs=[1])
 
 
@@ -196,6 +196,12 @@ def test_assign_integer_sum_spreads_the_remainder(strategy, n, value):
     expected = [value // n + (i < value % n) for i in range(n)]
     assert [int(p) for p in strategy.local_results(v)] == expected
     assert int(strategy.read(v)) == value
+
+
+def test_assign_of_a_bool_sum_reads_back_the_value(strategy, n):
+    v = strategy.assign(strategy.sync_on_read(np.asarray(False), "sum"), np.asarray(True))
+    assert int(strategy.read(v)) == 1
+    assert [bool(c) for c in strategy.local_results(v)] == [True] + [False] * (n - 1)
 
 
 def test_assign_of_an_integer_sum_beyond_the_dtype_divides_before_casting(strategy, n):
