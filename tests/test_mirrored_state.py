@@ -85,7 +85,7 @@ def test_batch_norm_without_axis_name_is_refused_at_the_first_call(strategy):
             step(model, optimizer, _batch(strategy.num_replicas))
     message = str(caught.value)
     assert "args[0].bn.mean" in message and "args[0].bn.var" in message
-    assert "BatchNorm" in message and "jm.sync_batch_norm(model)" in message
+    assert "BatchNorm" in message and "jm.sync_batch_norm(model, strategy)" in message
     assert "all_reduce" not in message  # the gradients were reduced: not their fix
     assert isinstance(caught.value, ValueError)
     _assert_untouched(before, model, optimizer)  # nothing ran, nothing was donated
