@@ -193,4 +193,5 @@ def test_demo_resumes_from_its_checkpoint_dir(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"resuming after epoch 1 from {tmp_path}" in out and "epoch   2/2" in out
     assert "epoch   1/2" not in out and result["max_param_diff"] <= 1e-4
-    assert jm.checkpoint.CheckpointManager(tmp_path).all_steps() == [1, 2]
+    with jm.checkpoint.CheckpointManager(tmp_path) as manager:  # closed: its SIGTERM handler goes
+        assert manager.all_steps() == [1, 2]
