@@ -3,7 +3,9 @@
 The baseline of benchmarks/restart_cache_bench.py: the same CNN, `TrainState` and batch as
 tests/multiprocess/compile_worker.py, its step a hand-written `jax.jit(jax.shard_map(...))` with
 `lax.pmean` over a one-axis mesh of this process's devices (one process only), so that the
-restarted first call shows what JAX itself costs with the persistent cache. Run by
+restarted first call shows what JAX itself costs with the persistent cache. The process joins
+the run as the jmirror worker does (`jm.distributed.initialize()`, JAX's distributed runtime),
+so that the two differ in the step only. Run by
 `python -m jmirror.launch --processes 1 --max-restarts 1 ...`, which sets the cache in the
 environment; prints `first call restart R process 0 SECONDS cpu CPU_SECONDS` and exits 3 on the
 first start (JMIRROR_RESTART=0).
@@ -13,14 +15,18 @@ import os
 import sys
 import time
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-from flax.training import train_state
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+import jmirror as jm
+
+jm.distributed.initialize()  # as compile_worker.py: the same process, the step aside
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax.training import train_state  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 
 class CNN(nn.Module):
