@@ -38,6 +38,8 @@ from jmirror._values import PerReplica, Sharded, SyncOnRead
 
 # Which leaves a node type's subtree traces: a predicate, or None for `jax.jit`'s own rule.
 LeafPolicy = Callable[[type], "Callable[[Any], bool] | None"]
+# Whether an adapter must take the calls of an arguments' structure (None: never).
+DeepOf = Callable[[Any], bool] | None
 
 _DISTRIBUTED_NODES = (PerReplica, SyncOnRead, Sharded)
 # `jax.tree_util.tree_flatten` without its Python wrapper (one call per replicated call).
@@ -93,6 +95,8 @@ class Layout:
         its own slice).
       policies: per flat leaf, the predicate of the nearest policed node above it (None:
         `jax.jit`'s rule); None when no leaf sits inside a policed node.
+      deep: whether a call of this structure that no adapter took holds an adapter's kind
+        after all, beyond its quick look (`jmirror._adapter.deep`): it is adapted then.
       plans: the interned `Plan`s of this structure, by their static key.
     """
 
@@ -100,17 +104,20 @@ class Layout:
     num_donated: int
     split: tuple[bool, ...]
     policies: tuple[Callable[[Any], bool] | None, ...] | None
+    deep: bool = False
     plans: dict[Hashable, Plan] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def of(cls, treedef: Any, policy_of: LeafPolicy) -> Layout:
-        """Builds the layout of `treedef`, asking `policy_of(node_type)` for each node type."""
+    def of(cls, treedef: Any, policy_of: LeafPolicy, deep_of: DeepOf = None) -> Layout:
+        """Builds the layout of `treedef`, asking `policy_of(node_type)` for each node type
+        and `deep_of(treedef)` whether an adapter must take its calls."""
         split: list[bool] = []
         policies: list[Callable[[Any], bool] | None] = []
         _walk(treedef, False, None, split, policies, policy_of)
         donated = treedef.children()[0].num_leaves
         policed = tuple(policies) if any(p is not None for p in policies) else None
-        return cls(treedef, donated, tuple(split), policed)
+        deep = deep_of is not None and deep_of(treedef)
+        return cls(treedef, donated, tuple(split), policed, deep)
 
     def statics(self, leaves: list[Any], types: set[type]) -> tuple[tuple[int, Any], ...]:
         """Returns `(flat index, value)` for every static leaf of a call (empty: none)."""
@@ -410,6 +417,8 @@ class Arguments:
       static_argnames: keyword arguments that are static.
       donate_argnums: positional arguments whose buffers the step may reuse.
       policy_of: which leaves a node type's subtree traces (`jmirror._adapter.leaf_policy`).
+      deep_of: whether an adapter must take calls of an arguments' structure
+        (`jmirror._adapter.deep`).
     """
 
     def __init__(
@@ -419,12 +428,14 @@ class Arguments:
         static_argnames: tuple[str, ...],
         donate_argnums: tuple[int, ...],
         policy_of: LeafPolicy,
+        deep_of: DeepOf = None,
     ):
         self.name = name
         self.static_argnums = static_argnums
         self.static_argnames = frozenset(static_argnames)
         self.donate_argnums = donate_argnums
         self._policy_of = policy_of
+        self._deep_of = deep_of
         self._positions: dict[int, Positions] = {}
         self._layouts: dict[Any, Layout] = {}
         self._joined_layouts: dict[tuple[int, ...], tuple[tuple[Any, ...], Layout]] = {}
@@ -509,7 +520,9 @@ class Arguments:
             canonical = _per_replica_at_leaves(treedef)
             layout = self._layouts.get(canonical)
             if layout is None:
-                layout = self._layouts[canonical] = Layout.of(canonical, self._policy_of)
+                layout = self._layouts[canonical] = Layout.of(
+                    canonical, self._policy_of, self._deep_of
+                )
             self._layouts[treedef] = layout
         return layout
 

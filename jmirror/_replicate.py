@@ -106,7 +106,12 @@ class Replicated:
         self._per_replica = per_replica
         self._name = repr(self)
         self._arguments = Arguments(
-            repr(self), static_argnums, static_argnames, donate_argnums, _adapter.leaf_policy
+            repr(self),
+            static_argnums,
+            static_argnames,
+            donate_argnums,
+            _adapter.leaf_policy,
+            _adapter.deep,
         )
         self._warnings = CallWarnings(repr(self))
         # The last strategy called on and its `Donation` of `donate_argnums`.
@@ -118,8 +123,6 @@ class Replicated:
         self._own = self._compile(fn, None)
         # The variants of `fn` that adapters ask for (`jmirror._adapter`), by key.
         self._variants: dict[Hashable, _Step] = {}
-        # Per argument layout of calls no adapter took: whether one must take them after all.
-        self._deep: dict[Any, bool] = {}
         self._calls = 0  # the calls so far: a call's number in a profiler trace is one less
         functools.update_wrapper(self, fn)
         name = getattr(fn, "__name__", None)  # the name of its row and its profiler steps
@@ -224,20 +227,15 @@ class Replicated:
         adapter; `shared`: they reach a leaf twice through one holder, `Adapted.shared`);
         returns them, whether the call donates and whether it is inside the caller's own
         transformation (holds tracers). Returns None for a call no adapter took (`plain`)
-        whose arguments hold an adapter's kind after all (`_adapter.deep`)."""
+        whose arguments hold an adapter's kind after all (`Layout.deep`)."""
         topology = strategy.topology
         several = topology.process_count > 1
         if several:
             args, kwargs = self._globalize(topology, args, kwargs)
             flat = None  # globalizing replaced this process's components
         prepared, leaves, types = self._arguments.prepare(strategy, args, kwargs, flat)
-        if plain:
-            layout = prepared.plan.layout
-            deep = self._deep.get(layout)
-            if deep is None:
-                deep = self._deep[layout] = _adapter.deep(layout.treedef)
-            if deep:
-                return None
+        if plain and prepared.plan.layout.deep:
+            return None
         placement = self._placement
         if placement is None or placement.topology is not topology:
             placement = self._placement = Placement(topology)
