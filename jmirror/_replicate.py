@@ -520,15 +520,30 @@ def _positional_count(fn: Callable[..., Any]) -> int | None:
     """Returns how many positional parameters `fn` has, or what a `*args` wrapper of it wraps
     has (None: *args there too, or no signature)."""
     kinds = inspect.Parameter
-    for follow in (False, True):
-        try:
-            parameters = inspect.signature(fn, follow_wrapped=follow).parameters.values()
-        except (TypeError, ValueError):
-            return None
+    for signature in reversed(_signatures(fn)):  # its own first
+        parameters = signature.parameters.values()
         if not any(p.kind is kinds.VAR_POSITIONAL for p in parameters):
             positional = (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
             return sum(p.kind in positional for p in parameters)
     return None
+
+
+def _signatures(fn: Callable[..., Any]) -> list[inspect.Signature]:
+    """Returns what `fn` may be read as: the signature of what a `functools.wraps` wrapper
+    taking `*args` or `**kwargs` wraps, then its own (none: no signature to read)."""
+    try:
+        own = inspect.signature(fn, follow_wrapped=False)
+    except (TypeError, ValueError):  # some builtins
+        return []
+    kinds = inspect.Parameter
+    if not any(
+        p.kind in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD) for p in own.parameters.values()
+    ):
+        return [own]
+    try:
+        return [inspect.signature(fn), own]
+    except (TypeError, ValueError):
+        return [own]
 
 
 def _argnames(value: str | Sequence[str]) -> tuple[str, ...]:
@@ -674,20 +689,16 @@ def _check_against_signature(
 ) -> None:
     """Refuses argument numbers and names `fn` does not take, as `jax.jit` does (a function
     with `*args` takes any number, one with `**kwargs` any name). A wrapper made with
-    `functools.wraps` is read both as itself and as what it wraps: either may take them."""
-    try:
-        own = inspect.signature(fn, follow_wrapped=False)
-    except (TypeError, ValueError):  # no signature to read (some builtins)
-        return
-    kinds = inspect.Parameter
-    if any(p.kind in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD) for p in own.parameters.values()):
-        # A pass-through wrapper (`*args, **kwargs`): what it wraps says what it takes.
+    `functools.wraps` is read both as what it wraps and as itself: either may take them."""
+    signatures = _signatures(fn)
+    for signature in signatures[:-1]:
         try:
-            _check_parameters(fn, inspect.signature(fn), donate, static, names)
+            _check_parameters(fn, signature, donate, static, names)
             return
         except ValueError:
             pass
-    _check_parameters(fn, own, donate, static, names)
+    if signatures:
+        _check_parameters(fn, signatures[-1], donate, static, names)
 
 
 def _check_parameters(
