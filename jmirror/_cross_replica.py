@@ -338,14 +338,31 @@ def _check_assigned(where: str, held: PyTree, dtype: Any, new: PyTree, n: int | 
             "value. Pass a value whose dtype casts to it unchanged (round it first, for "
             "example), or make the SyncOnRead with the dtype you mean to assign."
         )
-    if n is not None and jnp.issubdtype(dtype, jnp.integer):
-        info = np.iinfo(dtype)
-        value = np.asarray(new, np.int64)
-        low, high = np.floor_divide(value, n), -np.floor_divide(-value, n)  # the shares
-        if np.size(value) and (low.min() < info.min or high.max() > info.max):
-            raise ValueError(
-                f"strategy.assign: the value at {where} sums over {n} replicas to shares from "
-                f"{int(low.min())} to {int(high.max())}, beyond what the SyncOnRead's dtype "
-                f"{np.dtype(dtype).name} holds ({info.min} to {info.max}). "
-                "Make the SyncOnRead with a wider dtype."
-            )
+    beyond = shares_beyond(new, n, dtype) if n is not None else None
+    if beyond is not None:
+        (low, high), (least, most) = beyond
+        raise ValueError(
+            f"strategy.assign: the value at {where} sums over {n} replicas to shares from "
+            f"{low} to {high}, beyond what the SyncOnRead's dtype {np.dtype(dtype).name} holds "
+            f"({least} to {most}). Make the SyncOnRead with a wider dtype."
+        )
+
+
+def shares_beyond(
+    value: PyTree, n: int, dtype: Any
+) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """Returns the smallest and largest share of an integer or bool SUM of `value` over `n`
+    replicas (`value // n`, one more on `value % n` replicas) and what `dtype` holds, when
+    the shares are beyond it; None when they fit, or for other dtypes (`assign` and a
+    restore onto another replica count spread a SUM so)."""
+    if dtype == np.bool_:
+        least, most = 0, 1
+    elif jnp.issubdtype(dtype, jnp.integer):
+        least, most = int(np.iinfo(dtype).min), int(np.iinfo(dtype).max)
+    else:
+        return None
+    value = np.asarray(value, np.int64)
+    if not value.size:
+        return None
+    low, high = int(np.floor_divide(value, n).min()), int((-np.floor_divide(-value, n)).max())
+    return ((low, high), (least, most)) if low < least or high > most else None

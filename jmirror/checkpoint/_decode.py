@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmirror import _shim
+from jmirror._cross_replica import shares_beyond
 from jmirror._flax import is_variable
 from jmirror._nnx_metrics import MetricComponents
 from jmirror._values import Aggregation, PerReplica, PyTree, Sharded, SyncOnRead, is_distributed
@@ -519,20 +520,20 @@ def _components(leaf: Leaf, value: np.ndarray, n: int, call: str) -> np.ndarray:
             return np.broadcast_to(each, (n,) + each.shape).copy()
         # Integers and bools: value // N each, the remainder spread one unit over the first
         # replicas (a bool SUM of v <= N: v replicas hold True).
-        quotient, remainder = np.divmod(np.asarray(value, np.int64), n)
-        ids = np.arange(n).reshape((n,) + (1,) * np.ndim(value))
-        parts = quotient[None] + (ids < remainder[None])
-        low, high = (0, 1) if dtype == np.bool_ else (np.iinfo(dtype).min, np.iinfo(dtype).max)
-        if parts.size and (parts.min() < low or parts.max() > high):
+        beyond = shares_beyond(value, n, dtype)
+        if beyond is not None:
+            (_, high), (least, most) = beyond
             where = jax.tree_util.keystr(leaf.path) or "<root>"
-            read = np.asarray(value).max() if parts.max() > high else np.asarray(value).min()
+            read = np.asarray(value).max() if high > most else np.asarray(value).min()
             raise ValueError(
                 f"{call}: the SyncOnRead (SUM) at {where} reads {read}, which {n} replicas "
-                "cannot hold in components of dtype "
-                f"{_format.dtype_name(dtype)} ({low} to {high} each). Restore onto the replica "
-                "count that saved it, or save the SyncOnRead with a wider dtype."
+                f"cannot hold in components of dtype {_format.dtype_name(dtype)} ({least} to "
+                f"{most} each). Restore onto the replica count that saved it, or save the "
+                "SyncOnRead with a wider dtype."
             )
-        return parts.astype(dtype)
+        quotient, remainder = np.divmod(np.asarray(value, np.int64), n)
+        ids = np.arange(n).reshape((n,) + (1,) * np.ndim(value))
+        return (quotient[None] + (ids < remainder[None])).astype(dtype)
     if aggregation is Aggregation.MEAN and not floating:
         value = np.rint(value)  # an integer MEAN reads as a float: nearest, ties to even
     each = np.asarray(value).astype(dtype)
