@@ -230,12 +230,12 @@ class ReplicaContext:
         With `tiled=True` the components are concatenated along `axis` instead. The result
         is mirrored.
         """
+        if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
+            raise TypeError(f"jm.all_gather(tree, axis=...) expects an int; got {axis!r}.")
 
         def gather(path: tuple, x: Any) -> Any:
             rank = jnp.ndim(x)
             within = rank if tiled else rank + 1  # a new axis may go after the last one
-            if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
-                raise TypeError(f"jm.all_gather(tree, axis=...) expects an int; got {axis!r}.")
             if not -within <= axis < within:
                 new = " (tiled=False stacks on a new axis, which may also come last)"
                 raise ValueError(
