@@ -119,6 +119,8 @@ def test_all_gather_names_the_leaf_whose_axis_is_out_of_range(strategy, n):
         strategy.run(lambda x: jm.all_gather({"w": x}, axis=5), args=(x,))
     with pytest.raises(ValueError, match=r"axis=2, tiled=True\).*-2 to 1"):
         strategy.run(lambda x: jm.all_gather(x, axis=2, tiled=True), args=(x,))
+    with pytest.raises(TypeError, match=r"axis=\.\.\.\) expects an int; got True"):
+        strategy.run(lambda x: jm.all_gather(x, axis=True), args=(x,))
 
 
 def test_sync_aggregations(strategy, n):
