@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from jmirror import _context, _mirrored_state, _nnx_metrics, _proof
+from jmirror import _context, _mirrored_state, _nnx_metrics, _nnx_snapshot, _proof
 from jmirror._adapter import Adapted, OutputLayout
 from jmirror._arguments import flatten
 from jmirror._backends import Output
@@ -356,7 +356,9 @@ def _flat_arguments(
     Each argument is flattened whole (an NNX object's own flatten runs in Python, once); its
     `Variable`s are then taken by the `_Finder` of its structure, which follows the paths
     where the first argument of that structure had them. Equal structures are handed on as
-    one object, which `Arguments.prepare` looks its layout up by.
+    one object, which `Arguments.prepare` looks its layout up by. An NNX object argument
+    whose graph did not change since the last call is not flattened again: its leaves and
+    structure come from its snapshot (`jmirror._nnx_snapshot`).
     """
     variables: list[Any] = []
     flat: dict[int | str, tuple[list[Any], Any]] = {}
@@ -365,14 +367,21 @@ def _flat_arguments(
     ]
     parts.append(("kwargs", kwargs))
     for where, value in parts:
-        leaves, structure = flatten(value)
-        known = _FINDERS.get(structure)
-        if known is None:
-            if len(_FINDERS) >= _FINDERS_KEPT:
-                _FINDERS.clear()
-            known = _FINDERS[structure] = (structure, _Finder.of(value))
-        structure, finder = known  # the first equal structure: one object for equal ones
-        variables.extend(finder(value))
+        unchanged = _nnx_snapshot.known(value)
+        if unchanged is not None:
+            leaves, structure, found = unchanged
+        else:
+            leaves, structure = flatten(value)
+            known = _FINDERS.get(structure)
+            if known is None:
+                if len(_FINDERS) >= _FINDERS_KEPT:
+                    _FINDERS.clear()
+                known = _FINDERS[structure] = (structure, _Finder.of(value))
+            structure, finder = known  # the first equal structure: one object for equal ones
+            found = finder(value)
+            if _is_graph(value):
+                _nnx_snapshot.take(_flax(), value, leaves, structure, found)
+        variables.extend(found)
         flat[where] = (leaves, structure)
     return variables, flat
 
