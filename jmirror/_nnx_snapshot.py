@@ -76,9 +76,7 @@ class Snapshot:
                 if mapping.keys() != names or not all(map(operator.is_, items(mapping), children)):
                     return None
             for sequence, children in self.lists:
-                if len(sequence) != len(children) or not all(
-                    map(operator.is_, sequence, children)
-                ):
+                if len(sequence) != len(children) or not all(map(operator.is_, sequence, children)):
                     return None
             for variable, metadata in self.metadata:
                 if variable._var_metadata != metadata:
@@ -118,9 +116,7 @@ def known(value: PyTree) -> tuple[list[Any], Any, list[Any]] | None:
     return leaves, snapshot.structure, snapshot.variables
 
 
-def take(
-    nnx: Any, value: PyTree, leaves: list[Any], structure: Any, variables: list[Any]
-) -> None:
+def take(nnx: Any, value: PyTree, leaves: list[Any], structure: Any, variables: list[Any]) -> None:
     """Takes a snapshot of `value` (an NNX object other than a `Variable`), just flattened to
     `leaves` and `structure`, whose `Variable`s are `variables` in flattening order; keeps a
     refusal when the snapshot cannot model it (tried again when its structure changes)."""
@@ -175,17 +171,19 @@ def _snapshot(
             static_names = tuple(k for k in attributes if k not in node_names)
             statics, nodes = _getter(static_names), _getter(node_names)
             children = nodes(attributes)
-            snapshot.objects.append((
-                None if node is value else node,
-                frozenset(attributes),
-                statics,
-                statics(attributes),
-                nodes,
-                children,
-            ))
+            snapshot.objects.append(
+                (
+                    None if node is value else node,
+                    frozenset(attributes),
+                    statics,
+                    statics(attributes),
+                    nodes,
+                    children,
+                )
+            )
             return children
         if isinstance(node, nnx.State) or type(node) is dict:
-            mapping = node._mapping if isinstance(node, nnx.State) else node
+            mapping: dict = getattr(node, "_mapping", node)  # a State's items: its dict
             items = _getter(tuple(mapping))
             children = items(mapping)
             snapshot.mappings.append((mapping, frozenset(mapping), items, children))
