@@ -57,7 +57,7 @@ import jax
 
 from jmirror._arguments import is_array, is_traced, leaf_policies
 from jmirror._mirrored_state import Diverged, Traced
-from jmirror._values import PyTree
+from jmirror._values import PyTree, Structure
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +113,7 @@ class Adapter(Protocol):
         `deep(...)` found its kind in the arguments: take the call without looking)."""
         ...
 
-    def deep(self, in_treedef: Any) -> bool:
+    def deep(self, in_treedef: Structure) -> bool:
         """Returns whether arguments of this structure hold this kind beyond `adapt`'s quick
         look."""
         ...
@@ -146,7 +146,7 @@ def adapt(
     return None
 
 
-def deep(in_treedef: Any) -> bool:
+def deep(in_treedef: Structure) -> bool:
     """Returns whether a call of this argument structure, which no adapter took, holds what
     one must take (beyond its quick look)."""
     return any(adapter.deep(in_treedef) for adapter in ADAPTERS)

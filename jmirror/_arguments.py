@@ -34,7 +34,7 @@ import jax
 import jax.core
 import numpy as np
 
-from jmirror._values import PerReplica, Sharded, SyncOnRead
+from jmirror._values import PerReplica, Sharded, Structure, SyncOnRead
 
 # Which leaves a node type's subtree traces: a predicate, or None for `jax.jit`'s own rule.
 LeafPolicy = Callable[[type], "Callable[[Any], bool] | None"]
@@ -100,7 +100,7 @@ class Layout:
       plans: the interned `Plan`s of this structure, by their static key.
     """
 
-    treedef: Any
+    treedef: Structure
     num_donated: int
     split: tuple[bool, ...]
     policies: tuple[Callable[[Any], bool] | None, ...] | None
@@ -108,7 +108,7 @@ class Layout:
     plans: dict[Hashable, Plan] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def of(cls, treedef: Any, policy_of: LeafPolicy, deep_of: DeepOf = None) -> Layout:
+    def of(cls, treedef: Structure, policy_of: LeafPolicy, deep_of: DeepOf = None) -> Layout:
         """Builds the layout of `treedef`, asking `policy_of(node_type)` for each node type
         and `deep_of(treedef)` whether an adapter must take its calls."""
         split: list[bool] = []
@@ -132,7 +132,7 @@ class Layout:
         )
 
 
-def _per_replica_at_leaves(treedef: Any) -> Any:
+def _per_replica_at_leaves(treedef: Structure) -> Any:
     """Returns `treedef` with every `PerReplica` of a subtree pushed down to its leaves (the
     same leaves in the same order); `treedef` itself when it has none."""
     if not _has_per_replica_subtree(treedef):
@@ -151,7 +151,7 @@ def _per_replica_at_leaves(treedef: Any) -> Any:
     return jax.tree.structure(pushed)
 
 
-def _has_per_replica_subtree(treedef: Any) -> bool:
+def _has_per_replica_subtree(treedef: Structure) -> bool:
     data = treedef.node_data()
     if data is None:
         return False
@@ -161,7 +161,7 @@ def _has_per_replica_subtree(treedef: Any) -> bool:
     return any(_has_per_replica_subtree(child) for child in children)
 
 
-def leaf_policies(treedef: Any, policy_of: LeafPolicy) -> list[Callable[[Any], bool] | None]:
+def leaf_policies(treedef: Structure, policy_of: LeafPolicy) -> list[Callable[[Any], bool] | None]:
     """Returns, per leaf of `treedef`, the predicate of the nearest policed node above it."""
     split: list[bool] = []
     policies: list[Callable[[Any], bool] | None] = []
@@ -170,7 +170,7 @@ def leaf_policies(treedef: Any, policy_of: LeafPolicy) -> list[Callable[[Any], b
 
 
 def _walk(
-    treedef: Any,
+    treedef: Structure,
     split: bool,
     policy: Callable[[Any], bool] | None,
     splits: list[bool],
@@ -220,7 +220,7 @@ class Plan:
         return named + [(f"kwargs[{k!r}]", value) for k, value in self.static_kwargs]
 
     def rebuild(
-        self, donated: Sequence[Any], others: Sequence[Any], treedef: Any = None
+        self, donated: Sequence[Any], others: Sequence[Any], treedef: Structure = None
     ) -> tuple[tuple, dict]:
         """Returns the call's `(args, kwargs)` from its traced leaves (in `treedef`, the
         structure of a call's `(donated args, other args, kwargs)` with these leaves, when
@@ -508,7 +508,7 @@ class Arguments:
         prepared = Prepared(plan, donated_leaves, other_leaves, tree, tree)
         return prepared, leaves, types
 
-    def _layout(self, treedef: Any) -> Layout:
+    def _layout(self, treedef: Structure) -> Layout:
         """Returns the `Layout` of an arguments' structure (made once per structure).
 
         A `PerReplica` of a tree and the tree of `PerReplica` leaves a step returns for it

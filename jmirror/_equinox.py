@@ -23,6 +23,7 @@ from jmirror import _mirrored_state
 from jmirror._adapter import Adapted
 from jmirror._arguments import is_array
 from jmirror._mirrored_state import StateKind, Traced
+from jmirror._values import Structure
 
 
 def _equinox() -> Any:
@@ -45,7 +46,7 @@ class EquinoxAdapter:
         """Returns None: an equinox module runs through the user's own function."""
         return None
 
-    def deep(self, in_treedef: Any) -> bool:
+    def deep(self, in_treedef: Structure) -> bool:
         """Returns False: equinox modules need no variant."""
         return False
 

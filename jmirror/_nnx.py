@@ -44,7 +44,7 @@ from jmirror._flax import BATCH_NORM
 from jmirror._mirrored_state import Diverged, Traced
 from jmirror._nnx_metrics import MetricComponents
 from jmirror._topology import Declared
-from jmirror._values import PyTree, Sharded, SyncOnRead, is_distributed
+from jmirror._values import PyTree, Sharded, Structure, SyncOnRead, is_distributed
 
 if TYPE_CHECKING:
     from flax.nnx import Variable
@@ -138,7 +138,7 @@ def _holds(a: object) -> bool:
     return any(_is_graph(x) for _, x in zip(range(_SCAN_ITEMS), a.values()))
 
 
-def _finds_graph(treedef: Any, nnx: types.ModuleType) -> bool:
+def _finds_graph(treedef: Structure, nnx: types.ModuleType) -> bool:
     """Returns whether `treedef` has an NNX object node (`nnx.Pytree`, or an `nnx.Variable`
     outside an `nnx.State`)."""
     data = treedef.node_data()
@@ -189,7 +189,7 @@ class NnxAdapter:
 
         return Adapted(variant, make, finish, check, settle, flat, shared=bool(aliases))
 
-    def deep(self, in_treedef: Any) -> bool:
+    def deep(self, in_treedef: Structure) -> bool:
         """Returns whether arguments of this structure hold NNX objects `_has_nodes` does not
         look at (deeper than one container, or past its first items): `Variable`s outside an
         `nnx.State` (what `nnx.split` gives is threaded through a step functionally)."""

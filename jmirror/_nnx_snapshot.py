@@ -21,12 +21,13 @@ The argument itself is held weakly: its snapshot goes when it does.
 from __future__ import annotations
 
 import operator
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from jmirror._arguments import flatten
-from jmirror._values import PyTree
+from jmirror._values import PyTree, Structure
 
 # Snapshots (or refusals) by the id of their argument; each entry holds a weak reference to it.
 _SNAPSHOTS: dict[int, Snapshot | _Declined] = {}
@@ -48,7 +49,7 @@ class Snapshot:
         "leaf_types",
     )
 
-    def __init__(self, root: weakref.ref, structure: Any, variables: list[Any]):
+    def __init__(self, root: weakref.ref, structure: Structure, variables: list[Any]):
         self.root, self.structure, self.variables = root, structure, variables
         # objects: (NNX object, or None for the root, held weakly; its attribute names; a
         # getter of its static attributes and their values; a getter of its child nodes and
@@ -58,7 +59,7 @@ class Snapshot:
         self.mappings: list[tuple] = []
         self.lists: list[tuple[list, tuple]] = []
         self.metadata: list[tuple[Any, dict]] = []
-        self.leafless: list[tuple[Any, Any]] = []
+        self.leafless: list[tuple[PyTree, Structure]] = []
         self.leaf_types: frozenset[type] = frozenset()
 
     def leaves(self, root: PyTree) -> list[Any] | None:
@@ -100,11 +101,11 @@ class _Declined:
 
     __slots__ = ("root", "structure")
 
-    def __init__(self, root: weakref.ref, structure: Any):
+    def __init__(self, root: weakref.ref, structure: Structure):
         self.root, self.structure = root, structure
 
 
-def known(value: PyTree) -> tuple[list[Any], Any, list[Any]] | None:
+def known(value: PyTree) -> tuple[list[Any], Structure, list[Any]] | None:
     """Returns the leaves, structure and `Variable`s of `value` from its snapshot, or None
     (no snapshot of it, or its graph changed since)."""
     snapshot = _SNAPSHOTS.get(id(value))
@@ -116,7 +117,13 @@ def known(value: PyTree) -> tuple[list[Any], Any, list[Any]] | None:
     return leaves, snapshot.structure, snapshot.variables
 
 
-def take(nnx: Any, value: PyTree, leaves: list[Any], structure: Any, variables: list[Any]) -> None:
+def take(
+    nnx: types.ModuleType,
+    value: PyTree,
+    leaves: list[Any],
+    structure: Structure,
+    variables: list[Any],
+) -> None:
     """Takes a snapshot of `value` (an NNX object other than a `Variable`), just flattened to
     `leaves` and `structure`, whose `Variable`s are `variables` in flattening order; keeps a
     refusal when the snapshot cannot model it (tried again when its structure changes)."""
@@ -146,18 +153,18 @@ def _forget(key: int) -> None:
 
 
 def _snapshot(
-    nnx: Any,
+    nnx: types.ModuleType,
     root: weakref.ref,
     value: PyTree,
     leaves: list[Any],
-    structure: Any,
+    structure: Structure,
     variables: list[Any],
 ) -> Snapshot | None:
     """Returns the snapshot of `value`, or None where its graph holds what it cannot check."""
     snapshot = Snapshot(root, structure, variables)
     stock_flatten = nnx.Pytree._pytree__flatten
 
-    def walk(node: Any) -> tuple | None:
+    def walk(node: PyTree) -> tuple | None:
         """Records `node`; returns its children to walk, or None where it cannot be checked."""
         if isinstance(node, nnx.Variable):
             snapshot.metadata.append((node, dict(node._var_metadata)))
@@ -183,7 +190,7 @@ def _snapshot(
             )
             return children
         if isinstance(node, nnx.State) or type(node) is dict:
-            mapping: dict = getattr(node, "_mapping", node)  # a State's items: its dict
+            mapping = getattr(node, "_mapping", node)  # a State's items: its dict
             items = _getter(tuple(mapping))
             children = items(mapping)
             snapshot.mappings.append((mapping, frozenset(mapping), items, children))

@@ -65,7 +65,7 @@ from typing import Any, Protocol
 import jax
 
 from jmirror._source_state import SourceState
-from jmirror._values import PyTree
+from jmirror._values import PyTree, Structure
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,13 +120,13 @@ class Layout:
     compare at each step.
     """
 
-    treedef: Any
+    treedef: Structure
     leaves: tuple[str, ...]
     what: str
     signature: int
 
     @classmethod
-    def of(cls, treedef: Any, leaves: Sequence[Any], what: str, rows: bool) -> Layout:
+    def of(cls, treedef: Structure, leaves: Sequence[Any], what: str, rows: bool) -> Layout:
         """Returns the layout of flat `leaves` of structure `treedef` (`rows`: the first axis is
         the batch's rows, which may differ between processes, and is shown as `rows`)."""
         described = tuple(

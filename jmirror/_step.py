@@ -46,7 +46,7 @@ from jmirror._tracing import (
     flatten_slots,
     trace_and_prove,
 )
-from jmirror._values import PerReplica, PyTree, held_values, is_distributed
+from jmirror._values import PerReplica, PyTree, Structure, held_values, is_distributed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +171,7 @@ def _data_flow(step: Any, flat: Sequence[Any], outs: Sequence[Any]) -> Callable[
     return computed_from
 
 
-def _out_static(treedef: Any, top: list[Any]) -> list[bool]:
+def _out_static(treedef: Structure, top: list[Any]) -> list[bool]:
     """Returns which top-level leaves of a result are static: inside a node an adapter
     polices (an `eqx.Module`), whatever is not an array; elsewhere what `jax.jit` cannot
     trace (Python numbers become arrays)."""

@@ -37,7 +37,15 @@ from jmirror import _context, _deadline
 from jmirror._adapter import static_leaves
 from jmirror._context import Runner
 from jmirror._proof import prove
-from jmirror._values import PerReplica, PyTree, Sharded, SyncOnRead, held_values, is_distributed
+from jmirror._values import (
+    PerReplica,
+    PyTree,
+    Sharded,
+    Structure,
+    SyncOnRead,
+    held_values,
+    is_distributed,
+)
 
 MAX_ROUNDS = 4
 _UNBOUND_AXIS = re.compile(r"unbound axis name: (\S+?)\.?(\s|$)")
@@ -77,7 +85,7 @@ class Slot:
     """
 
     kind: SlotKind
-    treedef: Any = None
+    treedef: Structure = None
     aggregation: Any = None
     shape: tuple[int, ...] = ()
     value: Any = None
@@ -142,7 +150,7 @@ class _Rebuild:
     """Where a `WithStatics` puts its values back: the result's structure (static values
     as leaves) and `(flat index, value)` of each static value."""
 
-    treedef: Any
+    treedef: Structure
     statics: tuple[tuple[int, Any], ...]
 
 
@@ -223,7 +231,7 @@ class ReplicaCall:
     fn: Callable[..., Any]
     name: str
     strategy: Runner
-    in_treedef: Any
+    in_treedef: Structure
     in_slots: tuple[Slot, ...]
     statics: tuple[Any, ...]
     static_argnums: tuple[int, ...]
@@ -238,7 +246,7 @@ class _Round:
 
     trace: _context.TraceRound
     out_slots: tuple[Slot, ...] = ()
-    out_treedef: Any = None
+    out_treedef: Structure = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +262,7 @@ class ProvenStep:
     closed: jex.ClosedJaxpr
     out_split: tuple[bool, ...]
     out_slots: tuple[Slot, ...]
-    out_treedef: Any
+    out_treedef: Structure
 
 
 def trace_and_prove(call: ReplicaCall, avals: Sequence[jax.ShapeDtypeStruct]) -> ProvenStep:

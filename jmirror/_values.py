@@ -11,6 +11,8 @@ from typing import Any
 import jax
 
 PyTree = Any
+# A `jax.tree_util.PyTreeDef`: the structure of a pytree (no type a checker accepts).
+Structure = Any
 
 
 class _LowercaseEnum(enum.StrEnum):
