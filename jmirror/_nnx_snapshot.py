@@ -53,8 +53,9 @@ class Snapshot:
         self.root, self.structure, self.variables = root, structure, variables
         # objects: (NNX object, or None for the root, held weakly; its attribute names; a
         # getter of its static attributes and their values; a getter of its child nodes and
-        # the children); mappings: (dict, names, getter of the values, values); lists: (list,
-        # items); metadata: (Variable, its metadata); leafless: (node, its structure).
+        # the children); mappings: (dict or nnx.State, keys, getter of the values, values);
+        # lists: (list, items); metadata: (Variable, its metadata); leafless: (node, its
+        # structure).
         self.objects: list[tuple] = []
         self.mappings: list[tuple] = []
         self.lists: list[tuple[list, tuple]] = []
@@ -73,7 +74,8 @@ class Snapshot:
                     or not all(map(operator.is_, nodes(attributes), children))
                 ):
                     return None
-            for mapping, names, items, children in self.mappings:
+            for holder, names, items, children in self.mappings:
+                mapping = holder._mapping if type(holder) is not dict else holder
                 if mapping.keys() != names or not all(map(operator.is_, items(mapping), children)):
                     return None
             for sequence, children in self.lists:
@@ -88,7 +90,8 @@ class Snapshot:
                     return None
             # Values change every call (a step's write-back): each must still be one leaf.
             values = [variable._raw_value for variable in self.variables]
-        except Exception:  # a static value whose comparison raises: flattened as before
+        except Exception:  # a comparison that raises (an array as metadata): flattened each call
+            _SNAPSHOTS[id(root)] = _Declined(self.root, self.structure)
             return None
         types = self.leaf_types
         if not all(type(x) in types for x in values):
@@ -191,9 +194,11 @@ def _snapshot(
             return children
         if isinstance(node, nnx.State) or type(node) is dict:
             mapping = getattr(node, "_mapping", node)  # a State's items: its dict
+            if type(mapping) is not dict:
+                return None
             items = _getter(tuple(mapping))
             children = items(mapping)
-            snapshot.mappings.append((mapping, frozenset(mapping), items, children))
+            snapshot.mappings.append((node, frozenset(mapping), items, children))
             return children
         if type(node) is list:
             snapshot.lists.append((node, tuple(node)))

@@ -23,6 +23,9 @@ class Model(nnx.Module):
         self.count = nnx.Variable(jnp.zeros((), jnp.int32))
         self.scale = nnx.Param(jnp.ones(()))
         self.factor = 2.0
+        self.extras = nnx.data({"a": nnx.Variable(jnp.ones(2))})
+        self.stack = nnx.data([nnx.Variable(jnp.ones(3))])
+        self.state = nnx.data(nnx.State({"x": nnx.Variable(jnp.ones(1))}))
 
     def __call__(self, x):
         for layer in self.layers:
@@ -32,6 +35,8 @@ class Model(nnx.Module):
 
 def _step(model, x):
     model.count[...] += 1
+    for variable in (*model.extras.values(), *model.stack, *model.state.values()):
+        variable[...] = variable[...] + 1
     model.scale[...] = model.scale[...] * 1.5
     return model(x)
 
@@ -65,6 +70,22 @@ def _same_factor(model):
     model.factor = float("2.0")  # equal, not identical: the same structure
 
 
+def _dict_item_added(model):
+    model.extras["b"] = nnx.Variable(jnp.zeros(2))
+
+
+def _dict_item_replaced(model):
+    model.extras["a"] = nnx.Variable(model.extras["a"][...] * 3)
+
+
+def _list_item_appended(model):
+    model.stack.append(nnx.Variable(jnp.zeros(3)))
+
+
+def _state_item_added(model):
+    model.state["y"] = nnx.Variable(jnp.zeros(1))
+
+
 CHANGES = {
     "a submodule replaced": _replace_layer,
     "a Variable replaced by an equal one": _equal_count,
@@ -73,6 +94,10 @@ CHANGES = {
     "a Variable's metadata changed": _set_metadata,
     "a Variable added": _add_variable,
     "a static attribute set to an equal value": _same_factor,
+    "a dict item added": _dict_item_added,
+    "a dict item replaced": _dict_item_replaced,
+    "a list item appended": _list_item_appended,
+    "an nnx.State item added": _state_item_added,
 }
 
 
