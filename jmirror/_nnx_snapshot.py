@@ -23,7 +23,7 @@ from __future__ import annotations
 import operator
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from jmirror._arguments import flatten
@@ -51,25 +51,27 @@ class Snapshot:
 
     def __init__(self, root: weakref.ref, structure: Structure, variables: list[Any]):
         self.root, self.structure, self.variables = root, structure, variables
-        # objects: (NNX object, or None for the root, held weakly; its attribute names; a
-        # getter of its static attributes and their values; a getter of its child nodes and
-        # the children); mappings: (dict or nnx.State, keys, getter of the values, values);
-        # lists: (list, items); metadata: (Variable, its metadata); leafless: (node, its
-        # structure).
+        # objects: (NNX object, or None for the root, held weakly; its type; its attribute
+        # names; a getter of its static attributes and their values; a getter of its child
+        # nodes and the children); mappings: (dict or nnx.State, keys, getter of the values,
+        # values); lists: (list, items); metadata: (Variable, its type, its metadata);
+        # leafless: (node, its structure).
         self.objects: list[tuple] = []
         self.mappings: list[tuple] = []
         self.lists: list[tuple[list, tuple]] = []
-        self.metadata: list[tuple[Any, dict]] = []
+        self.metadata: list[tuple[Any, type, dict]] = []
         self.leafless: list[tuple[PyTree, Structure]] = []
         self.leaf_types: frozenset[type] = frozenset()
 
     def leaves(self, root: PyTree) -> list[Any] | None:
         """Returns the leaves of `root` when its graph still matches, else None."""
         try:
-            for obj, names, statics, static_values, nodes, children in self.objects:
-                attributes = vars(root if obj is None else obj)
+            for obj, kind, names, statics, static_values, nodes, children in self.objects:
+                obj = root if obj is None else obj
+                attributes = vars(obj)
                 if (
-                    attributes.keys() != names
+                    type(obj) is not kind
+                    or attributes.keys() != names
                     or statics(attributes) != static_values
                     or not all(map(operator.is_, nodes(attributes), children))
                 ):
@@ -81,8 +83,8 @@ class Snapshot:
             for sequence, children in self.lists:
                 if len(sequence) != len(children) or not all(map(operator.is_, sequence, children)):
                     return None
-            for variable, metadata in self.metadata:
-                if variable._var_metadata != metadata:
+            for variable, kind, metadata in self.metadata:
+                if type(variable) is not kind or variable._var_metadata != metadata:
                     return None
             for node, structure in self.leafless:
                 leaves, found = flatten(node)
@@ -170,7 +172,10 @@ def _snapshot(
     def walk(node: PyTree) -> tuple | None:
         """Records `node`; returns its children to walk, or None where it cannot be checked."""
         if isinstance(node, nnx.Variable):
-            snapshot.metadata.append((node, dict(node._var_metadata)))
+            metadata = dict(node._var_metadata)
+            if not _immutable(metadata.values()):
+                return None
+            snapshot.metadata.append((node, type(node), metadata))
             return ()
         if isinstance(node, nnx.Pytree):
             if type(node)._pytree__flatten is not stock_flatten:
@@ -180,13 +185,17 @@ def _snapshot(
             node_names = tuple(k for k in attributes if is_node.get(k, False))
             static_names = tuple(k for k in attributes if k not in node_names)
             statics, nodes = _getter(static_names), _getter(node_names)
+            static_values = statics(attributes)
+            if not _immutable(static_values):
+                return None
             children = nodes(attributes)
             snapshot.objects.append(
                 (
                     None if node is value else node,
+                    type(node),
                     frozenset(attributes),
                     statics,
-                    statics(attributes),
+                    static_values,
                     nodes,
                     children,
                 )
@@ -228,11 +237,31 @@ def _snapshot(
         values = [variable._raw_value for variable in variables]
     except Exception:  # flax's internals not as modelled here
         return None
-    # The snapshot's leaves must be the flatten's, one value per Variable in its order.
+    # The snapshot's leaves must be the flatten's, one value per Variable in its order; and
+    # what it recorded the structure given (another thread may have changed the object
+    # between that flatten and the walk).
     if len(values) != len(leaves) or any(a is not b for a, b in zip(values, leaves)):
+        return None
+    again, found = flatten(value)
+    if found != structure or len(again) != len(leaves) or any(map(_differ, again, leaves)):
         return None
     snapshot.leaf_types = frozenset(map(type, leaves))
     return snapshot
+
+
+def _differ(a: object, b: object) -> bool:
+    return a is not b
+
+
+def _immutable(values: Iterable[object]) -> bool:
+    """Returns whether every value can be hashed: a list, dict or set changed in place would
+    compare equal to itself, where the structure holds another object's equal value."""
+    try:
+        for x in values:
+            hash(x)
+    except TypeError:
+        return False
+    return True
 
 
 def _getter(names: tuple[str, ...]) -> Callable[[dict], tuple]:

@@ -584,6 +584,26 @@ def test_an_rngs_shared_by_a_module_and_an_argument_is_folded_once(strategy):
     jmt.assert_mirrored(nnx.state(rngs), strategy)
 
 
+def test_a_raw_uint32_key_in_a_stream_is_folded_per_replica(strategy):
+    # jax.random.PRNGKey gives raw key data (shape (2,), uint32): a stream holding it draws
+    # from fold_in(key, replica id) on each replica, as a typed key does; it was refused.
+    rngs = nnx.Rngs(noise=0)
+    raw = jax.random.PRNGKey(5)
+    rngs.noise.key.set_value(raw)
+
+    @jm.replicate(strategy=strategy)
+    def draw(rngs):
+        return jax.random.uniform(rngs.noise())
+
+    drawn = draw(rngs)
+    for r, got in enumerate(strategy.local_results(drawn)):
+        want = jax.random.uniform(jax.random.fold_in(jax.random.fold_in(raw, r), 0))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    key = np.asarray(strategy.read(rngs.noise.key[...]))
+    np.testing.assert_array_equal(key, np.asarray(raw))  # the stream's key is kept
+    assert int(strategy.read(rngs.noise.count[...])) == 1
+
+
 def test_params_stream_draws_identically_and_sync_gives_identical_draws(strategy):
     rngs = nnx.Rngs(params=0, dropout=1)
 

@@ -66,6 +66,20 @@ def _add_variable(model):
     model.extra = nnx.Variable(jnp.full((2,), 5.0))
 
 
+class _Wider(nnx.Linear):
+    def __call__(self, x):
+        return super().__call__(x) * 10.0
+
+
+def _variable_class(model):
+    model.scale.__class__ = nnx.BatchStat  # a Param made a batch statistic, in place
+
+
+def _module_class(model):
+    # Past flax's own __setattr__ (which would also change the attributes' bookkeeping).
+    object.__setattr__(model.out, "__class__", _Wider)
+
+
 def _same_factor(model):
     model.factor = float("2.0")  # equal, not identical: the same structure
 
@@ -98,6 +112,8 @@ CHANGES = {
     "a dict item replaced": _dict_item_replaced,
     "a list item appended": _list_item_appended,
     "an nnx.State item added": _state_item_added,
+    "a Variable's class changed": _variable_class,
+    "a submodule's class changed": _module_class,
 }
 
 
@@ -197,3 +213,48 @@ def test_a_collected_argument_leaves_no_snapshot():
     assert key in _nnx_snapshot._SNAPSHOTS
     del model
     assert key not in _nnx_snapshot._SNAPSHOTS
+
+
+class _Configured(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones(()))
+        self.config = {"scale": 1.0}  # static (no arrays), and changeable in place
+
+    def __call__(self, x):
+        return self.w[...] * x * self.config["scale"]
+
+
+def test_a_static_value_changed_in_place_is_seen_as_eager_code_sees_it(strategy):
+    # Oracle: the model called eagerly. Two models of one class share one structure while
+    # their static values are equal; the second's dict then changes in place.
+    step = jm.replicate(lambda model, x: model(x), strategy=strategy)
+    first, second = _Configured(), _Configured()
+    for model in (first, second, second):
+        step(model, 1.0)
+    second.config["scale"] = 2.0
+    got = np.asarray(strategy.read(step(second, 1.0)))
+    np.testing.assert_allclose(got, np.asarray(second(1.0)))
+    np.testing.assert_allclose(np.asarray(strategy.read(step(first, 1.0))), 1.0)
+
+
+def test_a_change_while_the_snapshot_is_taken_is_not_kept(strategy, monkeypatch):
+    # Another thread's model.eval() between the call's flatten and the snapshot's walk: the
+    # snapshot must not pair the new attributes with the structure flattened before them.
+    x = jnp.ones((2, 3))
+    model = Model(nnx.Rngs(0))
+    model.train()
+    take = _nnx_snapshot.take
+
+    def take_after_a_change(*args, **kwargs):
+        model.eval()
+        return take(*args, **kwargs)
+
+    monkeypatch.setattr(_nnx_snapshot, "take", take_after_a_change)
+    step = jm.replicate(lambda model, x: model(x), strategy=strategy)
+    step(model, x)
+    monkeypatch.setattr(_nnx_snapshot, "take", take)
+    known = _nnx_snapshot.known(model)
+    assert known is None or known[1] == jax.tree_util.tree_structure(model)
+    for _ in range(2):  # evaluation mode: no entry dropped, as eager code gives
+        got = np.asarray(strategy.read(step(model, x)))
+        np.testing.assert_allclose(got, np.asarray(model(x)), rtol=1e-6)
