@@ -392,16 +392,17 @@ def _explain_donated(
     _check_not_donated(call, kwargs, "kwargs", donated_ids)
 
 
-def refuse_deleted(call: object, prepared: PyTree) -> None:
+def refuse_deleted(call: object, prepared: PyTree, donated_checked: bool = False) -> None:
     """Raises the `ValueError` naming a deleted leaf among a prepared call's arguments
     (`jmirror._arguments.Prepared`): jaxlib ends the process on one when the step runs on
-    several devices.
+    several devices. `donated_checked`: the donated leaves were checked already (a call that
+    donates, `Donation.check_prepared`).
 
     Raises:
       ValueError: an argument leaf was deleted (donated to an earlier call, or deleted by the
         caller), naming its path and the fix.
     """
-    if _any_deleted(prepared.others) or _any_deleted(prepared.donated):
+    if _any_deleted(prepared.others) or (not donated_checked and _any_deleted(prepared.donated)):
         args, kwargs = prepared.arguments()
         explain_deleted(call, {"args": args, "kwargs": kwargs})
 

@@ -253,7 +253,7 @@ class Replicated:
         if (several or topology.num_devices > 1) and not traced:
             # jaxlib raises on a deleted buffer when one device runs the step (`_dispatch`
             # names it then), and ends the process when several do.
-            _dispatch.refuse_deleted(self, prepared)
+            _dispatch.refuse_deleted(self, prepared, donated_checked=donate)
         return prepared, donate, traced
 
     def _run(
