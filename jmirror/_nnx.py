@@ -736,7 +736,7 @@ def _restore_key(written: jax.Array, original: jax.Array, folded: jax.Array) -> 
 def _fold_in(key: jax.Array, data: jax.Array) -> jax.Array:
     """Returns `key` (typed keys of any shape, or raw `uint32` key data whose last axis is one
     key's words, as `jax.random.PRNGKey` gives) with `data` folded into each key."""
-    typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    typed = jax.numpy.issubdtype(key.dtype, jax.dtypes.prng_key)
     if key.ndim == (0 if typed else 1):
         return jax.random.fold_in(key, data)
     flat = key.reshape(-1) if typed else key.reshape(-1, key.shape[-1])
