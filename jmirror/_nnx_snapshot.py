@@ -145,8 +145,9 @@ def take(
     if len(_SNAPSHOTS) >= _SNAPSHOTS_KEPT:
         _SNAPSHOTS.clear()
     if before is None or before.root() is not value:
-        # A snapshot holds the graph's objects: it goes when its argument does.
-        weakref.finalize(value, _forget, id(value))
+        # A snapshot holds the graph's objects: it goes when its argument does (and nothing
+        # runs for it at exit).
+        weakref.finalize(value, _forget, id(value)).atexit = False
     _SNAPSHOTS[id(value)] = snapshot if snapshot is not None else _Declined(root, structure)
 
 
