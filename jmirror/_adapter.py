@@ -86,7 +86,7 @@ class Adapted:
     finish: Callable[[Any], Any]
     check: Callable[[Traced], list[Diverged]]
     settle: Callable[[Callable[[Any], Any]], None]
-    flat: dict[int | str, tuple[list[Any], Any]] | None = None
+    flat: dict[int | str, tuple[list[Any], Structure]] | None = None
     shared: bool = False
 
 

@@ -453,7 +453,7 @@ class Arguments:
         strategy: Any,
         args: tuple,
         kwargs: dict,
-        flat: dict[int | str, tuple[list[Any], Any]] | None = None,
+        flat: dict[int | str, tuple[list[Any], Structure]] | None = None,
     ) -> tuple[Prepared, list, set]:
         """Splits a call's arguments into its plan and traced leaves (`flat`: the arguments
         already flattened, as an adapter gives them in `Adapted.flat`).
@@ -527,7 +527,7 @@ class Arguments:
         return layout
 
     def _joined(
-        self, flat: dict[int | str, tuple[list[Any], Any]], positions: Positions
+        self, flat: dict[int | str, tuple[list[Any], Structure]], positions: Positions
     ) -> tuple[list[Any], Layout]:
         """Returns the flat leaves of `(donated args, other args, kwargs)` and its `Layout`,
         from each argument's own leaves and structure (`flat`, by position, and `"kwargs"`).

@@ -347,7 +347,7 @@ def _dynamic(args: tuple, kwargs: dict, static_argnums: tuple[int, ...]) -> tupl
 
 def _flat_arguments(
     args: tuple, kwargs: dict, static_argnums: tuple[int, ...]
-) -> tuple[list[Any], dict[int | str, tuple[list[Any], Any]]]:
+) -> tuple[list[Any], dict[int | str, tuple[list[Any], Structure]]]:
     """Flattens a call's dynamic arguments once: returns their `Variable`s (in flattening
     order: the positional arguments, then the keyword arguments) and, per positional argument
     and for the keyword arguments, the leaves and structure `jax.tree_util.tree_flatten`
@@ -361,7 +361,7 @@ def _flat_arguments(
     structure come from its snapshot (`jmirror._nnx_snapshot`).
     """
     variables: list[Any] = []
-    flat: dict[int | str, tuple[list[Any], Any]] = {}
+    flat: dict[int | str, tuple[list[Any], Structure]] = {}
     parts: list[tuple[int | str, Any]] = [
         (i, a) for i, a in enumerate(args) if i not in static_argnums
     ]
@@ -482,7 +482,7 @@ def _search(value: PyTree) -> list[Any]:
 
 
 # Each argument structure met (the first object of it) and its `Variable` finder.
-_FINDERS: dict[Any, tuple[Any, Callable[[PyTree], list[Any]]]] = {}
+_FINDERS: dict[Structure, tuple[Structure, Callable[[PyTree], list[Any]]]] = {}
 _FINDERS_KEPT = 256
 
 

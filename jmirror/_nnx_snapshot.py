@@ -32,6 +32,9 @@ from jmirror._values import PyTree, Structure
 # Snapshots (or refusals) by the id of their argument; each entry holds a weak reference to it.
 _SNAPSHOTS: dict[int, Snapshot | _Declined] = {}
 _SNAPSHOTS_KEPT = 64
+# Calls in a row whose snapshot missed (an argument changed before every call, a Variable
+# replaced each step) after which the argument is flattened as before, without snapshots.
+_MISSES_KEPT = 3
 
 
 class Snapshot:
@@ -47,6 +50,7 @@ class Snapshot:
         "metadata",
         "leafless",
         "leaf_types",
+        "misses",
     )
 
     def __init__(self, root: weakref.ref, structure: Structure, variables: list[Any]):
@@ -62,6 +66,7 @@ class Snapshot:
         self.metadata: list[tuple[Any, type, dict]] = []
         self.leafless: list[tuple[PyTree, Structure]] = []
         self.leaf_types: frozenset[type] = frozenset()
+        self.misses = 0  # the calls in a row before this one whose snapshot missed
 
     def leaves(self, root: PyTree) -> list[Any] | None:
         """Returns the leaves of `root` when its graph still matches, else None."""
@@ -119,6 +124,8 @@ def known(value: PyTree) -> tuple[list[Any], Structure, list[Any]] | None:
     leaves = snapshot.leaves(value)
     if leaves is None:
         return None
+    if snapshot.misses:
+        snapshot.misses = 0
     return leaves, snapshot.structure, snapshot.variables
 
 
@@ -131,7 +138,8 @@ def take(
 ) -> None:
     """Takes a snapshot of `value` (an NNX object other than a `Variable`), just flattened to
     `leaves` and `structure`, whose `Variable`s are `variables` in flattening order; keeps a
-    refusal when the snapshot cannot model it (tried again when its structure changes)."""
+    refusal when the snapshot cannot model it, or when its snapshots missed `_MISSES_KEPT`
+    calls in a row (tried again when its structure changes)."""
     if not isinstance(value, nnx.Pytree) or isinstance(value, nnx.Variable):
         return
     before = _SNAPSHOTS.get(id(value))
@@ -141,7 +149,13 @@ def take(
         root = weakref.ref(value)
     except TypeError:
         return
-    snapshot = _snapshot(nnx, root, value, leaves, structure, variables)
+    # Called after the check of `before` missed, when it is this argument's snapshot.
+    misses = before.misses + 1 if type(before) is Snapshot and before.root() is value else 0
+    snapshot = None
+    if misses < _MISSES_KEPT:
+        snapshot = _snapshot(nnx, root, value, leaves, structure, variables)
+    if snapshot is not None:
+        snapshot.misses = misses
     if len(_SNAPSHOTS) >= _SNAPSHOTS_KEPT:
         _SNAPSHOTS.clear()
     if before is None or before.root() is not value:
@@ -239,19 +253,14 @@ def _snapshot(
     except Exception:  # flax's internals not as modelled here
         return None
     # The snapshot's leaves must be the flatten's, one value per Variable in its order; and
-    # what it recorded the structure given (another thread may have changed the object
-    # between that flatten and the walk).
-    if len(values) != len(leaves) or any(a is not b for a, b in zip(values, leaves)):
+    # what it recorded must have the structure given (another thread may have changed the
+    # object between that flatten and the walk).
+    if len(values) != len(leaves) or any(map(operator.is_not, values, leaves)):
         return None
-    again, found = flatten(value)
-    if found != structure or len(again) != len(leaves) or any(map(_differ, again, leaves)):
+    if flatten(value)[1] != structure:
         return None
     snapshot.leaf_types = frozenset(map(type, leaves))
     return snapshot
-
-
-def _differ(a: object, b: object) -> bool:
-    return a is not b
 
 
 def _immutable(values: Iterable[object]) -> bool:
